@@ -1,0 +1,268 @@
+"""Configs: Python files whose get_config(arg) returns an ml_collections ConfigDict.
+
+    jaxrl <command> --config configs/x.py[:arg] [--config.a.b=value ...]
+
+`arg` switches several fields at once (big_vision style). Every field can be overridden from
+the command line; an unknown key, a value of the wrong type or a value outside a key's choices
+fails with one sentence naming the key and what is valid. A config file may also define
+`sweep()`, which yields dicts of overrides, one per run.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import importlib.util
+import inspect
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import ml_collections
+
+from jaxrl.errors import ConfigError
+from jaxrl.models import PRESETS, ModelConfig, model_config_from
+from jaxrl.models.config import DTYPES, model_section_fields
+from jaxrl.parallel import LAYOUTS
+
+# Keys whose value must be one of a fixed set. Trainers add their own keys here.
+CHOICES: dict[str, Iterable[str]] = {
+    "layout": LAYOUTS,
+    "model.preset": PRESETS,
+    "model.dtype": DTYPES,
+    "model.param_dtype": DTYPES,
+}
+_AUTO_KEYS = ("mesh.data", "mesh.fsdp", "mesh.tensor")  # accept "auto" for -1
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Fields every command shares: seed, mesh, layout and model."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.layout = "learner"
+  # Axis sizes of the (data, fsdp, tensor) mesh; -1 ("auto") takes the remaining devices.
+  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
+  # `preset` names a ModelConfig; every other field left None keeps the preset's value.
+  c.model = ml_collections.ConfigDict({k: None for k in model_section_fields()})
+  c.model.preset = "tiny"
+  return c
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _load_module(path: str):
+  if not os.path.isfile(path):
+    raise ConfigError(f"config file {path!r} does not exist: pass --config=configs/<name>.py "
+                      "(optionally with :arg).")
+  name = "jaxrl_config_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_")
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  try:
+    spec.loader.exec_module(module)
+  except ConfigError:
+    raise
+  except Exception as e:  # a broken config file is still a config error, named by file
+    raise ConfigError(f"config file {path} failed to load: {type(e).__name__}: {e}.") from e
+  if not hasattr(module, "get_config"):
+    raise ConfigError(f"config file {path} defines no get_config(arg=None): add one that "
+                      "returns an ml_collections.ConfigDict.")
+  return module
+
+
+def split_spec(spec: str) -> tuple[str, str | None]:
+  path, _, arg = spec.partition(":")
+  return path, (arg or None)
+
+
+def load_config(spec: str, overrides: Iterable[str] = ()) -> ml_collections.ConfigDict:
+  """Loads `path[:arg]`, applies `a.b=value` overrides, validates, returns the config."""
+  path, arg = split_spec(spec)
+  module = _load_module(path)
+  getter = module.get_config
+  takes_arg = bool(inspect.signature(getter).parameters)
+  if arg is not None and not takes_arg:
+    raise ConfigError(f"config file {path} takes no argument but ':{arg}' was given: drop it.")
+  try:
+    config = getter(arg) if takes_arg else getter()
+  except ConfigError:
+    raise
+  except Exception as e:
+    raise ConfigError(f"{path}: get_config({arg!r}) failed: {type(e).__name__}: {e}.") from e
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ConfigError(f"{path}: get_config must return an ml_collections.ConfigDict, "
+                      f"not {type(config).__name__}.")
+  apply_overrides(config, overrides)
+  validate(config)
+  return config
+
+
+def load_sweep(spec: str) -> list[dict[str, Any]]:
+  """The override dicts of the config file's sweep(), or [{}] when it has none."""
+  path, _ = split_spec(spec)
+  module = _load_module(path)
+  if not hasattr(module, "sweep"):
+    return [{}]
+  runs = list(module.sweep())
+  for i, run in enumerate(runs):
+    if not isinstance(run, dict):
+      raise ConfigError(f"{path}: sweep() item {i} is a {type(run).__name__}, not a dict of "
+                        "overrides like {'model.preset': 'tiny'}.")
+  return runs
+
+
+# ----------------------------------------------------------------------------- overrides
+
+
+def _keys(section: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+  out = []
+  for k, v in section.items():
+    full = prefix + k
+    out += _keys(v, full + ".") if isinstance(v, ml_collections.ConfigDict) else [full]
+  return out
+
+
+def _coerce(key: str, text: Any, current: Any) -> Any:
+  if not isinstance(text, str):
+    return text  # programmatic overrides (sweeps) already carry typed values
+  if key in _AUTO_KEYS and text.lower() == "auto":
+    return -1
+  try:
+    if isinstance(current, bool):
+      low = text.lower()
+      if low in ("true", "1", "yes"):
+        return True
+      if low in ("false", "0", "no"):
+        return False
+      raise ValueError
+    if isinstance(current, int):
+      return int(text)
+    if isinstance(current, float):
+      return float(text)
+    if isinstance(current, str):
+      return text
+    if isinstance(current, (tuple, list)):
+      value = ast.literal_eval(text)
+      if not isinstance(value, (tuple, list)):
+        raise ValueError
+      return type(current)(value)
+  except (ValueError, SyntaxError):
+    kind = ("true or false" if isinstance(current, bool) else
+            {int: "an integer", float: "a number"}.get(type(current), "a Python literal"))
+    raise ConfigError(f"--config.{key}={text!r} is not {kind}: give a value of that type.") \
+        from None
+  # current is None: the key takes any literal; anything that is not one is a string
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: Iterable[str] | dict) -> None:
+  """Applies `a.b=value` strings (or a {key: value} dict) in place, naming bad keys."""
+  items = overrides.items() if isinstance(overrides, dict) else (
+      _split_override(o) for o in overrides)
+  for key, text in items:
+    parts = key.split(".")
+    section = config
+    for i, part in enumerate(parts):
+      if not isinstance(section, ml_collections.ConfigDict) or part not in section:
+        where = ".".join(parts[:i]) or "the top level"
+        valid = sorted(section.keys()) if isinstance(section, ml_collections.ConfigDict) else []
+        close = difflib.get_close_matches(part, valid, n=1)
+        hint = f" Did you mean {'.'.join(parts[:i] + [close[0]])!r}?" if close else ""
+        raise ConfigError(f"--config.{key}: there is no key {part!r} in {where}.{hint} "
+                          f"Valid keys there: {', '.join(valid)}.")
+      if i < len(parts) - 1:
+        section = section[part]
+    current = section[parts[-1]]
+    if isinstance(current, ml_collections.ConfigDict):
+      raise ConfigError(f"--config.{key} is a section, not a value: set one of its keys: "
+                        f"{', '.join(_keys(current, key + '.'))}.")
+    value = _coerce(key, text, current)
+    with section.unlocked():
+      try:
+        section[parts[-1]] = value
+      except TypeError as e:
+        raise ConfigError(f"--config.{key}={text!r} has the wrong type: {e}.") from None
+
+
+def _split_override(text: str) -> tuple[str, str]:
+  key, eq, value = text.partition("=")
+  key = key.removeprefix("--config.").removeprefix("config.")
+  if not eq or not key:
+    raise ConfigError(f"override {text!r} is not of the form --config.a.b=value.")
+  return key, value
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _get(config, key):
+  node = config
+  for part in key.split("."):
+    if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+      return None
+    node = node[part]
+  return node
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Checks every key with fixed choices, the model section and the mesh, without devices."""
+  for key, choices in CHOICES.items():
+    value = _get(config, key)
+    if value is not None:
+      validate_choice(key, value, choices)
+  if "model" in config:
+    cfg = model_config(config)
+    tensor = _get(config, "mesh.tensor")
+    if isinstance(tensor, int) and tensor > 0 and cfg.num_heads % tensor:
+      raise ConfigError(f"model.num_heads={cfg.num_heads} is not divisible by the "
+                        f"tensor-parallel size {tensor}: choose mesh.tensor so that it divides "
+                        f"{cfg.num_heads}.")
+  if "mesh" in config:
+    for axis in ("data", "fsdp", "tensor"):
+      v = config.mesh[axis]
+      if not isinstance(v, int) or v == 0 or v < -1:
+        raise ConfigError(f"mesh.{axis}={v!r} is not a valid axis size: use a positive "
+                          "integer, or -1 (auto).")
+
+
+def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
+  """The ModelConfig of a config's `model` section, with every override type-checked."""
+  section = config.model
+  base = PRESETS.get(section.preset)
+  if base is None:
+    validate_choice("model.preset", section.preset, PRESETS)
+  fixed = {}
+  for f in dataclasses.fields(ModelConfig):
+    value = section.get(f.name)
+    default = getattr(base, f.name)
+    if value is None or default is None or f.name == "rope_scaling":
+      continue
+    want = type(default)
+    if isinstance(value, str) and want is not str:  # e.g. "true" left as text by a sweep
+      value = _coerce(f"model.{f.name}", value, default)
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+      value = float(value)
+    if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+      raise ConfigError(f"model.{f.name}={value!r} has the wrong type: expected "
+                        f"{want.__name__}.")
+    fixed[f.name] = value
+  return model_config_from({**dict(section), **fixed})
+
+
+def validate_choice(key: str, value: Any, choices: Iterable[str]) -> None:
+  choices = list(choices)
+  if value not in choices:
+    close = difflib.get_close_matches(str(value), choices, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ConfigError(f"{key}={value!r} is not valid.{hint} Choose one of: "
+                      f"{', '.join(choices)}.")
+
+
+def iter_config_files(root: str = "configs") -> Iterator[str]:
+  for name in sorted(os.listdir(root)):
+    if name.endswith(".py") and not name.startswith("_"):
+      yield os.path.join(root, name)

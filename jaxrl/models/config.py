@@ -1,0 +1,165 @@
+"""Model hyper-parameters and presets for the Llama family (Llama 3.x, Qwen2.5, Qwen3).
+
+A preset is a plain ModelConfig. The real shapes follow each model's published config.json;
+tests/test_presets.py checks their parameter counts with jax.eval_shape against the figures the
+model cards publish.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any
+
+from jaxrl.errors import ConfigError
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Llama-3 frequency scaling (rope_type "llama3" in config.json)."""
+
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int
+  embed_dim: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  rope_theta: float = 10_000.0
+  rope_scaling: RopeScaling | None = None
+  norm_eps: float = 1e-6
+  qkv_bias: bool = False  # Qwen2 / Qwen2.5
+  qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+  tie_embeddings: bool = False
+  max_seq_len: int = 2048
+  dtype: str = "float32"  # compute dtype of matmuls; logits and softmax are always fp32
+  param_dtype: str = "float32"
+
+  def __post_init__(self):
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in DTYPES:
+        raise ConfigError(
+            f"model.{name}={getattr(self, name)!r} is not supported: choose one of {DTYPES}.")
+    for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim", "mlp_dim", "max_seq_len"):
+      if int(getattr(self, name)) <= 0:
+        raise ConfigError(f"model.{name} must be a positive integer, got {getattr(self, name)}.")
+    if self.num_heads % self.num_kv_heads:
+      raise ConfigError(
+          f"model.num_heads={self.num_heads} is not a multiple of model.num_kv_heads="
+          f"{self.num_kv_heads}: grouped-query attention needs num_heads % num_kv_heads == 0.")
+    if self.head_dim % 2:
+      raise ConfigError(f"model.head_dim={self.head_dim} must be even for RoPE.")
+
+  def replace(self, **kw) -> ModelConfig:
+    return dataclasses.replace(self, **kw)
+
+  @property
+  def num_params(self) -> int:
+    """Parameter count from the shapes alone (tests cross-check it with eval_shape)."""
+    d, n, k, h, f = self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim, self.mlp_dim
+    attn = d * n * h + 2 * d * k * h + n * h * d
+    if self.qkv_bias:
+      attn += n * h + 2 * k * h
+    if self.qk_norm:
+      attn += 2 * h
+    layer = attn + 3 * d * f + 2 * d
+    emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+    return self.num_layers * layer + emb + d
+
+
+_L3_SCALING_32 = RopeScaling(factor=32.0)
+_L3_SCALING_8 = RopeScaling(factor=8.0)
+
+
+def _qwen2(vocab, d, layers, heads, kv, mlp, tied):
+  return ModelConfig(vocab_size=vocab, embed_dim=d, num_layers=layers, num_heads=heads,
+                     num_kv_heads=kv, head_dim=d // heads, mlp_dim=mlp, rope_theta=1e6,
+                     norm_eps=1e-6, qkv_bias=True, tie_embeddings=tied, max_seq_len=32768)
+
+
+def _qwen3(d, layers, heads, kv, mlp, tied):
+  return ModelConfig(vocab_size=151936, embed_dim=d, num_layers=layers, num_heads=heads,
+                     num_kv_heads=kv, head_dim=128, mlp_dim=mlp, rope_theta=1e6, norm_eps=1e-6,
+                     qk_norm=True, tie_embeddings=tied, max_seq_len=40960)
+
+
+def _llama3(d, layers, heads, kv, mlp, tied, scaling):
+  return ModelConfig(vocab_size=128256, embed_dim=d, num_layers=layers, num_heads=heads,
+                     num_kv_heads=kv, head_dim=d // heads, mlp_dim=mlp, rope_theta=500_000.0,
+                     rope_scaling=scaling, norm_eps=1e-5, tie_embeddings=tied,
+                     max_seq_len=131072)
+
+
+# Tiny presets (under 5M parameters) run on CPU in seconds. Each exercises one family's
+# features; all have a vocabulary of 512, which fits the byte-level tokenizer (259 ids) with
+# room, and head counts that divide a tensor-parallel size of 4.
+_TINY = dict(vocab_size=512, embed_dim=128, num_layers=2, num_heads=4, num_kv_heads=2,
+             head_dim=32, mlp_dim=384, max_seq_len=512)
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(**_TINY, rope_theta=10_000.0, tie_embeddings=True),
+    "tiny-qwen2": ModelConfig(**_TINY, rope_theta=1e6, qkv_bias=True, tie_embeddings=True),
+    "tiny-qwen3": ModelConfig(**_TINY, rope_theta=1e6, qk_norm=True),
+    "tiny-llama3": ModelConfig(**_TINY, rope_theta=500_000.0, norm_eps=1e-5,
+                               rope_scaling=RopeScaling(factor=8.0, original_max_position=128)),
+    # A slightly larger tiny model for end-to-end learning tests and demos (about 3.3M).
+    "small": ModelConfig(vocab_size=512, embed_dim=256, num_layers=4, num_heads=8,
+                         num_kv_heads=4, head_dim=32, mlp_dim=768, max_seq_len=512,
+                         tie_embeddings=True),
+    "qwen2.5-0.5b": _qwen2(151936, 896, 24, 14, 2, 4864, tied=True),
+    "qwen2.5-1.5b": _qwen2(151936, 1536, 28, 12, 2, 8960, tied=True),
+    "qwen2.5-7b": _qwen2(152064, 3584, 28, 28, 4, 18944, tied=False),
+    "qwen3-0.6b": _qwen3(1024, 28, 16, 8, 3072, tied=True),
+    "qwen3-1.7b": _qwen3(2048, 28, 16, 8, 6144, tied=True),
+    "qwen3-4b": _qwen3(2560, 36, 32, 8, 9728, tied=True),
+    "qwen3-8b": _qwen3(4096, 36, 32, 8, 12288, tied=False),
+    "llama-3.2-1b": _llama3(2048, 16, 32, 8, 8192, tied=True, scaling=_L3_SCALING_32),
+    "llama-3.2-3b": _llama3(3072, 28, 24, 8, 8192, tied=True, scaling=_L3_SCALING_32),
+    "llama-3.1-8b": _llama3(4096, 32, 32, 8, 14336, tied=False, scaling=_L3_SCALING_8),
+}
+
+# Keys of a config's `model` section besides the ModelConfig fields.
+_MODEL_SECTION_EXTRA = ("preset",)
+
+
+def get_preset(name: str) -> ModelConfig:
+  if name not in PRESETS:
+    close = difflib.get_close_matches(name, PRESETS, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ConfigError(
+        f"model.preset={name!r} is not a known preset.{hint} Choose one of: "
+        f"{', '.join(PRESETS)}.")
+  return PRESETS[name]
+
+
+def model_config_from(section: Any) -> ModelConfig:
+  """Builds a ModelConfig from a config's `model` section: the preset, then every non-None
+  field of the section that overrides it (e.g. --config.model.num_layers=4)."""
+  base = get_preset(section["preset"])
+  fields = {f.name for f in dataclasses.fields(ModelConfig)}
+  overrides = {}
+  for key, value in dict(section).items():
+    if key in _MODEL_SECTION_EXTRA or value is None:
+      continue
+    if key not in fields:
+      raise ConfigError(f"model.{key} is not a model field: valid fields are "
+                        f"{', '.join(sorted(fields))}.")
+    if key == "rope_scaling" and not isinstance(value, RopeScaling):
+      value = RopeScaling(**dict(value))
+    overrides[key] = value
+  return base.replace(**overrides)
+
+
+def model_section_fields() -> tuple[str, ...]:
+  return _MODEL_SECTION_EXTRA + tuple(f.name for f in dataclasses.fields(ModelConfig))

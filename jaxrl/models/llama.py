@@ -1,0 +1,282 @@
+"""A Llama-family decoder in flax.nnx: Llama 3.x, Qwen2.5 and Qwen3 from one ModelConfig.
+
+Every parameter carries logical axis names in its `axes` metadata (`vocab`, `embed`, `heads`,
+`kv_heads`, `head_dim`, `mlp`, `norm`); jaxrl.parallel maps them to mesh axes per layout. Layers
+never name mesh axes.
+
+Two forward modes share one code path:
+  * full-sequence (cache=None): causal attention within the sequence (and within a segment when
+    segment ids are given, for packing). Returns the logits and this sequence's own KV, which the
+    sampler's prefill hands to insert.
+  * cached decoding (cache=list of per-layer arrays): the new tokens' K/V are written into each
+    slot's cache at that slot's position, and queries attend to every cache entry at or before
+    their position. Prefill and single decode steps are both this mode.
+
+Shapes use letters: B batch (or decode slots), T new tokens, S cache length, D embed, N query
+heads, K kv heads, G = N // K, H head dim, F mlp, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl.models.config import ModelConfig, RopeScaling
+
+# A KV cache is one array per layer, [2, B, S, K, H] (k then v). One array per layer, donated,
+# never restacked: restacking a cache every step made decoding up to 3x slower at batch 64.
+KVCache = list[jax.Array]
+
+
+def _dtype(name: str):
+  return jnp.bfloat16 if name == "bfloat16" else jnp.float32
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
+  """Inverse frequencies [H/2] in float32, with Llama-3 scaling when given.
+
+  Llama-3 scaling keeps high frequencies (wavelength < original_max / high_freq_factor),
+  divides low frequencies (wavelength > original_max / low_freq_factor) by `factor`, and
+  interpolates smoothly in between, as Meta's reference and HF's "llama3" rope_type do.
+  """
+  inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+  inv_freq = inv_freq.astype(np.float32)
+  if scaling is None:
+    return inv_freq
+  old = scaling.original_max_position
+  low_wavelen = old / scaling.low_freq_factor
+  high_wavelen = old / scaling.high_freq_factor
+  wavelen = 2 * math.pi / inv_freq
+  scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+  smooth = (old / wavelen - scaling.low_freq_factor) / (
+      scaling.high_freq_factor - scaling.low_freq_factor)
+  smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+  is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+  return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array) -> jax.Array:
+  """Rotates halves (HF's rotate_half convention, not interleaved pairs), in float32."""
+  freqs = positions_bt.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+  cos = jnp.cos(freqs)[:, :, None, :]
+  sin = jnp.sin(freqs)[:, :, None, :]
+  x = x_btnh.astype(jnp.float32)
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_btnh.dtype)
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+def _normal(rngs: nnx.Rngs, shape, fan_in: int, dtype):
+  return (jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5).astype(dtype)
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float, param_dtype, axes=("norm",)):
+    self.eps = eps
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), axes=axes)
+
+  def __call__(self, x):
+    # Normalise in float32, cast back, then scale: the order HF uses, so bf16 runs match it.
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return y.astype(x.dtype) * self.scale[...].astype(x.dtype)
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d, n, k, h = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    pd = _dtype(cfg.param_dtype)
+    self.cfg = cfg
+    self.q = nnx.Param(_normal(rngs, (d, n, h), d, pd), axes=("embed", "heads", "head_dim"))
+    self.k = nnx.Param(_normal(rngs, (d, k, h), d, pd), axes=("embed", "kv_heads", "head_dim"))
+    self.v = nnx.Param(_normal(rngs, (d, k, h), d, pd), axes=("embed", "kv_heads", "head_dim"))
+    self.o = nnx.Param(_normal(rngs, (n, h, d), n * h, pd), axes=("heads", "head_dim", "embed"))
+    if cfg.qkv_bias:
+      self.q_bias = nnx.Param(jnp.zeros((n, h), pd), axes=("heads", "head_dim"))
+      self.k_bias = nnx.Param(jnp.zeros((k, h), pd), axes=("kv_heads", "head_dim"))
+      self.v_bias = nnx.Param(jnp.zeros((k, h), pd), axes=("kv_heads", "head_dim"))
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(h, cfg.norm_eps, pd, axes=("head_dim",))
+      self.k_norm = RMSNorm(h, cfg.norm_eps, pd, axes=("head_dim",))
+
+  def __call__(self, x_btd, positions_bt, inv_freq, *, segment_ids_bt=None, cache_2bskh=None):
+    cfg = self.cfg
+    dt = x_btd.dtype
+    q = jnp.einsum("BTD,DNH->BTNH", x_btd, self.q[...].astype(dt))
+    k = jnp.einsum("BTD,DKH->BTKH", x_btd, self.k[...].astype(dt))
+    v = jnp.einsum("BTD,DKH->BTKH", x_btd, self.v[...].astype(dt))
+    if cfg.qkv_bias:
+      q = q + self.q_bias[...].astype(dt)
+      k = k + self.k_bias[...].astype(dt)
+      v = v + self.v_bias[...].astype(dt)
+    if cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q = apply_rope(q, positions_bt, inv_freq)
+    k = apply_rope(k, positions_bt, inv_freq)
+
+    B, T = positions_bt.shape
+    if cache_2bskh is None:
+      # Full sequence: keys are this sequence's own, causal by index (and by segment).
+      new_kv = jnp.stack([k, v])  # [2, B, T, K, H]
+      keys, values = k, v
+      idx = jnp.arange(T)
+      mask_bts = jnp.broadcast_to(idx[None, :, None] >= idx[None, None, :], (B, T, T))
+      if segment_ids_bt is not None:
+        mask_bts &= segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
+    else:
+      # Cached: write at each slot's own start position, then attend to entries <= position.
+      kv_new = jnp.stack([k, v]).astype(cache_2bskh.dtype)  # [2, B, T, K, H]
+      start_b = positions_bt[:, 0]
+      write = jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=1),
+                       in_axes=(1, 1, 0), out_axes=1)
+      new_kv = write(cache_2bskh, kv_new, start_b)
+      keys, values = new_kv[0].astype(dt), new_kv[1].astype(dt)
+      S = keys.shape[1]
+      mask_bts = jnp.arange(S)[None, None, :] <= positions_bt[:, :, None]
+
+    n, kh = cfg.num_heads, cfg.num_kv_heads
+    q = q.reshape(B, T, kh, n // kh, cfg.head_dim)  # [B, T, K, G, H]
+    logits = jnp.einsum("BTKGH,BSKH->BKGTS", q, keys, preferred_element_type=jnp.float32)
+    logits = logits * cfg.head_dim**-0.5
+    logits = jnp.where(mask_bts[:, None, None], logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(dt)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, values).reshape(B, T, n, cfg.head_dim)
+    return jnp.einsum("BTNH,NHD->BTD", out, self.o[...].astype(dt)), new_kv
+
+
+class MLP(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d, f = cfg.embed_dim, cfg.mlp_dim
+    pd = _dtype(cfg.param_dtype)
+    self.gate = nnx.Param(_normal(rngs, (d, f), d, pd), axes=("embed", "mlp"))
+    self.up = nnx.Param(_normal(rngs, (d, f), d, pd), axes=("embed", "mlp"))
+    self.down = nnx.Param(_normal(rngs, (f, d), f, pd), axes=("mlp", "embed"))
+
+  def __call__(self, x_btd):
+    dt = x_btd.dtype
+    g = jnp.einsum("BTD,DF->BTF", x_btd, self.gate[...].astype(dt))
+    u = jnp.einsum("BTD,DF->BTF", x_btd, self.up[...].astype(dt))
+    return jnp.einsum("BTF,FD->BTD", jax.nn.silu(g) * u, self.down[...].astype(dt))
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    pd = _dtype(cfg.param_dtype)
+    self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, pd)
+    self.attn = Attention(cfg, rngs)
+    self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, pd)
+    self.mlp = MLP(cfg, rngs)
+
+  def __call__(self, x, positions, inv_freq, *, segment_ids=None, cache=None):
+    h, kv = self.attn(self.attn_norm(x), positions, inv_freq, segment_ids_bt=segment_ids,
+                      cache_2bskh=cache)
+    x = x + h
+    return x + self.mlp(self.mlp_norm(x)), kv
+
+
+class Transformer(nnx.Module):
+  """Decoder-only transformer. `__call__` returns (logits [B,T,V] float32, kv)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    pd = _dtype(cfg.param_dtype)
+    # std 0.02 keeps tied-embedding logits near zero at init (uniform first predictions).
+    self.embed = nnx.Param(
+        (jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.embed_dim)) * 0.02).astype(pd),
+        axes=("vocab", "embed"))
+    self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, pd)
+    if not cfg.tie_embeddings:
+      self.lm_head = nnx.Param(_normal(rngs, (cfg.embed_dim, cfg.vocab_size), cfg.embed_dim, pd),
+                               axes=("embed", "vocab"))
+
+  def hidden(self, tokens_bt, positions_bt=None, *, segment_ids_bt=None,
+             cache: KVCache | None = None):
+    """Final-normed hidden states [B, T, D] and the KV (the prefix's, or the updated cache)."""
+    cfg = self.cfg
+    if positions_bt is None:
+      positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+    inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    x = jnp.take(self.embed[...], tokens_bt, axis=0).astype(_dtype(cfg.dtype))
+    new_cache = []
+    for i, layer in enumerate(self.layers):
+      x, kv = layer(x, positions_bt, inv_freq, segment_ids=segment_ids_bt,
+                    cache=None if cache is None else cache[i])
+      new_cache.append(kv)
+    return self.final_norm(x), new_cache
+
+  def logits(self, h_btd):
+    """Logits in float32; the matmul accumulates in float32 whatever the compute dtype."""
+    w = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+    return jnp.einsum("BTD,DV->BTV", h_btd, w.astype(h_btd.dtype),
+                      preferred_element_type=jnp.float32)
+
+  def __call__(self, tokens_bt, positions_bt=None, *, segment_ids_bt=None,
+               cache: KVCache | None = None):
+    h, kv = self.hidden(tokens_bt, positions_bt, segment_ids_bt=segment_ids_bt, cache=cache)
+    return self.logits(h), kv
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+  """An empty KV cache: one [2, B, S, K, H] array per layer (unsharded; see parallel)."""
+  dt = _dtype(cfg.dtype) if dtype is None else dtype
+  return [jnp.zeros((2, batch, max_len, cfg.num_kv_heads, cfg.head_dim), dt)
+          for _ in range(cfg.num_layers)]
+
+
+CACHE_AXES = (None, "cache_batch", "cache_seq", "kv_heads", "head_dim")
+
+
+def token_logprobs(logits_btv, targets_bt, *, temperature: float = 1.0):
+  """Per-token log pi(target) and entropy [B, T], from logits scaled by 1/temperature.
+
+  This is the quantity the sampler returns (before top-k/top-p truncation), so importance
+  ratios between the learner and the sampler compare like with like.
+  """
+  logp_btv = jax.nn.log_softmax(logits_btv.astype(jnp.float32) / temperature, axis=-1)
+  logp_bt = jnp.take_along_axis(logp_btv, targets_bt[..., None], axis=-1)[..., 0]
+  entropy_bt = -jnp.sum(jnp.exp(logp_btv) * logp_btv, axis=-1)
+  return logp_bt, entropy_bt
+
+
+def apply(graphdef, params, tokens_bt, positions_bt=None, *, segment_ids_bt=None,
+          cache: KVCache | None = None):
+  """Pure forward over nnx.split state: (logits [B,T,V] float32, kv). Jit this, not the module:
+  merging costs only trace time, while nnx.jit costs ~4 ms per call on CPU."""
+  model = nnx.merge(graphdef, params)
+  return model(tokens_bt, positions_bt, segment_ids_bt=segment_ids_bt, cache=cache)
+
+
+def _nest(pairs):
+  out: dict = {}
+  for path, value in pairs:
+    d = out
+    for k in path[:-1]:
+      d = d.setdefault(k, {})
+    d[path[-1]] = value
+  return out
+
+
+def abstract_model(cfg: ModelConfig):
+  """(graphdef, shapes, axes) without allocating: shapes is a nested dict of ShapeDtypeStruct,
+  axes the same tree holding each parameter's tuple of logical axis names."""
+  model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(model)
+  flat = list(nnx.to_flat_state(state))
+  shapes = _nest((p, v.get_value()) for p, v in flat)
+  axes = _nest((p, v.get_metadata()["axes"]) for p, v in flat)
+  return graphdef, shapes, axes

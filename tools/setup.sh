@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Creates .venv in the checkout from a Python >= 3.12 found on this machine, and installs jaxrl
+# with its test extras pinned by requirements.lock (the exact versions CI tested).
+# Re-running is cheap: it reinstalls only when pyproject.toml or requirements.lock changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=.venv
+
+find_python() {
+  local cand
+  for cand in python3.13 python3.12 python3; do
+    if command -v "$cand" >/dev/null 2>&1 &&
+       "$cand" -c 'import sys, venv; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; then
+      command -v "$cand"; return 0
+    fi
+  done
+  local root="${PYENV_ROOT:-$HOME/.pyenv}"
+  command -v pyenv >/dev/null 2>&1 && root="$(pyenv root)"
+  for cand in $(ls -d "$root"/versions/3.1[3-9]* "$root"/versions/3.12* 2>/dev/null | sort -rV); do
+    for exe in "$cand"/bin/python3.1[2-9]; do
+      if [ -x "$exe" ] && "$exe" -c 'import sys, venv; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; then
+        echo "$exe"; return 0
+      fi
+    done
+  done
+  return 1
+}
+
+stamp="$VENV/.jaxrl-installed"
+want="$(cat pyproject.toml requirements.lock | sha256sum | cut -d' ' -f1)"
+if [ -x "$VENV/bin/python" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+  if ! py="$(find_python)"; then
+    echo "jaxrl needs Python 3.12 or newer and none was found (tried python3.13, python3.12, python3 on PATH and pyenv's versions): install Python 3.12, e.g. 'pyenv install 3.12', then re-run." >&2
+    exit 1
+  fi
+  echo "setup: creating $VENV with $py"
+  "$py" -m venv "$VENV"
+fi
+echo "setup: installing jaxrl[test] pinned by requirements.lock"
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -c requirements.lock -e '.[test]'
+echo "$want" > "$stamp"
