@@ -42,6 +42,14 @@ def _parser() -> argparse.ArgumentParser:
   s.add_argument("--dry-run", action="store_true", help="list the runs without running them")
   s.add_argument("--command", dest="run_command", default="model",
                  help="the jaxrl command each run executes (default: model)")
+  s = sub.add_parser("plan", help="memory plan: bytes per device for each model role, and "
+                     "whether it fits a device")
+  _common(s, config_required=True)
+  s = sub.add_parser("bench", help="measure a systems figure on this machine (sync: learner -> "
+                     "sampler weight sync against memcpy)")
+  s.add_argument("what", choices=["sync"])
+  _common(s, config_required=True)
+  s.add_argument("--repeats", type=int, default=10)
   s = sub.add_parser("demo", help="the embedded default job (runs with no arguments)")
   _common(s, config_required=False)
   return p
@@ -120,12 +128,60 @@ def cmd_sweep(args, overrides) -> None:
     main(argv)
 
 
+def _placement(config):
+  from jaxrl.parallel.sync import make_placement
+  return make_placement(config.mesh, config.get("placement"))
+
+
+def cmd_plan(args, overrides) -> None:
+  from jaxrl import config as config_lib
+  from jaxrl.parallel import describe
+  from jaxrl.parallel.plan import memory_plan
+  config = _load(args, overrides)
+  cfg = config_lib.model_config(config)
+  placement = _placement(config)
+  print(f"model {config.model.preset!r}: {cfg.num_params:,} parameters ({cfg.param_dtype})")
+  print(f"learner: {describe(placement.learner.mesh)}")
+  print(f"sampler: {describe(placement.sampler.mesh)}")
+  sync_dtype = config.placement.sync_dtype if "placement" in config else ""
+  print(memory_plan(cfg, placement, config.get("plan"), sync_dtype=sync_dtype).table())
+
+
+def cmd_bench(args, overrides) -> None:
+  import jax
+
+  from jaxrl import config as config_lib
+  from jaxrl.parallel import describe, init_params
+  from jaxrl.parallel.sync import WeightSync, memcpy_gb_per_s
+  config = _load(args, overrides)
+  cfg = config_lib.model_config(config)
+  placement = _placement(config)
+  _, params = init_params(cfg, placement.learner.mesh, "learner", seed=config.seed)
+  sync_dtype = config.placement.sync_dtype if "placement" in config else ""
+  ws = WeightSync(cfg, placement, dtype=sync_dtype or None)
+  out = ws(params)  # compile and warm up
+  for _ in range(args.repeats):
+    jax.tree.map(lambda x: x.delete(), out)
+    out = ws(params)
+  ws.history.pop(0)
+  med = ws.median()
+  mem = memcpy_gb_per_s(med.bytes)
+  print(f"{placement.mode}: learner {describe(placement.learner.mesh)} -> sampler "
+        f"{describe(placement.sampler.mesh)}")
+  print(f"model {config.model.preset!r}, {med.bytes / 2**20:.1f} MiB moved per sync "
+        f"({sync_dtype or cfg.param_dtype}), {args.repeats} repeats")
+  print(f"sync   median {med.ms:9.2f} ms  {med.gb_per_s:7.2f} GB/s")
+  print(f"memcpy same bytes          {mem:7.2f} GB/s  (numpy, one host thread)")
+  print(f"sync / memcpy: {med.gb_per_s / mem:.2f}x")
+
+
 def cmd_demo(args, overrides) -> None:
   from jaxrl import demo
   demo.run(_load(args, overrides))
 
 
-COMMANDS = {"info": cmd_info, "model": cmd_model, "sweep": cmd_sweep, "demo": cmd_demo}
+COMMANDS = {"info": cmd_info, "model": cmd_model, "sweep": cmd_sweep, "plan": cmd_plan,
+            "bench": cmd_bench, "demo": cmd_demo}
 
 
 def main(argv: list[str] | None = None) -> None:

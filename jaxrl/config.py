@@ -25,6 +25,8 @@ from jaxrl.errors import ConfigError
 from jaxrl.models import PRESETS, ModelConfig, model_config_from
 from jaxrl.models.config import DTYPES, model_section_fields
 from jaxrl.parallel import LAYOUTS
+from jaxrl.parallel.plan import DEVICE_MEMORY_GIB
+from jaxrl.parallel.sync import PLACEMENTS, SYNC_DTYPES
 
 # Keys whose value must be one of a fixed set. Trainers add their own keys here.
 CHOICES: dict[str, Iterable[str]] = {
@@ -32,8 +34,12 @@ CHOICES: dict[str, Iterable[str]] = {
     "model.preset": PRESETS,
     "model.dtype": DTYPES,
     "model.param_dtype": DTYPES,
+    "placement.mode": PLACEMENTS,
+    "placement.sync_dtype": SYNC_DTYPES,
+    "plan.device": ("", *DEVICE_MEMORY_GIB),
 }
-_AUTO_KEYS = ("mesh.data", "mesh.fsdp", "mesh.tensor")  # accept "auto" for -1
+_AUTO_KEYS = ("mesh.data", "mesh.fsdp", "mesh.tensor", "placement.sampler_mesh.data",
+              "placement.sampler_mesh.fsdp", "placement.sampler_mesh.tensor")  # accept "auto" for -1
 
 
 def base_config() -> ml_collections.ConfigDict:

@@ -9,7 +9,8 @@ from jaxrl.errors import ConfigError
 from jaxrl.models import PRESETS
 
 # The args each config file documents, beside the default (None).
-ARGS = {"tiny.py": [None, "tp", "sampler"], "model.py": [None, *PRESETS]}
+ARGS = {"tiny.py": [None, "tp", "sampler"], "model.py": [None, *PRESETS],
+        "sync_tiny.py": [None, "disaggregated", "qwen3-8b"]}
 
 
 def _config_files(root):

@@ -1,0 +1,205 @@
+"""Learner -> sampler weight sync: values, layouts, placements, memory, donation, the plan."""
+
+import gc
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+
+from jaxrl.errors import ConfigError
+from jaxrl.models import apply, get_preset, init_cache
+from jaxrl.parallel import cache_sharding, init_params, like_params
+from jaxrl.parallel.plan import memory_plan, plan_config
+from jaxrl.parallel.sync import (Overlap, SamplerCopy, WeightSync, live_bytes, make_placement,
+                                 placement_config, sync)
+
+MESH_FSDP8 = dict(data=1, fsdp=-1, tensor=1)
+
+
+def _placement(mode, **kw):
+  section = placement_config()
+  section.mode = mode
+  section.sampler_mesh.tensor = 4  # colocated: data=2 x tensor=4; disaggregated: tensor=4
+  if mode == "disaggregated":
+    section.learner_devices = 4
+  for k, v in kw.items():
+    section[k] = v
+  return make_placement(MESH_FSDP8, section)
+
+
+@pytest.fixture(scope="module")
+def colocated(devices):
+  return _placement("colocated")
+
+
+@pytest.fixture(scope="module")
+def disaggregated(devices):
+  return _placement("disaggregated")
+
+
+def test_layout_pairs(colocated, disaggregated):
+  assert dict(colocated.learner.mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1}
+  assert dict(colocated.sampler.mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 4}
+  assert set(colocated.learner.mesh.devices.flat) == set(colocated.sampler.mesh.devices.flat)
+  L, S = disaggregated.learner.mesh, disaggregated.sampler.mesh
+  assert dict(L.shape) == {"data": 1, "fsdp": 4, "tensor": 1}
+  assert dict(S.shape) == {"data": 1, "fsdp": 1, "tensor": 4}
+  assert not set(L.devices.flat) & set(S.devices.flat)
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_sync_values_and_shardings(mode):
+  placement = _placement(mode)
+  cfg = get_preset("tiny-qwen3")
+  _, params = init_params(cfg, placement.learner.mesh, "learner", seed=3)
+  ws = WeightSync(cfg, placement)
+  out = ws(params)
+  target = placement.sampler.model_shardings(cfg)
+  for a, b, t in zip(jax.tree.leaves(params), jax.tree.leaves(out), jax.tree.leaves(target)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # exact
+    assert b.sharding.is_equivalent_to(t, b.ndim)
+    assert b.sharding.device_set == set(placement.sampler.mesh.devices.flat)
+  m = ws.last.metrics()
+  assert m["sync/ms"] > 0 and m["sync/gb_per_s"] > 0
+  assert ws.last.bytes == cfg.num_params * 4
+
+
+def test_cast_on_sync_is_exact_to_bf16(colocated):
+  cfg = get_preset("tiny")
+  _, params = init_params(cfg, colocated.learner.mesh, "learner")
+  out = WeightSync(cfg, colocated, dtype="bfloat16")(params)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(out)):
+    assert b.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(b), np.asarray(a.astype(jnp.bfloat16)))
+  assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(params))  # source untouched
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_outputs_equal_params_born_in_sampler_layout(mode):
+  placement = _placement(mode)
+  cfg = get_preset("tiny")
+  graphdef, params = init_params(cfg, placement.learner.mesh, "learner", seed=5)
+  synced = sync(params, placement.sampler.model_shardings(cfg))
+  _, direct = init_params(cfg, placement.sampler.mesh, "sampler", seed=5)
+  S = placement.sampler.mesh
+  tokens = jax.device_put(jax.random.randint(jax.random.key(0), (4, 6), 3, 259),
+                          jax.sharding.NamedSharding(S, jax.sharding.PartitionSpec()))
+
+  def decode(p):  # a cached prefill on the sampler mesh, as the sampler runs it
+    cache = jax.device_put(init_cache(cfg, 4, 8), [cache_sharding(S, cfg, 4, 8)] *
+                           cfg.num_layers)
+    pos = jnp.broadcast_to(jnp.arange(6), (4, 6))
+    return jax.jit(lambda p, c: apply(graphdef, p, tokens, pos, cache=c)[0])(p, cache)
+
+  np.testing.assert_array_equal(np.asarray(decode(synced)), np.asarray(decode(direct)))
+
+
+def test_donated_source_is_freed(colocated):
+  cfg = get_preset("tiny")
+  _, params = init_params(cfg, colocated.learner.mesh, "learner")
+  expect = [np.asarray(x) for x in jax.tree.leaves(params)]
+  out = sync(params, colocated.sampler.model_shardings(cfg), donate=True)
+  assert all(x.is_deleted() for x in jax.tree.leaves(params))
+  for e, b in zip(expect, jax.tree.leaves(out)):
+    np.testing.assert_array_equal(e, np.asarray(b))
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_live_bytes_stay_flat_over_20_cycles(colocated, keep):
+  cfg = get_preset("tiny")
+  _, params = init_params(cfg, colocated.learner.mesh, "learner")
+  copy = SamplerCopy(WeightSync(cfg, colocated), keep=keep)
+  update = jax.jit(lambda p: jax.tree.map(lambda x: x * 0.999, p), donate_argnums=0)
+  sizes = []
+  for _ in range(20):
+    copy.refresh(params)  # sync into the sampler layout (the old copy is released)
+    copy.before_update()  # colocated: the sampler copy gives its memory back to the update
+    params = update(params)
+    jax.block_until_ready(params)
+    sizes.append(live_bytes())
+  assert len(set(sizes[1:])) == 1, sizes
+  # Without keep, only the learner params are live at the update; with keep, one copy more.
+  assert sizes[-1] == cfg.num_params * 4 * (2 if keep else 1)
+
+
+def test_overlap_runs_generation_beside_training(disaggregated):
+  cfg = get_preset("tiny")
+  graphdef, params = init_params(cfg, disaggregated.learner.mesh, "learner")
+  ws = WeightSync(cfg, disaggregated)
+  sampler_params = ws(params)
+  tokens = jnp.ones((2, 4), jnp.int32)
+  gen = jax.jit(lambda p: apply(graphdef, p, tokens)[0].sum())
+  step = jax.jit(lambda p: jax.tree.map(lambda x: x + 1.0, p))
+  overlap = Overlap()
+  try:
+    fut = overlap.submit(lambda p: float(gen(p)), sampler_params, version=7)
+    params = step(params)  # dispatched while generation runs in the background
+    version, value = fut.result(timeout=60)
+  finally:
+    overlap.close()
+  assert version == 7
+  assert value == pytest.approx(float(gen(sampler_params)))
+  np.testing.assert_allclose(np.asarray(params["final_norm"]["scale"]), 2.0)
+
+
+def test_bad_placement_is_one_sentence(devices):
+  with pytest.raises(ConfigError, match=r"placement.learner_devices=8 must leave devices"):
+    _placement("disaggregated", learner_devices=8)
+  with pytest.raises(ConfigError, match=r"placement.sampler_mesh: mesh .* needs 3 devices"):
+    section = placement_config()
+    section.sampler_mesh = ml_collections.ConfigDict(dict(data=3, fsdp=1, tensor=1))
+    make_placement(MESH_FSDP8, section)
+
+
+def _bytes_per_device():
+  gc.collect()
+  per = {d: 0 for d in jax.devices()}
+  for x in jax.live_arrays():
+    for s in x.addressable_shards:
+      per[s.device] += s.data.nbytes
+  return per
+
+
+def test_plan_is_within_20_percent_of_measured_live_bytes(colocated):
+  cfg = get_preset("tiny")
+  section = plan_config()
+  section.slots, section.max_len = 16, 128
+  plan = memory_plan(cfg, colocated, section)
+  before = _bytes_per_device()  # other tests' arrays may still be alive in this process
+  # Build what stays live in a colocated GRPO step: actor, Adam state, reference, sampler copy,
+  # KV cache. Gradients and activations are transient and excluded on both sides.
+  _, actor = init_params(cfg, colocated.learner.mesh, "learner", seed=0)
+  tx = optax.adamw(1e-3)
+  opt_shd = like_params(jax.eval_shape(tx.init, actor), jax.tree.map(lambda x: x.sharding, actor),
+                        colocated.learner.mesh)
+  opt_state = jax.jit(tx.init, out_shardings=opt_shd)(actor)
+  _, reference = init_params(cfg, colocated.learner.mesh, "learner", seed=1)
+  sampler = WeightSync(cfg, colocated)(actor)
+  S = colocated.sampler.mesh
+  cache = jax.device_put(init_cache(cfg, 16, 128), [cache_sharding(S, cfg, 16, 128)] *
+                         cfg.num_layers)
+  jax.block_until_ready((opt_state, sampler, cache))
+  after = _bytes_per_device()
+  measured = max(after[d] - before[d] for d in after)
+  predicted = plan.persistent_bytes()
+  assert abs(predicted - measured) / measured < 0.2, (predicted, measured)
+  del actor, opt_state, reference, sampler, cache
+
+
+def test_plan_says_when_it_does_not_fit(colocated):
+  cfg = get_preset("qwen3-8b").replace(param_dtype="bfloat16", dtype="bfloat16")
+  section = plan_config()
+  section.device = "tpu-v5e"
+  plan = memory_plan(cfg, colocated, section)
+  assert plan.fits is False
+  text = plan.table()
+  assert "does NOT fit" in text and "LoRA" in text and "disaggregated" in text
+  section.device = "h200"
+  section.micro_batch, section.slots, section.max_len, section.remat = 1, 8, 1024, True
+  assert memory_plan(get_preset("qwen3-0.6b"), colocated, section).fits is True
+  section.device = "tpu-v9"
+  with pytest.raises(ConfigError, match="plan.device='tpu-v9' is not a known device"):
+    memory_plan(cfg, colocated, section)
