@@ -1,0 +1,1 @@
+"""RL algorithms: advantage estimators and losses (pure functions), and their trainers."""
