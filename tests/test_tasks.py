@@ -55,8 +55,8 @@ def test_reference_answers_pass_the_checker_and_corruptions_fail(name):
 
 
 def test_answers_are_correct():
-  assert get_task("addition").records("train", 1, 0)[0] == {"prompt": "5+486=", "answer": "491"}
-  for r in get_task("addition").records("train", 100, 0):
+  assert get_task("addition").records("train", 1, 0)[0] == {"prompt": "5+48=", "answer": "53"}
+  for r in get_task("addition:max_digits=3").records("train", 100, 0):
     a, b = r["prompt"][:-1].split("+")
     assert int(r["answer"]) == int(a) + int(b)
   for r in get_task("sort").records("train", 100, 0):
@@ -99,6 +99,26 @@ def test_digit_count_is_configurable():
     assert len(a) == len(b) == 4
   short = get_task("addition", max_digits=1).records("test", 30, 0)
   assert all(len(r["prompt"]) == 4 for r in short)  # "d+d="
+  default = {len(x) for r in get_task("addition").records("train", 200, 0)
+             for x in r["prompt"][:-1].split("+")}
+  assert default == {1, 2}
+  three = get_task("addition:max_digits=3").records("train", 200, 0)
+  assert three == get_task("addition", max_digits=3).records("train", 200, 0)
+  assert {len(x) for r in three for x in r["prompt"][:-1].split("+")} == {1, 2, 3}
+  pairs = get_task("sort:min_len=2,max_len=2").records("train", 20, 0)
+  assert {len(r["answer"]) for r in pairs} == {2}
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("addition:digits=3", r"task option 'digits=3' in 'addition:digits=3' is not valid.*"
+                          r"max_digits, min_digits"),
+    ("addition:max_digits=x", r"max_digits takes an integer"),
+    ("addition:min_digits=3", r"min_digits=3 and max_digits=2 must satisfy"),
+    ("reverse:max_len=0", r"min_len=3 and max_len=0 must satisfy"),
+])
+def test_bad_task_options_are_config_errors(spec, message):
+  with pytest.raises(ConfigError, match=message):
+    get_task(spec)
 
 
 def test_bad_arguments_are_config_errors():
