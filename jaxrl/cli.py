@@ -50,6 +50,17 @@ def _parser() -> argparse.ArgumentParser:
   s.add_argument("what", choices=["sync"])
   _common(s, config_required=True)
   s.add_argument("--repeats", type=int, default=10)
+  s = sub.add_parser("convert", help="checkpoints: hf-to-jaxrl (a Hugging Face directory into "
+                     "jaxrl's format) or jaxrl-to-hf (back to config.json + safetensors)")
+  s.add_argument("direction", choices=["hf-to-jaxrl", "jaxrl-to-hf"])
+  s.add_argument("--src", metavar="DIR", help="hf-to-jaxrl: the Hugging Face checkpoint")
+  s.add_argument("--checkpoint", metavar="DIR", help="jaxrl-to-hf: the jaxrl checkpoint")
+  s.add_argument("--out", metavar="DIR", required=True, help="directory to write")
+  s.add_argument("--param-dtype", choices=["float32", "bfloat16"],
+                 help="hf-to-jaxrl: parameter dtype (default: the checkpoint's own)")
+  s.add_argument("--max-shard-mb", type=float, default=2048.0,
+                 help="jaxrl-to-hf: largest safetensors file (default 2048 MiB)")
+  _common(s, config_required=False)
   s = sub.add_parser("demo", help="the embedded default job (runs with no arguments)")
   _common(s, config_required=False)
   return p
@@ -175,13 +186,34 @@ def cmd_bench(args, overrides) -> None:
   print(f"sync / memcpy: {med.gb_per_s / mem:.2f}x")
 
 
+def cmd_convert(args, overrides) -> None:
+  from jaxrl.models import hf
+  from jaxrl.parallel import describe, mesh_from_config
+  config = _load(args, overrides)
+  mesh = mesh_from_config(config.mesh)
+  if args.direction == "hf-to-jaxrl":
+    if not args.src:
+      raise ConfigError("convert hf-to-jaxrl needs --src DIR (a Hugging Face checkpoint).")
+    cfg = hf.hf_to_jaxrl(args.src, args.out, mesh, param_dtype=args.param_dtype)
+  else:
+    if not args.checkpoint:
+      raise ConfigError("convert jaxrl-to-hf needs --checkpoint DIR (a jaxrl checkpoint).")
+    files = hf.jaxrl_to_hf(args.checkpoint, args.out, mesh,
+                           max_shard_bytes=int(args.max_shard_mb * 2**20))
+    cfg = hf.read_hf_config(args.out)
+    print(f"wrote {len(files)} files: {', '.join(files)}")
+    cfg = hf.config_from_hf(cfg)
+  print(f"{args.direction}: {cfg.num_params:,} parameters ({cfg.param_dtype}, "
+        f"{cfg.num_layers} layers, family {hf.family_for(cfg)}) -> {args.out}  [{describe(mesh)}]")
+
+
 def cmd_demo(args, overrides) -> None:
   from jaxrl import demo
   demo.run(_load(args, overrides))
 
 
 COMMANDS = {"info": cmd_info, "model": cmd_model, "sweep": cmd_sweep, "plan": cmd_plan,
-            "bench": cmd_bench, "demo": cmd_demo}
+            "bench": cmd_bench, "convert": cmd_convert, "demo": cmd_demo}
 
 
 def main(argv: list[str] | None = None) -> None:
