@@ -83,6 +83,17 @@ def _load(args, overrides):
   return config_lib.load_config(args.config, overrides)
 
 
+def _model_name(config) -> str:
+  """How commands name the model: the preset, or model.hf_path (and whether it is there)."""
+  path = config.model.get("hf_path") or ""
+  if not path:
+    return repr(config.model.preset)
+  if os.path.isfile(os.path.join(path, "config.json")):
+    return f"{path!r} (config.json)"
+  return (f"{config.model.preset!r} (model.hf_path={path!r} is not there yet: shapes from the "
+          "preset)")
+
+
 def cmd_info(args, overrides) -> None:
   import jax
 
@@ -108,7 +119,7 @@ def cmd_model(args, overrides) -> None:
   config = _load(args, overrides)
   cfg = config_lib.model_config(config)
   mesh = mesh_from_config(config.mesh)
-  print(f"model preset {config.model.preset!r} ({cfg.num_layers} layers, d={cfg.embed_dim}, "
+  print(f"model {_model_name(config)} ({cfg.num_layers} layers, d={cfg.embed_dim}, "
         f"heads {cfg.num_heads}/{cfg.num_kv_heads} kv, vocab {cfg.vocab_size}, "
         f"params {cfg.param_dtype}, compute {cfg.dtype})")
   print(param_table(cfg, mesh, config.layout))
@@ -151,7 +162,7 @@ def cmd_plan(args, overrides) -> None:
   config = _load(args, overrides)
   cfg = config_lib.model_config(config)
   placement = _placement(config)
-  print(f"model {config.model.preset!r}: {cfg.num_params:,} parameters ({cfg.param_dtype})")
+  print(f"model {_model_name(config)}: {cfg.num_params:,} parameters ({cfg.param_dtype})")
   print(f"learner: {describe(placement.learner.mesh)}")
   print(f"sampler: {describe(placement.sampler.mesh)}")
   sync_dtype = config.placement.sync_dtype if "placement" in config else ""

@@ -470,3 +470,19 @@ def jaxrl_to_hf(checkpoint: str, out: str, mesh: Mesh, *,
   if jax.process_index() == 0 and os.path.isdir(carried):
     _carry(carried, out)
   return files
+
+
+def params_from_config(config, mesh: Mesh, layout: str = "learner"):
+  """(cfg, graphdef, params) for a config's model section: the weights of model.hf_path when
+  it is set (with the section's overrides, e.g. model.param_dtype), else a random init."""
+  from jaxrl import config as config_lib
+  from jaxrl.parallel.layouts import init_params
+  cfg = config_lib.model_config(config)
+  path = config.model.get("hf_path") or ""
+  if not path:
+    graphdef, params = init_params(cfg, mesh, layout, seed=config.get("seed", 0))
+    return cfg, graphdef, params
+  if not os.path.isfile(os.path.join(path, "config.json")):
+    raise ConfigError(f"model.hf_path={path!r} holds no config.json: download or copy the "
+                      "Hugging Face checkpoint there (config.json, *.safetensors, tokenizer).")
+  return load_hf(path, mesh, layout, cfg=cfg)
