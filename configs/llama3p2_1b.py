@@ -1,16 +1,20 @@
-"""Llama-3.2-1B-Instruct from a local Hugging Face checkpoint: model, mesh and memory plan for a v5e-8/v6e-8.
+"""Llama-3.2-1B-Instruct from a local Hugging Face checkpoint: model and 8-chip memory plan.
 
-    huggingface-cli download meta-llama/Llama-3.2-1B-Instruct --local-dir checkpoints/Llama-3.2-1B-Instruct    # once, on a machine with network
-    jaxrl plan --config configs/llama3p2_1b.py                                   # GRPO, v5e-8
+Fetch the checkpoint once, on a machine with network access (jaxrl itself never downloads):
+    huggingface-cli download meta-llama/Llama-3.2-1B-Instruct \
+        --local-dir checkpoints/Llama-3.2-1B-Instruct
+Then (8 fake CPU devices stand in for a v5e-8 / v6e-8 slice when planning on a laptop):
+    export XLA_FLAGS=--xla_force_host_platform_device_count=8
+    jaxrl plan --config configs/llama3p2_1b.py                 # GRPO on a v5e-8
     jaxrl plan --config configs/llama3p2_1b.py:sft --config.plan.device=tpu-v6e
-    jaxrl model --config configs/llama3p2_1b.py:fixture          # runlocal: the tiny llama fixture
+    jaxrl model --config configs/llama3p2_1b.py:fixture        # runlocal: the tiny llama fixture
 
-The weights load from model.hf_path (override with --config.model.hf_path=DIR); until the
-directory is there, the preset 'llama-3.2-1b' supplies the same shapes, so `plan` works first.
-The SFT and GRPO trainers add their own sections to this config when they land.
+The weights load from model.hf_path (--config.model.hf_path=DIR to move it); until that
+directory exists the preset 'llama-3.2-1b' supplies the same shapes, so `plan` works first. The
+SFT and GRPO trainers add their own sections to this config when they land.
 
-arg: "" or "grpo" (actor + reference, sampler 64 slots x 2048 tokens), "sft" (no
-reference, no sampler), "fixture" (tests/fixtures/hf/llama on CPU, seconds).
+arg: "" or "grpo" (actor + reference; sampler 64 slots x 2048 tokens), "sft" (no reference,
+no generation), "fixture" (tests/fixtures/hf/llama, runs on CPU in seconds).
 """
 
 import os

@@ -294,6 +294,26 @@ def test_chat_template_matches_transformers(name):
                            **case["kwargs"]) == case["ids"]
 
 
+def test_chat_template_from_chat_template_jinja(tmp_path):
+  """transformers >= 4.5x saves the template to chat_template.jinja instead of the config."""
+  dst = _copy("qwen3", tmp_path)
+  cfg = json.load(open(dst / "tokenizer_config.json"))
+  (dst / "chat_template.jinja").write_text(cfg.pop("chat_template"))
+  json.dump(cfg, open(dst / "tokenizer_config.json", "w"))
+  case = json.load(open(dst / "tokenizer_ref.json"))["chats"][-1]
+  assert HFTokenizer(str(dst)).apply_chat_template(
+      case["messages"], add_generation_prompt=case["add_generation_prompt"],
+      **case["kwargs"]) == case["text"]
+
+
+def test_re_export_replaces_old_shards(tmp_path, loaded):
+  cfg, _, params, _ = loaded["llama"]
+  hf.save_hf(str(tmp_path), cfg, params, max_shard_bytes=100_000)
+  assert os.path.isfile(tmp_path / "model.safetensors.index.json")
+  assert hf.save_hf(str(tmp_path), cfg, params)[0] == "model.safetensors"
+  assert sorted(f for f in os.listdir(tmp_path) if "safetensors" in f) == ["model.safetensors"]
+
+
 def test_chat_special_tokens_decode_and_skip():
   tok = HFTokenizer(fixture("qwen3"))
   ids = tok.encode_chat([{"role": "user", "content": "Hello!"}], add_generation_prompt=True)
@@ -400,5 +420,6 @@ def test_model_hf_path_in_a_config(repo_root, mesh, loaded):
 def test_random_init_without_hf_path(mesh):
   config = config_lib.base_config()
   config.model.preset = "tiny-qwen3"
+  config.model.num_layers = 1  # compile time: the path, not the size, is under test
   cfg, _, params = hf.params_from_config(config, mesh)
   assert cfg.qk_norm and params["layers"][0]["attn"]["q_norm"]["scale"].shape == (32,)

@@ -396,6 +396,10 @@ def save_hf(out: str, cfg: ModelConfig, params, *, max_shard_bytes: int = 2 << 3
   writer = jax.process_index() == 0
   if writer:
     os.makedirs(out, exist_ok=True)
+    # A previous export's shards or index would shadow this one's (loaders follow the index).
+    for old in os.listdir(out):
+      if old.endswith(".safetensors") or old == "model.safetensors.index.json":
+        os.remove(os.path.join(out, old))
   # Plan the shards from the shapes first, so each file's name carries the total count.
   shards, size = [[]], 0
   for path, m in maps.items():
@@ -434,12 +438,13 @@ CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.
                  "chat_template.jinja", "generation_config.json")
 
 
-def _carry(src: str, dst: str) -> None:
+def _carry(src: str, dst: str) -> list[str]:
   import shutil
   os.makedirs(dst, exist_ok=True)
-  for name in CARRIED_FILES:
-    if os.path.isfile(os.path.join(src, name)):
-      shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+  names = [n for n in CARRIED_FILES if os.path.isfile(os.path.join(src, n))]
+  for name in names:
+    shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+  return names
 
 
 def hf_to_jaxrl(src: str, out: str, mesh: Mesh, *, param_dtype: str | None = None) -> ModelConfig:
@@ -468,7 +473,7 @@ def jaxrl_to_hf(checkpoint: str, out: str, mesh: Mesh, *,
       extra = json.load(f)
   files = save_hf(out, cfg, params, max_shard_bytes=max_shard_bytes, extra_config=extra)
   if jax.process_index() == 0 and os.path.isdir(carried):
-    _carry(carried, out)
+    files += _carry(carried, out)
   return files
 
 
