@@ -423,3 +423,35 @@ def test_random_init_without_hf_path(mesh):
   config.model.num_layers = 1  # compile time: the path, not the size, is under test
   cfg, _, params = hf.params_from_config(config, mesh)
   assert cfg.qk_norm and params["layers"][0]["attn"]["q_norm"]["scale"].shape == (32,)
+
+
+def test_two_processes_read_only_their_shards(tmp_path):
+  """Two processes x 4 CPU devices form one fsdp 2 x tensor 4 mesh: each process reads half of
+  every matrix (its fsdp row) and never a whole one, the logits still match transformers, and
+  the export (gathered tensor by tensor, written by process 0) is bit-exact."""
+  import socket
+  import subprocess
+  import sys
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_two_hosts.py")
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  procs = [subprocess.Popen([sys.executable, script, str(i), str(port), fixture("qwen2"),
+                             str(tmp_path / "out")], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True) for i in range(2)]
+  results = []
+  for p in procs:
+    out, err = p.communicate(timeout=240)
+    assert p.returncode == 0, err[-3000:]
+    results.append(json.loads(out.strip().splitlines()[-1]))
+  for r in results:
+    assert (r["devices"], r["local"]) == (8, 4)
+    assert r["max_logit_diff"] < 1e-4
+    for name, n in r["read"].items():
+      if name.endswith("_proj.weight") or name == "model.embed_tokens.weight":
+        assert n == r["full"][name] // 2, (r["process"], name, n)  # its fsdp row, once
+    assert set(r["read"]) == set(r["full"])
+  original, exported = hf_tensors(fixture("qwen2")), hf_tensors(str(tmp_path / "out"))
+  assert set(original) == set(exported)
+  assert all(np.array_equal(original[k], exported[k]) for k in original)
