@@ -241,6 +241,14 @@ def test_missing_tensor_in_sharded_index_is_named(tmp_path, mesh):
     hf.load_hf(str(dst), mesh)
 
 
+def test_missing_shard_file_is_named(tmp_path, mesh):
+  dst = _copy("qwen2", tmp_path)
+  os.remove(dst / "model-00003-of-00007.safetensors")
+  with pytest.raises(ConfigError, match=r"is in model-00003-of-00007\.safetensors, which is "
+                     r"missing"):
+    hf.load_hf(str(dst), mesh)
+
+
 def test_shape_mismatch_is_named(tmp_path, mesh):
   dst = _copy("qwen3", tmp_path)
   cfg = json.load(open(dst / "config.json"))

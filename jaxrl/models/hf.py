@@ -236,15 +236,15 @@ def tensor_map(cfg: ModelConfig) -> dict[tuple, _Map]:
     p = f"model.layers.{i}."
     a = p + "self_attn."
     out.update({
-        (("layers", i, "attn", "q")): _heads_in(a + "q_proj.weight", d, n, h),
-        (("layers", i, "attn", "k")): _heads_in(a + "k_proj.weight", d, k, h),
-        (("layers", i, "attn", "v")): _heads_in(a + "v_proj.weight", d, k, h),
-        (("layers", i, "attn", "o")): _heads_out(a + "o_proj.weight", d, n, h),
-        (("layers", i, "mlp", "gate")): _transposed(p + "mlp.gate_proj.weight", (f, d)),
-        (("layers", i, "mlp", "up")): _transposed(p + "mlp.up_proj.weight", (f, d)),
-        (("layers", i, "mlp", "down")): _transposed(p + "mlp.down_proj.weight", (d, f)),
-        (("layers", i, "attn_norm", "scale")): _ident(p + "input_layernorm.weight", (d,)),
-        (("layers", i, "mlp_norm", "scale")): _ident(p + "post_attention_layernorm.weight",
+        ("layers", i, "attn", "q"): _heads_in(a + "q_proj.weight", d, n, h),
+        ("layers", i, "attn", "k"): _heads_in(a + "k_proj.weight", d, k, h),
+        ("layers", i, "attn", "v"): _heads_in(a + "v_proj.weight", d, k, h),
+        ("layers", i, "attn", "o"): _heads_out(a + "o_proj.weight", d, n, h),
+        ("layers", i, "mlp", "gate"): _transposed(p + "mlp.gate_proj.weight", (f, d)),
+        ("layers", i, "mlp", "up"): _transposed(p + "mlp.up_proj.weight", (f, d)),
+        ("layers", i, "mlp", "down"): _transposed(p + "mlp.down_proj.weight", (d, f)),
+        ("layers", i, "attn_norm", "scale"): _ident(p + "input_layernorm.weight", (d,)),
+        ("layers", i, "mlp_norm", "scale"): _ident(p + "post_attention_layernorm.weight",
                                                      (d,)),
     })
     if cfg.qkv_bias:
@@ -266,6 +266,10 @@ def _weight_files(path: str) -> dict[str, str]:
   if os.path.isfile(index):
     with open(index) as f:
       weight_map = json.load(f)["weight_map"]
+    for name, file in weight_map.items():
+      if not os.path.isfile(os.path.join(path, file)):
+        raise ConfigError(f"{index}: tensor {name} is in {file}, which is missing: copy every "
+                          "shard the index lists.")
     return {name: os.path.join(path, file) for name, file in weight_map.items()}
   files = sorted(x for x in os.listdir(path) if x.endswith(".safetensors"))
   if not files:
@@ -306,7 +310,7 @@ def _path_of(keypath) -> tuple:
   return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in keypath)
 
 
-def _check(path: str, cfg: ModelConfig, files: dict[str, str], maps: dict) -> None:
+def _check(path: str, files: dict[str, str], maps: dict) -> None:
   """Every tensor is present with its expected shape; one sentence names the first bad one."""
   from safetensors import safe_open
   missing = [m.hf_name for m in maps.values() if m.hf_name not in files]
@@ -345,7 +349,7 @@ def load_hf(path: str, mesh: Mesh, layout: str = "learner", *, cfg: ModelConfig 
   shardings = tree_shardings(shapes, axes, mesh, layout)
   maps = tensor_map(cfg)
   files = _weight_files(path)
-  _check(path, cfg, files, maps)
+  _check(path, files, maps)
   reader = _Reader() if reader is None else reader
   dtype = _NP_DTYPES[cfg.param_dtype]
 
