@@ -342,6 +342,24 @@ def test_chat_mask_covers_assistant_turns_only():
   assert masked == "The answer is 42.<|eot_id|>2<|eot_id|>"
 
 
+@pytest.mark.parametrize("name, completion", [
+    ("llama", "Now she has 8 apples.<|eot_id|>"),
+    ("qwen2", "  Now she has 8 apples.  <|im_end|>\n"),
+    # Qwen3 writes an empty think block into the final answer unless one is given.
+    ("qwen3", "<think>\n\n</think>\n\n  Now she has 8 apples.  <|im_end|>\n"),
+])
+def test_chat_sft_split(name, completion):
+  tok = HFTokenizer(fixture(name))
+  messages = [{"role": "user", "content": "Alice has 3 apples and buys 5 more."},
+              {"role": "assistant", "content": "  Now she has 8 apples.  "}]
+  kw = {"date_string": "26 Jul 2024"} if name == "llama" else {}
+  prompt, comp = tok.encode_chat_sft(messages, **kw)
+  assert tok.decode(comp, skip_special=False) == completion
+  assert tok.decode(prompt + comp, skip_special=False) == tok.apply_chat_template(messages, **kw)
+  assert tok.decode(prompt, skip_special=False) == tok.apply_chat_template(
+      messages[:1], add_generation_prompt=True, **kw)
+
+
 def test_chat_mask_refuses_templates_that_rewrite_history():
   tok = HFTokenizer(fixture("qwen3"))  # Qwen3 drops the reasoning of earlier turns
   messages = [{"role": "user", "content": "a"},

@@ -155,6 +155,21 @@ class HFTokenizer:
     return self.encode(self.apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, **kwargs))
 
+  def encode_chat_sft(self, messages: Sequence[dict], **kwargs) -> tuple[list[int], list[int]]:
+    """(prompt ids, completion ids) of a chat whose last turn is the assistant's, the split an
+    SFT record {"prompt", "completion"} trains on: the prompt is the template's rendering of the
+    earlier turns with the generation prompt, the completion the rest of the full rendering (the
+    final answer and its end-of-turn tokens, e.g. "...<|im_end|>\n")."""
+    if not messages or messages[-1].get("role") != "assistant":
+      raise ConfigError("a chat trained as prompt/completion must end with an assistant turn.")
+    prompt = self.apply_chat_template(messages[:-1], add_generation_prompt=True, **kwargs)
+    full = self.apply_chat_template(messages, **kwargs)
+    if not full.startswith(prompt):
+      raise ConfigError("the chat template renders the final assistant turn's prompt "
+                        "differently from its generation prompt, so it cannot be split into "
+                        "prompt and completion.")
+    return self.encode(prompt), self.encode(full[len(prompt):])
+
   def encode_chat_with_mask(self, messages: Sequence[dict], **kwargs
                             ) -> tuple[list[int], list[bool]]:
     """(ids, mask) for SFT on `{"messages": [...]}`: mask is True on each assistant turn's
