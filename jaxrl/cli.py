@@ -50,6 +50,17 @@ def _parser() -> argparse.ArgumentParser:
   s.add_argument("what", choices=["sync"])
   _common(s, config_required=True)
   s.add_argument("--repeats", type=int, default=10)
+  s = sub.add_parser("convert", help="checkpoints: hf-to-jaxrl (a Hugging Face directory into "
+                     "jaxrl's format) or jaxrl-to-hf (back to config.json + safetensors)")
+  s.add_argument("direction", choices=["hf-to-jaxrl", "jaxrl-to-hf"])
+  s.add_argument("--src", metavar="DIR", help="hf-to-jaxrl: the Hugging Face checkpoint")
+  s.add_argument("--checkpoint", metavar="DIR", help="jaxrl-to-hf: the jaxrl checkpoint")
+  s.add_argument("--out", metavar="DIR", required=True, help="directory to write")
+  s.add_argument("--param-dtype", choices=["float32", "bfloat16"],
+                 help="hf-to-jaxrl: parameter dtype (default: the checkpoint's own)")
+  s.add_argument("--max-shard-mb", type=float, default=2048.0,
+                 help="jaxrl-to-hf: largest safetensors file (default 2048 MiB)")
+  _common(s, config_required=False)
   s = sub.add_parser("demo", help="the embedded default job (runs with no arguments)")
   _common(s, config_required=False)
   _data_parser(sub)
@@ -89,6 +100,17 @@ def _load(args, overrides):
   return config_lib.load_config(args.config, overrides)
 
 
+def _model_name(config) -> str:
+  """How commands name the model: the preset, or model.hf_path (and whether it is there)."""
+  path = config.model.get("hf_path") or ""
+  if not path:
+    return repr(config.model.preset)
+  if os.path.isfile(os.path.join(path, "config.json")):
+    return f"{path!r} (config.json)"
+  return (f"{config.model.preset!r} (model.hf_path={path!r} is not there yet: shapes from the "
+          "preset)")
+
+
 def cmd_info(args, overrides) -> None:
   import jax
 
@@ -114,7 +136,7 @@ def cmd_model(args, overrides) -> None:
   config = _load(args, overrides)
   cfg = config_lib.model_config(config)
   mesh = mesh_from_config(config.mesh)
-  print(f"model preset {config.model.preset!r} ({cfg.num_layers} layers, d={cfg.embed_dim}, "
+  print(f"model {_model_name(config)} ({cfg.num_layers} layers, d={cfg.embed_dim}, "
         f"heads {cfg.num_heads}/{cfg.num_kv_heads} kv, vocab {cfg.vocab_size}, "
         f"params {cfg.param_dtype}, compute {cfg.dtype})")
   print(param_table(cfg, mesh, config.layout))
@@ -157,7 +179,7 @@ def cmd_plan(args, overrides) -> None:
   config = _load(args, overrides)
   cfg = config_lib.model_config(config)
   placement = _placement(config)
-  print(f"model {config.model.preset!r}: {cfg.num_params:,} parameters ({cfg.param_dtype})")
+  print(f"model {_model_name(config)}: {cfg.num_params:,} parameters ({cfg.param_dtype})")
   print(f"learner: {describe(placement.learner.mesh)}")
   print(f"sampler: {describe(placement.sampler.mesh)}")
   sync_dtype = config.placement.sync_dtype if "placement" in config else ""
@@ -192,6 +214,27 @@ def cmd_bench(args, overrides) -> None:
   print(f"sync / memcpy: {med.gb_per_s / mem:.2f}x")
 
 
+def cmd_convert(args, overrides) -> None:
+  from jaxrl.models import hf
+  from jaxrl.parallel import describe, mesh_from_config
+  config = _load(args, overrides)
+  mesh = mesh_from_config(config.mesh)
+  if args.direction == "hf-to-jaxrl":
+    if not args.src:
+      raise ConfigError("convert hf-to-jaxrl needs --src DIR (a Hugging Face checkpoint).")
+    cfg = hf.hf_to_jaxrl(args.src, args.out, mesh, param_dtype=args.param_dtype)
+  else:
+    if not args.checkpoint:
+      raise ConfigError("convert jaxrl-to-hf needs --checkpoint DIR (a jaxrl checkpoint).")
+    files = hf.jaxrl_to_hf(args.checkpoint, args.out, mesh,
+                           max_shard_bytes=int(args.max_shard_mb * 2**20))
+    cfg = hf.read_hf_config(args.out)
+    print(f"wrote {len(files)} files: {', '.join(files)}")
+    cfg = hf.config_from_hf(cfg)
+  print(f"{args.direction}: {cfg.num_params:,} parameters ({cfg.param_dtype}, "
+        f"{cfg.num_layers} layers, family {hf.family_for(cfg)}) -> {args.out}  [{describe(mesh)}]")
+
+
 def cmd_demo(args, overrides) -> None:
   from jaxrl import demo
   demo.run(_load(args, overrides))
@@ -215,7 +258,7 @@ def cmd_data(args, overrides) -> None:
 
 
 COMMANDS = {"info": cmd_info, "model": cmd_model, "sweep": cmd_sweep, "plan": cmd_plan,
-            "bench": cmd_bench, "demo": cmd_demo, "data": cmd_data}
+            "bench": cmd_bench, "convert": cmd_convert, "demo": cmd_demo, "data": cmd_data}
 
 
 def main(argv: list[str] | None = None) -> None:

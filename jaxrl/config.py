@@ -52,6 +52,9 @@ def base_config() -> ml_collections.ConfigDict:
   # `preset` names a ModelConfig; every other field left None keeps the preset's value.
   c.model = ml_collections.ConfigDict({k: None for k in model_section_fields()})
   c.model.preset = "tiny"
+  # A Hugging Face checkpoint directory: its config.json replaces the preset and its weights
+  # replace the random init (jaxrl.models.hf.params_from_config).
+  c.model.hf_path = ""
   return c
 
 
@@ -238,7 +241,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
   """The ModelConfig of a config's `model` section, with every override type-checked."""
   section = config.model
-  base = PRESETS.get(section.preset)
+  base = hf_base(config)
+  if base is None:
+    base = PRESETS.get(section.preset)
   if base is None:
     validate_choice("model.preset", section.preset, PRESETS)
   fixed = {}
@@ -256,7 +261,18 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
       raise ConfigError(f"model.{f.name}={value!r} has the wrong type: expected "
                         f"{want.__name__}.")
     fixed[f.name] = value
-  return model_config_from({**dict(section), **fixed})
+  return model_config_from({**dict(section), **fixed}, base)
+
+
+def hf_base(config: ml_collections.ConfigDict) -> ModelConfig | None:
+  """The ModelConfig of model.hf_path's config.json; None when hf_path is unset, or names a
+  directory not there yet (then the preset's shapes stand in, so `plan` works before the
+  download, and loading the weights fails naming the path)."""
+  path = config.model.get("hf_path") or ""
+  if not path or not os.path.isfile(os.path.join(path, "config.json")):
+    return None
+  from jaxrl.models import hf
+  return hf.config_from_hf(hf.read_hf_config(path), where=os.path.join(path, "config.json"))
 
 
 def validate_choice(key: str, value: Any, choices: Iterable[str]) -> None:

@@ -129,8 +129,9 @@ PRESETS: dict[str, ModelConfig] = {
     "llama-3.1-8b": _llama3(4096, 32, 32, 8, 14336, tied=False, scaling=_L3_SCALING_8),
 }
 
-# Keys of a config's `model` section besides the ModelConfig fields.
-_MODEL_SECTION_EXTRA = ("preset",)
+# Keys of a config's `model` section besides the ModelConfig fields. `hf_path` names a Hugging
+# Face checkpoint directory whose config.json replaces the preset (see jaxrl.models.hf).
+_MODEL_SECTION_EXTRA = ("preset", "hf_path")
 
 
 def get_preset(name: str) -> ModelConfig:
@@ -143,10 +144,10 @@ def get_preset(name: str) -> ModelConfig:
   return PRESETS[name]
 
 
-def model_config_from(section: Any) -> ModelConfig:
-  """Builds a ModelConfig from a config's `model` section: the preset, then every non-None
-  field of the section that overrides it (e.g. --config.model.num_layers=4)."""
-  base = get_preset(section["preset"])
+def model_config_from(section: Any, base: ModelConfig | None = None) -> ModelConfig:
+  """Builds a ModelConfig from a config's `model` section: the preset (or `base`), then every
+  non-None field of the section that overrides it (e.g. --config.model.num_layers=4)."""
+  base = get_preset(section["preset"]) if base is None else base
   fields = {f.name for f in dataclasses.fields(ModelConfig)}
   overrides = {}
   for key, value in dict(section).items():
