@@ -45,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
   s = sub.add_parser("demo", help="the embedded default job (runs with no arguments)")
   _common(s, config_required=False)
   _data_parser(sub)
+  s = sub.add_parser("sft", help="supervised fine-tuning; re-running on a workdir resumes it")
+  _common(s, config_required=True)
   return p
 
 
@@ -159,8 +161,13 @@ def cmd_data(args, overrides) -> None:
         f"{args.seed}) to {args.out}")
 
 
+def cmd_sft(args, overrides) -> None:
+  from jaxrl.train import run_trainer, sft
+  run_trainer(sft.run, args, overrides, _load)
+
+
 COMMANDS = {"info": cmd_info, "model": cmd_model, "sweep": cmd_sweep, "demo": cmd_demo,
-            "data": cmd_data}
+            "data": cmd_data, "sft": cmd_sft}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,10 +12,12 @@ from __future__ import annotations
 import jax
 import optax
 
+from jaxrl.config import CHOICES, validate_choice
 from jaxrl.errors import ConfigError
 
 OPTIMIZERS = ("adamw",)
 SCHEDULES = ("cosine", "constant")
+CHOICES.update({"optim.name": OPTIMIZERS, "optim.schedule": SCHEDULES})
 
 
 def lr_schedule(section, total_steps: int) -> optax.Schedule:
@@ -48,7 +50,6 @@ def decay_mask(params):
 def make_optimizer(section, total_steps: int) -> tuple[optax.GradientTransformation,
                                                        optax.Schedule]:
   """(optimizer, schedule). The schedule is returned so the step can log `lr`."""
-  from jaxrl.config import validate_choice
   validate_choice("optim.name", section.name, OPTIMIZERS)
   validate_choice("optim.schedule", section.schedule, SCHEDULES)
   schedule = lr_schedule(section, total_steps)

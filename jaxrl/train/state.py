@@ -106,7 +106,7 @@ def make_train_step(loss_fn: Callable, tx, schedule, shardings: TrainState, batc
           body, zero, (jnp.arange(accum_steps), micro))
     weight = jnp.maximum(weight, 1e-9)  # an all-masked batch gives zero loss, not NaN
     grads = jax.tree.map(lambda g: g / weight, grads)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {"loss": loss_sum / weight, "grad_norm": grad_norm,
