@@ -141,7 +141,7 @@ def cmd_sweep(args, overrides) -> None:
 
 def cmd_demo(args, overrides) -> None:
   from jaxrl import demo
-  demo.run(_load(args, overrides))
+  demo.run(_load(args, overrides), workdir=args.workdir)
 
 
 def cmd_data(args, overrides) -> None:

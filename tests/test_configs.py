@@ -9,7 +9,8 @@ from jaxrl.errors import ConfigError
 from jaxrl.models import PRESETS
 
 # The args each config file documents, beside the default (None).
-ARGS = {"tiny.py": [None, "tp", "sampler"], "model.py": [None, *PRESETS]}
+ARGS = {"tiny.py": [None, "tp", "sampler"], "model.py": [None, *PRESETS],
+        "sft_tiny.py": [None, "runlocal"]}
 
 
 def _config_files(root):

@@ -58,6 +58,7 @@ class ExactMatch:
   def __init__(self, graphdef, cfg, mesh, tokenizer, records, check, *, batch: int,
                max_new: int):
     self.tokenizer, self.check, self.records = tokenizer, check, list(records)
+    self.samples: list[tuple[str, str, str]] = []  # (prompt, completion, answer) of the last eval
     replicas = mesh.shape["data"] * mesh.shape["fsdp"]
     self.batch = -(-batch // replicas) * replicas  # the cache shards slots over replicas
     ids = [tokenizer.encode(r["prompt"], bos=True) for r in self.records]
@@ -86,6 +87,7 @@ class ExactMatch:
   def __call__(self, params) -> dict[str, float]:
     comps = self.completions(params)
     scores = [self.check(c, r["answer"]) for c, r in zip(comps, self.records)]
+    self.samples = [(r["prompt"], c, r["answer"]) for c, r in zip(comps[:8], self.records)]
     return {"eval/accuracy": float(np.mean(scores))}
 
 

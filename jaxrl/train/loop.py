@@ -159,6 +159,11 @@ def train_loop(*, state, step_fn: Callable, batches, put: Callable, total_steps:
   t_last, steps_since, tokens_since = time.perf_counter(), 0, 0
   try:
     with Interrupts() as interrupts:
+      if step == 0 and eval_fn is not None and eval_every > 0:
+        # The untrained baseline, so every curve starts where the model started.
+        evals = eval_fn(state.params, 0)
+        run.log(0, evals)
+        progress.note("eval @ 0: " + " ".join(f"{k}={_fmt(v)}" for k, v in evals.items()))
       while step < total_steps:
         batch = next(batches)
         tokens_since += tokens_fn(batch) * jax.process_count() if tokens_fn else 0

@@ -30,6 +30,35 @@ from jaxrl.train.state import init_train_state, make_train_step, put_batch
 config_lib.CHOICES["data.on_bad_row"] = ON_BAD_ROW
 
 
+def default_config():
+  """Every field an SFT run reads, with the defaults configs/sft_tiny.py starts from."""
+  import ml_collections
+  from jaxrl.parallel.distributed import distributed_section
+  from jaxrl.train.optim import optim_section
+  c = config_lib.base_config()
+  c.data = ml_collections.ConfigDict(dict(
+      task="addition",     # built-in task: train demos, held-out loss and exact-match accuracy
+      max_digits=0,        # addition operands up to this many digits (0 = the task's default)
+      train_file="",       # JSONL of {"prompt","completion"} or {"messages"}: replaces the task
+      eval_file="",        # JSONL of held-out SFT rows for eval/loss (default: the task's test)
+      train_examples=50_000,
+      error_rate=0.0,      # fraction of wrong demonstrations (headroom for RL later)
+      seq_len=16,
+      batch_size=64,       # global, over all processes
+      packing=False,
+      shards=0,            # data shards (0 = one per process); fixing it makes the batches
+                           # independent of the process count
+      on_bad_row="error",  # or "skip" (counted and reported)
+  ))
+  c.optim = optim_section(lr=3e-3, warmup_steps=100)
+  c.train = ml_collections.ConfigDict(dict(
+      steps=2000, log_every=50, save_every=500, keep_checkpoints=3, async_checkpoints=True))
+  c.eval = ml_collections.ConfigDict(dict(every=500, examples=256, batch_size=128,
+                                          max_new_tokens=6))
+  c.distributed = distributed_section()
+  return c
+
+
 def sft_loss(graphdef):
   """loss_fn(params, batch, key) -> (sum of -log p(target) over masked tokens, (token count,
   {})); the train step divides by the count over the whole batch."""
@@ -147,4 +176,5 @@ def run(config, workdir: str, *, out=print) -> dict:
   finally:
     ckpt.close()
     run_dir.close()
+  summary["samples"] = exact.samples if exact is not None else []
   return summary
