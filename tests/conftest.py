@@ -1,8 +1,7 @@
 """Every test runs on CPU with 8 fake devices, so each sharding path runs here."""
 
 import os
-
-import tempfile  # noqa: E402
+import tempfile
 
 # Optimisation level 0 compiles the tiny test programs about 4x faster on CPU and runs them
 # only about 10% slower; the tests compile far more than they run.
