@@ -15,8 +15,7 @@ from jaxrl.train.sft import default_config
 def get_config(arg=None):
   c = default_config()
   c.model.preset = "tiny"
-  c.data.update(task="addition", max_digits=2, train_examples=50_000, seq_len=16,
-                batch_size=64)
+  c.data.update(task="addition", train_examples=50_000, seq_len=16, batch_size=64)
   c.optim.update(lr=3e-3, warmup_steps=100, schedule="cosine", clip_norm=1.0)
   c.train.update(steps=1000, log_every=50, save_every=250)
   c.eval.update(every=250, examples=256)

@@ -79,7 +79,7 @@ def sft_demo(steps: int, *, workdir: str | None = None, seed: int = 0, out=print
   from jaxrl.train import read_metrics, sft
   c = sft.default_config()
   c.seed = seed
-  c.data.update(task="addition", max_digits=2, train_examples=20_000)
+  c.data.update(task="addition", train_examples=20_000)
   c.optim.update(lr=3e-3, warmup_steps=min(50, steps // 4))
   c.train.update(steps=steps, log_every=max(1, steps // 6), save_every=steps)
   c.eval.update(every=steps, examples=128)

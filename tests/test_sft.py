@@ -140,6 +140,10 @@ def test_rerunning_a_finished_run_trains_nothing(repo_root, tmp_path, devices, c
   cli.main(["sft", "--config", CONFIG, "--workdir", wd, *over])
   assert "resuming from" in capsys.readouterr().out and len(read_metrics(wd)) == n
   assert json.load(open(os.path.join(wd, "summary.json")))["status"] == "completed"
+  # More steps on the same workdir: continues from step 4, and says what changed.
+  cli.main(["sft", "--config", CONFIG, "--workdir", wd, *over, "--config.train.steps=6"])
+  assert "train.steps: 4 -> 6" in capsys.readouterr().out
+  assert read_metrics(wd)[-1]["step"] == 6
 
 
 def test_bad_sft_config_is_one_sentence(repo_root, tmp_path, capsys):

@@ -11,6 +11,8 @@ decoding (`eval/accuracy`).
 
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
 
@@ -37,8 +39,8 @@ def default_config():
   from jaxrl.train.optim import optim_section
   c = config_lib.base_config()
   c.data = ml_collections.ConfigDict(dict(
-      task="addition",     # built-in task: train demos, held-out loss and exact-match accuracy
-      max_digits=0,        # addition operands up to this many digits (0 = the task's default)
+      task="addition",     # built-in task (options as "addition:max_digits=3"): train demos,
+                           # held-out loss and exact-match accuracy
       train_file="",       # JSONL of {"prompt","completion"} or {"messages"}: replaces the task
       eval_file="",        # JSONL of held-out SFT rows for eval/loss (default: the task's test)
       train_examples=50_000,
@@ -79,7 +81,7 @@ def _records(config):
   task = None
   if d.task:
     from jaxrl.tasks import get_task
-    task = get_task(d.task, **({"max_digits": d.max_digits} if d.max_digits else {}))
+    task = get_task(d.task)
   if d.train_file:
     train, _ = read_jsonl(d.train_file, "sft", on_bad_row=d.on_bad_row)
   elif task is not None:
@@ -97,6 +99,28 @@ def _records(config):
   return train, held_out, answers, (task.check if task is not None else None)
 
 
+def _note_config_changes(run_dir: RunDir, config, out) -> None:
+  """Resuming with a changed config is allowed (e.g. more steps), but never silent."""
+  old = run_dir.read_config()
+  if old is None:
+    return
+  # Through JSON, as config.json was written, so a tuple and its list compare equal.
+  flat_old = _flatten(old)
+  flat_new = _flatten(json.loads(json.dumps(config.to_dict(), default=str)))
+  changed = [k for k in sorted(set(flat_old) | set(flat_new))
+             if flat_old.get(k) != flat_new.get(k)]
+  if changed:
+    out("note: the config differs from the one in config.json: " + ", ".join(
+        f"{k}: {flat_old.get(k)!r} -> {flat_new.get(k)!r}" for k in changed))
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+  return out
+
+
 def run(config, workdir: str, *, out=print) -> dict:
   """Trains (or resumes) the SFT run in `workdir`; returns the summary."""
   config_lib.validate(config)
@@ -104,6 +128,7 @@ def run(config, workdir: str, *, out=print) -> dict:
   mesh = mesh_from_config(config.mesh)
   cfg = config_lib.model_config(config)
   run_dir = RunDir(workdir, write=main)
+  _note_config_changes(run_dir, config, out if main else (lambda *_: None))
   run_dir.write_config(config)
   tokenizer = ByteTokenizer()
   if tokenizer.vocab_size > cfg.vocab_size:
@@ -115,9 +140,14 @@ def run(config, workdir: str, *, out=print) -> dict:
   d = config.data
   train, held_out, answers, check = _records(config)
   shards, mine = data_shards(d.shards)
-  if d.batch_size % shards:
-    raise ConfigError(f"data.batch_size={d.batch_size} is not divisible by data.shards="
-                      f"{shards}: choose a batch size that is a multiple of it.")
+  replicas = mesh.shape["data"] * mesh.shape["fsdp"]
+  accum = config.optim.accum_steps
+  for what, n in ((f"data.shards={shards}", shards),
+                  (f"the {replicas} batch shards of the mesh (data x fsdp)", replicas),
+                  (f"optim.accum_steps={accum} x {replicas} batch shards", accum * replicas)):
+    if n < 1 or d.batch_size % n:
+      raise ConfigError(f"data.batch_size={d.batch_size} is not divisible by {what}: choose a "
+                        f"batch size that is a multiple of {max(n, 1)}.")
   batches = ShardedBatches([
       sft_batches(train, tokenizer, seq_len=d.seq_len, batch_size=d.batch_size // shards,
                   seed=config.seed, packing=d.packing, shard_index=i, shard_count=shards,
