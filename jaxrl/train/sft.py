@@ -174,12 +174,11 @@ def run(config, workdir: str, *, out=print) -> dict:
   # of eval batches; each device still takes only its own rows.
   eval_batches = []
   if held_out:
-    eval_bs = min(d.batch_size, len(held_out) // shd.mesh.shape["data"] // shd.mesh.shape["fsdp"]
-                  * shd.mesh.shape["data"] * shd.mesh.shape["fsdp"])
+    eval_bs = min(d.batch_size, len(held_out) // replicas * replicas)
     if eval_bs > 0:
       eval_batches = [{k: global_array(v, shd) for k, v in b.items()} for b in sft_batches(
           held_out, tokenizer, seq_len=d.seq_len, batch_size=eval_bs, seed=0, shuffle=False,
-          num_epochs=1, on_bad_row="skip")]
+          num_epochs=1, on_bad_row=d.on_bad_row)]
   eval_loss = make_eval_loss(loss_fn, mesh)
   exact = (ExactMatch(graphdef, cfg, mesh, tokenizer, answers, check,
                       batch=config.eval.batch_size, max_new=config.eval.max_new_tokens)
