@@ -176,3 +176,35 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(setup, tmp_path):
   assert data_state == {"i": 5} and int(restored.step) == 5
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(restored.params))
   ckpt.close()
+
+
+def test_a_diverged_run_exits_1_with_one_line(capsys, tmp_path):
+  import argparse
+
+  from jaxrl.train import run_trainer
+
+  def diverges(config, workdir):
+    raise TrainingDiverged("loss is nan at step 3: training stopped")
+
+  args = argparse.Namespace(command="sft", workdir=str(tmp_path))
+  with pytest.raises(SystemExit) as e:
+    run_trainer(diverges, args, [], lambda a, o: base_config())
+  assert e.value.code == 1
+  err = capsys.readouterr().err.strip()
+  assert err == "jaxrl sft: loss is nan at step 3: training stopped"
+
+
+def test_partial_multihost_settings_name_the_missing_key(monkeypatch):
+  from jaxrl.parallel.distributed import distributed_section, environment_asks, maybe_initialize
+  s = distributed_section()
+  s.coordinator_address = "127.0.0.1:1234"
+  with pytest.raises(ConfigError, match=r"distributed.num_processes is not set"):
+    maybe_initialize(s)
+  s.num_processes, s.process_id = 2, 2
+  with pytest.raises(ConfigError, match=r"distributed.process_id=2 is outside 0..1"):
+    maybe_initialize(s)
+  for var in ("JAX_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS"):
+    monkeypatch.delenv(var, raising=False)
+  assert not environment_asks() and maybe_initialize(distributed_section()) is False
+  monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "w0,w1")
+  assert environment_asks()
