@@ -64,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
   s = sub.add_parser("demo", help="the embedded default job (runs with no arguments)")
   _common(s, config_required=False)
   _data_parser(sub)
+  s = sub.add_parser("sft", help="supervised fine-tuning; re-running on a workdir resumes it")
+  _common(s, config_required=True)
   return p
 
 
@@ -237,7 +239,7 @@ def cmd_convert(args, overrides) -> None:
 
 def cmd_demo(args, overrides) -> None:
   from jaxrl import demo
-  demo.run(_load(args, overrides))
+  demo.run(_load(args, overrides), workdir=args.workdir)
 
 
 def cmd_data(args, overrides) -> None:
@@ -257,8 +259,14 @@ def cmd_data(args, overrides) -> None:
         f"{args.seed}) to {args.out}")
 
 
+def cmd_sft(args, overrides) -> None:
+  from jaxrl.train import run_trainer, sft
+  run_trainer(sft.run, args, overrides, _load)
+
+
 COMMANDS = {"info": cmd_info, "model": cmd_model, "sweep": cmd_sweep, "plan": cmd_plan,
-            "bench": cmd_bench, "convert": cmd_convert, "demo": cmd_demo, "data": cmd_data}
+            "bench": cmd_bench, "convert": cmd_convert, "demo": cmd_demo, "data": cmd_data,
+            "sft": cmd_sft}
 
 
 def main(argv: list[str] | None = None) -> None:

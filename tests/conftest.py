@@ -1,10 +1,19 @@
 """Every test runs on CPU with 8 fake devices, so each sharding path runs here."""
 
 import os
+import tempfile
 
+# Optimisation level 0 compiles the tiny test programs about 4x faster on CPU and runs them
+# only about 10% slower; the tests compile far more than they run.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+                           " --xla_force_host_platform_device_count=8"
+                           " --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the session: the xdist workers and the subprocesses the
+# end-to-end tests start compile the same train steps, and each compile then happens once.
+# (Set here, in the controller, before the workers start, so all of them inherit one folder.)
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxrl-jit-cache-"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 import jax  # noqa: E402  (after the flags above)
 import pytest  # noqa: E402

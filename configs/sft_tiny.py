@@ -1,0 +1,33 @@
+"""SFT of the tiny model (0.46M) on built-in addition; learns on a 2-core CPU in minutes.
+
+Measured (2026-11-29, 2-core CPU, 1 device, seed 0): held-out exact match of greedy decoding
+0% untrained -> 14.1% at step 250 -> 46.9% at 500 -> 77.7% at 750 -> 95.7% (245/256) at 1000;
+2 min 12 s wall for the whole command, compilation included.
+
+    jaxrl sft --config configs/sft_tiny.py --workdir runs/sft_tiny
+    jaxrl sft --config configs/sft_tiny.py:runlocal --workdir /tmp/sft     # a pulse: seconds
+    jaxrl sft --config configs/sft_tiny.py --config.data.task=sort --workdir runs/sft_sort
+
+Re-running on the same workdir resumes from its latest checkpoint. Every field, with what it
+means, is in jaxrl/train/sft.py:default_config().
+arg: "" (the measured run), "runlocal" (20 steps on 512 examples).
+"""
+
+from jaxrl.train.sft import default_config
+
+
+def get_config(arg=None):
+  c = default_config()
+  c.model.preset = "tiny"
+  c.data.update(task="addition", train_examples=50_000, seq_len=16, batch_size=64)
+  c.optim.update(lr=3e-3, warmup_steps=100, schedule="cosine", clip_norm=1.0)
+  c.train.update(steps=1000, log_every=50, save_every=250)
+  c.eval.update(every=250, examples=256)
+  if arg == "runlocal":
+    c.data.train_examples = 512
+    c.train.update(steps=20, log_every=5, save_every=10)
+    c.eval.update(every=10, examples=16, batch_size=16)
+    c.optim.warmup_steps = 5
+  elif arg not in (None, ""):
+    raise ValueError(f"unknown arg {arg!r}: use '' or 'runlocal'")
+  return c
