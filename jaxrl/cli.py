@@ -52,7 +52,26 @@ def _parser() -> argparse.ArgumentParser:
   s.add_argument("--repeats", type=int, default=10)
   s = sub.add_parser("demo", help="the embedded default job (runs with no arguments)")
   _common(s, config_required=False)
+  _data_parser(sub)
+  s = sub.add_parser("sft", help="supervised fine-tuning; re-running on a workdir resumes it")
+  _common(s, config_required=True)
   return p
+
+
+def _data_parser(sub) -> None:
+  s = sub.add_parser("data", help="data tools: `data export` writes a built-in task as JSONL")
+  data_sub = s.add_subparsers(dest="data_command", metavar="<data command>", required=True)
+  e = data_sub.add_parser("export", help="write a built-in task's records in the standard "
+                          "JSONL format (what your own files must look like)")
+  e.add_argument("--task", required=True, help="built-in task name, e.g. addition")
+  e.add_argument("--split", default="train", choices=("train", "test"))
+  e.add_argument("--n", type=int, required=True, help="number of records")
+  e.add_argument("--out", required=True, metavar="FILE.jsonl", help="output file")
+  e.add_argument("--format", default="rl", choices=("rl", "sft"),
+                 help="rl: {prompt, answer}; sft: {prompt, completion} (default: rl)")
+  e.add_argument("--error-rate", type=float, default=0.0,
+                 help="sft only: fraction of deliberately wrong completions (default 0)")
+  e.add_argument("--seed", type=int, default=0)
 
 
 def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -180,8 +199,30 @@ def cmd_demo(args, overrides) -> None:
   demo.run(_load(args, overrides))
 
 
+def cmd_data(args, overrides) -> None:
+  from jaxrl.data import write_jsonl
+  from jaxrl.tasks import get_task
+  if overrides:
+    raise ConfigError(f"jaxrl data takes no --config overrides, got {overrides[0]!r}.")
+  task = get_task(args.task)
+  if args.format == "sft":
+    records = task.sft_records(args.split, args.n, args.seed, error_rate=args.error_rate)
+  elif args.error_rate:
+    raise ConfigError("--error-rate applies to --format sft only: drop it or add --format sft.")
+  else:
+    records = task.records(args.split, args.n, args.seed)
+  n = write_jsonl(args.out, records)
+  print(f"wrote {n} {args.format} records of task {task.name!r} ({args.split} split, seed "
+        f"{args.seed}) to {args.out}")
+
+
+def cmd_sft(args, overrides) -> None:
+  from jaxrl.train import run_trainer, sft
+  run_trainer(sft.run, args, overrides, _load)
+
+
 COMMANDS = {"info": cmd_info, "model": cmd_model, "sweep": cmd_sweep, "plan": cmd_plan,
-            "bench": cmd_bench, "demo": cmd_demo}
+            "bench": cmd_bench, "demo": cmd_demo, "data": cmd_data, "sft": cmd_sft}
 
 
 def main(argv: list[str] | None = None) -> None:

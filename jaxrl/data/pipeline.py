@@ -1,0 +1,173 @@
+"""SFT batches on grain: tokenise, mask the prompt, pad or pack, shuffle, repeat, shard.
+
+One example is bos + prompt + completion + eos. The model reads seq[:-1] and predicts seq[1:],
+so an example of P prompt and C completion tokens fills P + C + 1 positions of a row, and the
+loss counts the C completion targets and the eos. Every batch is a dict of numpy arrays, each
+[batch_size, seq_len] where batch_size is this process's local batch:
+
+    inputs       int32    tokens fed to the model (0 = pad)
+    targets      int32    next tokens (0 = pad)
+    loss_mask    float32  1.0 where the target is a completion token or the eos
+    positions    int32    position within its own example (restarts per packed segment)
+    segment_ids  int32    0 on padding, 1..k for the k examples packed in a row
+
+The returned iterator is a grain DatasetIterator: `get_state()` / `set_state()` (or orbax via
+grain.checkpoint) resume it exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import grain
+import numpy as np
+
+from jaxrl.data.records import BadRow, ON_BAD_ROW, check_choice, check_record, where
+from jaxrl.data.tokenizer import Tokenizer
+from jaxrl.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+FEATURES = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
+
+
+def tokenize_sft(record: dict, tokenizer: Tokenizer) -> dict[str, np.ndarray]:
+  """One example's unpadded inputs, targets and loss_mask, each [P + C + 1]."""
+  prompt = tokenizer.encode(record["prompt"], bos=True)
+  completion = tokenizer.encode(record["completion"], eos=True)
+  seq = np.asarray(prompt + completion, np.int32)
+  # Target t is seq[t + 1]; it is a completion token (or the eos) from t = len(prompt) - 1 on.
+  loss_mask = np.zeros(len(seq) - 1, np.float32)
+  loss_mask[len(prompt) - 1:] = 1.0
+  return {"inputs": seq[:-1], "targets": seq[1:], "loss_mask": loss_mask}
+
+
+def prepare_sft(records: Sequence[dict], tokenizer: Tokenizer, *, seq_len: int,
+                on_bad_row: str = "error", indices: Sequence[int] | None = None
+                ) -> tuple[list[dict[str, np.ndarray]], int]:
+  """(tokenised examples, skipped) of `records` (only `indices` of them, when given).
+
+  Each record is validated again (records built in code never went through a reader), chat
+  records are normalised, and a row longer than seq_len is an error naming its file, line
+  and field, or a counted skip with on_bad_row="skip".
+  """
+  check_choice("on_bad_row", on_bad_row, ON_BAD_ROW)
+  examples, skipped, first = [], 0, None
+  for i in (range(len(records)) if indices is None else indices):
+    record = records[i]
+    at = where(record, i)
+    try:
+      rec = check_record(record, "sft", at)
+      ex = tokenize_sft(rec, tokenizer)
+      n = len(ex["inputs"])
+      if n > seq_len:
+        n_prompt = len(tokenizer.encode(rec["prompt"], bos=True))
+        field = "prompt" if n_prompt >= seq_len else "completion"
+        raise BadRow(f"{at}: field {field!r} makes the row {n} tokens long, over "
+                     f"seq_len={seq_len}: raise seq_len or shorten the row.")
+    except BadRow as e:
+      if on_bad_row == "error":
+        raise ConfigError(f"{str(e).rstrip('.')} (or set on_bad_row=skip).") from None
+      skipped, first = skipped + 1, first or str(e)
+      continue
+    examples.append(ex)
+  if skipped:
+    log.warning("sft_batches: skipped %d bad row(s) of %d; the first: %s", skipped,
+                skipped + len(examples), first)
+  return examples, skipped
+
+
+def _pad(seq_len: int):
+  def pad(ex: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    n = len(ex["inputs"])
+    out = {}
+    for k in ("inputs", "targets", "loss_mask"):
+      out[k] = np.zeros(seq_len, ex[k].dtype)
+      out[k][:n] = ex[k]
+    out["positions"] = np.zeros(seq_len, np.int32)
+    out["positions"][:n] = np.arange(n, dtype=np.int32)
+    out["segment_ids"] = np.zeros(seq_len, np.int32)
+    out["segment_ids"][:n] = 1
+    return out
+  return pad
+
+
+def _from_packed(ex: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  return {"inputs": ex["inputs"].astype(np.int32), "targets": ex["targets"].astype(np.int32),
+          "loss_mask": ex["loss_mask"].astype(np.float32),
+          "positions": ex["inputs_positions"].astype(np.int32),
+          "segment_ids": ex["inputs_segment_ids"].astype(np.int32)}
+
+
+def _positive(name: str, value) -> None:
+  if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+    raise ConfigError(f"{name}={value!r} is not valid: give a positive integer.")
+
+
+def sft_dataset(records: Sequence[dict], tokenizer: Tokenizer, *, seq_len: int,
+                batch_size: int, seed: int, shuffle: bool = True, num_epochs: int | None = None,
+                packing: bool = False, shard_index: int = 0, shard_count: int = 1,
+                on_bad_row: str = "error") -> tuple[grain.IterDataset, int]:
+  """(the batched grain IterDataset, skipped rows) behind `sft_batches`."""
+  _positive("seq_len", seq_len)
+  _positive("batch_size", batch_size)
+  _positive("shard_count", shard_count)
+  if num_epochs is not None:
+    _positive("num_epochs", num_epochs)
+  if not (isinstance(shard_index, (int, np.integer)) and 0 <= shard_index < shard_count):
+    raise ConfigError(f"shard_index={shard_index!r} is not valid: give 0 <= shard_index < "
+                      f"shard_count={shard_count}.")
+  # This process touches only its own rows: index i belongs to shard i % shard_count.
+  indices = range(shard_index, len(records), shard_count)
+  examples, skipped = prepare_sft(records, tokenizer, seq_len=seq_len, on_bad_row=on_bad_row,
+                                  indices=indices)
+  if not examples:
+    raise ConfigError(f"shard {shard_index} of {shard_count} has no usable SFT rows "
+                      f"({len(indices)} read, {skipped} skipped): give more data or fewer "
+                      "shards.")
+  ds = grain.MapDataset.source(examples)
+  if shuffle:
+    ds = ds.shuffle(seed=seed % 2**32)
+  # repeat() after shuffle() reshuffles each epoch with a seed folded from the epoch number.
+  if num_epochs != 1:
+    ds = ds.repeat(num_epochs)
+  # Threads buy nothing for in-memory numpy rows and would make the order harder to reason
+  # about; the iterator stays checkpointable either way.
+  it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+  if packing:
+    it = grain.experimental.FirstFitPackIterDataset(
+        it, length_struct={k: seq_len for k in ("inputs", "targets", "loss_mask")},
+        num_packing_bins=batch_size, seed=seed % 2**32, shuffle_bins=shuffle)
+    it = it.map(_from_packed)
+  else:
+    it = it.map(_pad(seq_len))
+  # Whole batches only: a jitted step compiles once for [batch_size, seq_len].
+  it = it.batch(batch_size, drop_remainder=True)
+  if num_epochs is not None and not packing:
+    dropped = (len(examples) * num_epochs) % batch_size
+    if dropped:
+      log.info("sft_batches: the last %d example(s) do not fill a batch and are not used",
+               dropped)
+  return it, skipped
+
+
+def sft_batches(records: Sequence[dict], tokenizer: Tokenizer, *, seq_len: int,
+                batch_size: int, seed: int, shuffle: bool = True,
+                num_epochs: int | None = None, packing: bool = False, shard_index: int = 0,
+                shard_count: int = 1, on_bad_row: str = "error") -> grain.DatasetIterator:
+  """A checkpointable iterator of SFT batches (see the module docstring for the format).
+
+  records: {"prompt", "completion"} or {"messages"} dicts (a list, or anything indexable).
+  batch_size: this process's local batch. num_epochs=None repeats forever. Shuffling is
+  seeded and differs per epoch. Process `shard_index` of `shard_count` reads only the records
+  with index % shard_count == shard_index. Bad or over-long rows raise ConfigError, or with
+  on_bad_row="skip" are skipped; the count is logged and kept on the iterator as `.skipped`.
+  """
+  ds, skipped = sft_dataset(records, tokenizer, seq_len=seq_len, batch_size=batch_size,
+                            seed=seed, shuffle=shuffle, num_epochs=num_epochs, packing=packing,
+                            shard_index=shard_index, shard_count=shard_count,
+                            on_bad_row=on_bad_row)
+  it = iter(ds)
+  it.skipped = skipped
+  return it

@@ -1,0 +1,63 @@
+"""Multi-host start-up: jax.distributed.initialize when the environment or config asks for it.
+
+Every process runs the same program (JAX's multi-controller runtime). It must run before
+anything touches a device, so commands call it first.
+
+    distributed.coordinator_address  "host:port" of process 0 ("" = not set)
+    distributed.num_processes        0 = not set
+    distributed.process_id           -1 = not set
+    distributed.auto                 True: let JAX detect the cluster (TPU pods, SLURM, ...)
+
+With none of these set, the environment still asks when JAX_COORDINATOR_ADDRESS is set, or on a
+TPU pod slice (TPU_WORKER_HOSTNAMES names more than one worker, or MEGASCALE_COORDINATOR_ADDRESS
+is set); then JAX reads the rest from the environment.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from jaxrl.errors import ConfigError
+
+
+def distributed_section():
+  import ml_collections
+  return ml_collections.ConfigDict(dict(coordinator_address="", num_processes=0, process_id=-1,
+                                        auto=False))
+
+
+def environment_asks() -> bool:
+  hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+  return bool(os.environ.get("JAX_COORDINATOR_ADDRESS") or "," in hosts
+              or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"))
+
+
+def maybe_initialize(section=None) -> bool:
+  """Initializes the multi-controller runtime if asked; returns whether it did."""
+  if jax.distributed.is_initialized():
+    return True
+  s = section if section is not None else distributed_section()
+  explicit = bool(s.coordinator_address) or s.num_processes > 0 or s.process_id >= 0
+  if not (explicit or s.auto or environment_asks()):
+    return False
+  kwargs = {}
+  if explicit:
+    missing = [k for k, bad in (("coordinator_address", not s.coordinator_address),
+                                ("num_processes", s.num_processes <= 0),
+                                ("process_id", s.process_id < 0)) if bad]
+    if missing:
+      raise ConfigError(f"distributed.{missing[0]} is not set: multi-host runs given "
+                        "explicitly need distributed.coordinator_address, num_processes and "
+                        "process_id together (or distributed.auto=true on a TPU pod).")
+    if not 0 <= s.process_id < s.num_processes:
+      raise ConfigError(f"distributed.process_id={s.process_id} is outside 0.."
+                        f"{s.num_processes - 1}: give each process its own id below "
+                        "distributed.num_processes.")
+    kwargs = dict(coordinator_address=s.coordinator_address, num_processes=s.num_processes,
+                  process_id=s.process_id)
+  # CPU processes need a collectives backend to form one mesh; accelerators ignore this.
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(**kwargs)
+  return True

@@ -1,0 +1,188 @@
+"""Built-in verifiable tasks: seeded generators, reference answers, 0/1 checkers, SFT demos.
+
+Each task is small enough that a ~1M-parameter byte-level model learns it on CPU in minutes:
+
+    addition   "12+345="     -> "357"      operands of 1..3 digits (configurable)
+    sort       "sort 3142:"  -> "1234"     3..6 digits, sorted ascending
+    reverse    "reverse abc:" -> "cba"     3..6 lowercase letters, reversed
+
+Train and test are disjoint by construction: a prompt belongs to exactly one split, decided by
+a stable hash of the prompt text, so no seed or sample size can leak test prompts into training.
+Within a split, records are drawn (with replacement) from a numpy generator seeded by
+(seed, split), so the same arguments always give the same records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import numpy as np
+
+from jaxrl.errors import ConfigError
+
+SPLITS = ("train", "test")
+# One prompt in five belongs to the test split. The hash is crc32, not Python's hash(), which is
+# salted per process and would make the split differ between runs.
+_TEST_BUCKETS = 5
+_EOS_TEXT = "<eos>"
+
+
+def split_of(prompt: str) -> str:
+  """The split a prompt belongs to ("train" or "test"), the same in every process and run."""
+  return "test" if zlib.crc32(prompt.encode("utf-8")) % _TEST_BUCKETS == 0 else "train"
+
+
+def extract_answer(completion: str) -> str:
+  """The answer a completion gives: its first line, cut at an eos marker, stripped.
+
+  Decoding with `skip_special=False` leaves "<eos><pad>..." after the answer, and a model may
+  keep talking on the next line; neither should turn a right answer into a wrong one.
+  """
+  return completion.split(_EOS_TEXT, 1)[0].split("\n", 1)[0].strip()
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """A verifiable task. Subclasses define `sample` (one prompt and its answer) and `corrupt`."""
+
+  name: str = ""
+
+  # -- what a subclass provides
+  def sample(self, rng: np.random.Generator) -> tuple[str, str]:
+    raise NotImplementedError
+
+  def corrupt(self, rng: np.random.Generator, prompt: str, answer: str) -> str:
+    """A plausible but wrong answer to `prompt` (never equal to `answer`)."""
+    raise NotImplementedError
+
+  # -- shared by every task
+  def _draw(self, split: str, n: int, seed: int) -> list[tuple[str, str]]:
+    if split not in SPLITS:
+      raise ConfigError(f"split={split!r} is not valid: choose one of {', '.join(SPLITS)}.")
+    if not isinstance(n, int) or n < 0:
+      raise ConfigError(f"n={n!r} is not valid: give a number of records >= 0.")
+    rng = np.random.default_rng([int(seed), SPLITS.index(split), zlib.crc32(self.name.encode())])
+    out, tries = [], 0
+    while len(out) < n:
+      prompt, answer = self.sample(rng)
+      tries += 1
+      if split_of(prompt) == split:
+        out.append((prompt, answer))
+      elif tries > 1000 * (n + 10):  # a split with (almost) no prompts: say so, do not spin
+        raise ConfigError(f"task {self.name!r} has too few distinct {split} prompts to draw "
+                          f"{n} records: widen its settings (e.g. more digits).")
+    return out
+
+  def records(self, split: str, n: int, seed: int) -> list[dict]:
+    """RL records {"prompt", "answer"}: `n` draws from `split`, the same for the same seed."""
+    return [{"prompt": p, "answer": a} for p, a in self._draw(split, n, seed)]
+
+  def sft_records(self, split: str, n: int, seed: int, error_rate: float = 0.0) -> list[dict]:
+    """SFT demonstrations {"prompt", "completion"}; round(error_rate * n) of them are wrong.
+
+    The wrong ones are chosen at random (seeded) and hold a plausible wrong answer, so a model
+    imitating them is imperfect and RL has headroom to improve on SFT.
+    """
+    if not 0.0 <= error_rate <= 1.0:
+      raise ConfigError(f"error_rate={error_rate!r} is not valid: give a fraction in [0, 1].")
+    pairs = self._draw(split, n, seed)
+    rng = np.random.default_rng([int(seed), 7919, zlib.crc32(self.name.encode())])
+    wrong = set(rng.choice(n, size=round(error_rate * n), replace=False).tolist()) if n else set()
+    return [{"prompt": p, "completion": self.corrupt(rng, p, a) if i in wrong else a}
+            for i, (p, a) in enumerate(pairs)]
+
+  def check(self, completion: str, answer: str) -> float:
+    """1.0 when the completion's answer (see `extract_answer`) equals `answer`, else 0.0."""
+    return float(extract_answer(completion) == answer.strip())
+
+
+def _digits(rng: np.random.Generator, lo: int, hi: int) -> int:
+  """A number whose digit count is uniform in [lo, hi], so short operands are not rare."""
+  d = int(rng.integers(lo, hi + 1))
+  return int(rng.integers(0 if d == 1 else 10 ** (d - 1), 10 ** d))
+
+
+@dataclasses.dataclass(frozen=True)
+class Addition(Task):
+  name: str = "addition"
+  min_digits: int = 1
+  max_digits: int = 3
+
+  def sample(self, rng):
+    a, b = _digits(rng, self.min_digits, self.max_digits), _digits(
+        rng, self.min_digits, self.max_digits)
+    return f"{a}+{b}=", str(a + b)
+
+  def corrupt(self, rng, prompt, answer):
+    # Off by a small amount, the kind of slip a half-trained model makes (a carry dropped).
+    delta = int(rng.choice([-10, -2, -1, 1, 2, 10]))
+    value = int(answer) + delta
+    return str(value if value >= 0 else int(answer) + abs(delta))
+
+
+@dataclasses.dataclass(frozen=True)
+class SortDigits(Task):
+  name: str = "sort"
+  min_len: int = 3
+  max_len: int = 6
+
+  def sample(self, rng):
+    n = int(rng.integers(self.min_len, self.max_len + 1))
+    s = "".join(str(int(d)) for d in rng.integers(0, 10, n))
+    return f"sort {s}:", "".join(sorted(s))
+
+  def corrupt(self, rng, prompt, answer):
+    s = list(answer)
+    diff = [i for i in range(len(s) - 1) if s[i] != s[i + 1]]
+    if diff:  # swap one adjacent unequal pair: almost sorted, still wrong
+      i = int(rng.choice(diff))
+      s[i], s[i + 1] = s[i + 1], s[i]
+    else:  # all digits equal: change one
+      i = int(rng.integers(len(s)))
+      s[i] = str((int(s[i]) + 1 + int(rng.integers(9))) % 10)
+    return "".join(s)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reverse(Task):
+  name: str = "reverse"
+  min_len: int = 3
+  max_len: int = 6
+
+  def sample(self, rng):
+    n = int(rng.integers(self.min_len, self.max_len + 1))
+    s = "".join(chr(ord("a") + int(c)) for c in rng.integers(0, 26, n))
+    return f"reverse {s}:", s[::-1]
+
+  def corrupt(self, rng, prompt, answer):
+    s = list(answer)
+    i = int(rng.integers(len(s)))
+    s[i] = chr(ord("a") + (ord(s[i]) - ord("a") + 1 + int(rng.integers(25))) % 26)
+    return "".join(s)
+
+
+TASKS: dict[str, Task] = {t.name: t for t in (Addition(), SortDigits(), Reverse())}
+
+
+def get_task(name: str, **options) -> Task:
+  """The task called `name`; keyword options override its settings, e.g. max_digits=4."""
+  if name not in TASKS:
+    import difflib
+    close = difflib.get_close_matches(str(name), list(TASKS), n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ConfigError(f"task {name!r} does not exist.{hint} Choose one of: "
+                      f"{', '.join(TASKS)}.")
+  task = TASKS[name]
+  if options:
+    fields = {f.name for f in dataclasses.fields(task)} - {"name"}
+    bad = sorted(set(options) - fields)
+    if bad:
+      raise ConfigError(f"task {name!r} has no option {bad[0]!r}: valid options are "
+                        f"{', '.join(sorted(fields))}.")
+    task = dataclasses.replace(task, **options)
+  return task
+
+
+__all__ = ["Addition", "Reverse", "SortDigits", "TASKS", "Task", "extract_answer", "get_task",
+           "split_of"]

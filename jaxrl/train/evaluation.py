@@ -1,0 +1,107 @@
+"""Held-out evaluation: teacher-forced loss, and exact match of greedy decoding on a task.
+
+The greedy decoder is one jit (prefill, then a lax.scan of cached single-token steps), compiled
+once per run and called at every eval. It stands in until the sampler ([sampler]) lands; eval
+then switches to the sampler's engine.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxrl.models import apply, init_cache
+from jaxrl.parallel import batch_sharding, cache_sharding
+
+
+def make_greedy_decoder(graphdef, cfg, mesh, *, batch: int, prompt_len: int, max_new: int):
+  """decode(params, tokens [B, T] right-padded, lengths [B]) -> new tokens [B, max_new].
+
+  Slot b's first new token is predicted at position lengths[b]-1, and each later token is fed
+  at the next position, overwriting the padding the prefill wrote there before it is attended.
+  The result is replicated, so every process can read it.
+  """
+  max_len = prompt_len + max_new
+  cache_shd = cache_sharding(mesh, cfg, batch, max_len, layout="learner")
+  replicated = NamedSharding(mesh, P())
+
+  def decode(params, tokens_bt, lengths_b):
+    cache = [jax.lax.with_sharding_constraint(c, cache_shd)
+             for c in init_cache(cfg, batch, max_len)]
+    positions = jnp.broadcast_to(jnp.arange(prompt_len), (batch, prompt_len))
+    logits, cache = apply(graphdef, params, tokens_bt, positions, cache=cache)
+    last = jnp.take_along_axis(logits, (lengths_b - 1)[:, None, None], axis=1)[:, 0]
+    first = jnp.argmax(last, -1).astype(jnp.int32)
+
+    def body(carry, i):
+      tok_b, cache = carry
+      logits, cache = apply(graphdef, params, tok_b[:, None], (lengths_b + i)[:, None],
+                            cache=cache)
+      return (jnp.argmax(logits[:, 0], -1).astype(jnp.int32), cache), tok_b
+
+    (last_tok, _), toks = jax.lax.scan(body, (first, cache), jnp.arange(max_new - 1))
+    return jnp.concatenate([toks.T, last_tok[:, None]], axis=1)  # [B, max_new]
+
+  return jax.jit(decode, out_shardings=replicated)
+
+
+def global_array(x: np.ndarray, sharding):
+  """A global array from data every process holds in full (each takes its own shards)."""
+  return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+class ExactMatch:
+  """Greedy-decodes `prompts` and scores each completion with `check(completion, answer)`."""
+
+  def __init__(self, graphdef, cfg, mesh, tokenizer, records, check, *, batch: int,
+               max_new: int):
+    self.tokenizer, self.check, self.records = tokenizer, check, list(records)
+    replicas = mesh.shape["data"] * mesh.shape["fsdp"]
+    self.batch = -(-batch // replicas) * replicas  # the cache shards slots over replicas
+    ids = [tokenizer.encode(r["prompt"], bos=True) for r in self.records]
+    self.prompt_len = max(map(len, ids))
+    n_pad = -(-len(ids) // self.batch) * self.batch
+    self.tokens = np.full((n_pad, self.prompt_len), tokenizer.pad_id, np.int32)
+    self.lengths = np.ones((n_pad,), np.int32)  # padded rows decode garbage, never scored
+    for i, seq in enumerate(ids):
+      self.tokens[i, :len(seq)] = seq
+      self.lengths[i] = len(seq)
+    self.decode = make_greedy_decoder(graphdef, cfg, mesh, batch=self.batch,
+                                      prompt_len=self.prompt_len, max_new=max_new)
+    self.tok_shd = batch_sharding(mesh, 2, "learner")
+    self.len_shd = batch_sharding(mesh, 1, "learner")
+
+  def completions(self, params) -> list[str]:
+    out = []
+    for s in range(0, len(self.tokens), self.batch):
+      new = self.decode(params, global_array(self.tokens[s:s + self.batch], self.tok_shd),
+                        global_array(self.lengths[s:s + self.batch], self.len_shd))
+      for row in np.asarray(new):
+        eos = np.flatnonzero(row == self.tokenizer.eos_id)
+        out.append(self.tokenizer.decode(row[:eos[0]] if len(eos) else row))
+    return out[:len(self.records)]
+
+  def __call__(self, params) -> dict[str, float]:
+    comps = self.completions(params)
+    scores = [self.check(c, r["answer"]) for c, r in zip(comps, self.records)]
+    return {"eval/accuracy": float(np.mean(scores))}
+
+
+def make_eval_loss(loss_fn, mesh):
+  """eval_loss(params, batches) -> sum(loss_sum) / sum(weight) over fixed held-out batches."""
+  replicated = NamedSharding(mesh, P())
+
+  @jax.jit
+  def sums(params, batch):
+    loss_sum, (weight, _) = loss_fn(params, batch, jax.random.key(0))
+    return jax.lax.with_sharding_constraint(jnp.stack([loss_sum, weight]), replicated)
+
+  def eval_loss(params, batches) -> float:
+    total = np.zeros(2)
+    for b in batches:
+      total += np.asarray(sums(params, b))
+    return float(total[0] / max(total[1], 1e-9))
+
+  return eval_loss

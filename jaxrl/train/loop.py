@@ -1,0 +1,223 @@
+"""The training loop every trainer shares: resume, step, guard, log, evaluate, checkpoint.
+
+    state, start = resume(ckpt, state, shardings, batches, run)
+    summary = train_loop(state=..., step_fn=..., batches=..., put=..., ...)
+
+`batches` is any iterator of process-local numpy batches with get_state()/set_state() (grain's
+DatasetIterator); its state is checkpointed beside the train state, so a resumed run sees the
+same batches in the same order. Steps are dispatched asynchronously; the host waits only at log,
+eval and save steps, where it fetches every step's metrics since the last wait and checks them
+for NaN/Inf, so a checkpoint is never written from a diverged state.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from jaxrl.train.checkpoint import Checkpointer, abstract_state
+from jaxrl.train.rundir import RunDir
+
+
+class TrainingDiverged(RuntimeError):
+  """The loss (or gradient norm) became NaN or Inf; the message says where the last good
+  checkpoint is."""
+
+
+# ----------------------------------------------------------------------------- interrupts
+
+
+class Interrupts:
+  """SIGTERM/SIGINT handlers that ask the loop to save and stop at the next step boundary.
+
+  TPU VM preemption sends SIGTERM. A second SIGINT raises KeyboardInterrupt at once, for when
+  saving itself hangs. With several processes the request is agreed on every step, so all of
+  them stop (and save) at the same step even if only one received the signal.
+  """
+
+  def __init__(self):
+    self.signum: int | None = None
+    self._previous = {}
+
+  def _handle(self, signum, frame):
+    if self.signum == signal.SIGINT and signum == signal.SIGINT:
+      raise KeyboardInterrupt
+    self.signum = signum
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      for s in (signal.SIGTERM, signal.SIGINT):
+        self._previous[s] = signal.signal(s, self._handle)
+    return self
+
+  def __exit__(self, *exc):
+    for s, h in self._previous.items():
+      signal.signal(s, h)
+
+  def requested(self) -> bool:
+    local = self.signum is not None
+    if jax.process_count() == 1:
+      return local
+    from jax.experimental import multihost_utils
+    return bool(np.any(multihost_utils.process_allgather(np.int32(local))))
+
+
+# ----------------------------------------------------------------------------- progress
+
+
+class Progress:
+  """A tqdm bar on a TTY (step, loss, tokens/s); plain log lines otherwise. Process 0 only."""
+
+  def __init__(self, total: int, start: int, *, enabled: bool, out=print):
+    self.out = out if enabled else (lambda *_: None)
+    self.bar = None
+    if enabled and sys.stdout.isatty():
+      from tqdm import tqdm
+      self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+    self.total = total
+
+  def update(self, step: int, metrics: dict) -> None:
+    if self.bar is not None:
+      self.bar.n = step
+      self.bar.set_postfix(loss=f"{metrics['loss']:.4f}",
+                           tok_s=f"{metrics.get('perf/tokens_per_s', 0):.0f}", refresh=True)
+    else:
+      keys = [k for k in ("loss", "lr", "grad_norm", "perf/tokens_per_s") if k in metrics]
+      self.out(f"step {step}/{self.total} " + " ".join(f"{k}={_fmt(metrics[k])}" for k in keys))
+
+  def note(self, text: str) -> None:
+    if self.bar is not None:
+      self.bar.write(text)
+    else:
+      self.out(text)
+
+  def close(self) -> None:
+    if self.bar is not None:
+      self.bar.close()
+
+
+def _fmt(v: float) -> str:
+  return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+def resume(ckpt: Checkpointer, state, shardings, batches, run: RunDir, *, out=print):
+  """(state, step): the latest checkpoint's state and data position when DIR has one, else the
+  given fresh state at its own step. Metrics logged past the checkpoint are dropped, since
+  those steps run again."""
+  step = ckpt.latest_step()
+  if step is None:
+    return state, int(jax.device_get(state.step))
+  target = abstract_state(jax.eval_shape(lambda: state), shardings)
+  del state  # free the fresh state before the restored one arrives
+  restored, data_state = ckpt.restore(target, step)
+  batches.set_state(data_state)
+  run.truncate_metrics(step)
+  if jax.process_index() == 0:
+    out(f"resuming from {ckpt.directory} at step {step}")
+  return restored, step
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def _first_bad(pending: list[tuple[int, dict]]) -> tuple[int, str, float] | None:
+  for step, m in pending:
+    for k in ("loss", "grad_norm"):
+      if k in m and not math.isfinite(float(m[k])):
+        return step, k, float(m[k])
+  return None
+
+
+def train_loop(*, state, step_fn: Callable, batches, put: Callable, total_steps: int,
+               run: RunDir, ckpt: Checkpointer | None, log_every: int, save_every: int,
+               eval_every: int = 0, eval_fn: Callable | None = None,
+               tokens_fn: Callable | None = None, out=print) -> dict:
+  """Runs steps until `total_steps`, an interrupt, or a non-finite loss. Returns the summary
+  (also written to DIR/summary.json): status, step, last metrics, wall time.
+
+  put(batch) turns a process-local numpy batch into global device arrays; tokens_fn(batch)
+  counts its real (non-padding) tokens for `perf/tokens_per_s`.
+  """
+  main = jax.process_index() == 0
+  step = int(jax.device_get(state.step))
+  start_step, t_start = step, time.perf_counter()
+  progress = Progress(total_steps, step, enabled=main, out=out)
+  pending: list[tuple[int, dict]] = []
+  last: dict = {}
+  evals: dict = {}
+  status = "failed"  # until the loop ends normally or is interrupted
+  t_last, steps_since, tokens_since = time.perf_counter(), 0, 0
+  try:
+    with Interrupts() as interrupts:
+      while step < total_steps:
+        batch = next(batches)
+        tokens_since += tokens_fn(batch) * jax.process_count() if tokens_fn else 0
+        state, metrics = step_fn(state, put(batch))
+        step += 1
+        steps_since += 1
+        pending.append((step, metrics))
+        stop = interrupts.requested()
+        final = step == total_steps or stop
+        do_eval = eval_fn is not None and eval_every > 0 and (
+            step % eval_every == 0 or step == total_steps)
+        do_save = ckpt is not None and (step % save_every == 0 or final)
+        do_log = step % log_every == 0 or final or do_eval
+        if not (do_log or do_save):
+          continue
+        host = jax.device_get(pending)  # the one wait: every pending step's scalars
+        pending = []
+        bad = _first_bad(host)
+        if bad is not None:
+          status = "diverged"
+          where = (f"the last good checkpoint is step {ckpt.latest_step()} in {ckpt.directory}"
+                   if ckpt is not None and ckpt.latest_step() is not None
+                   else "no checkpoint was saved before it")
+          raise TrainingDiverged(
+              f"{bad[1]} is {bad[2]} at step {bad[0]}: training stopped and nothing was saved "
+              f"past it; {where}. Lower optim.lr or tighten optim.clip_norm, then re-run.")
+        dt = time.perf_counter() - t_last
+        last = {k: float(v) for k, v in host[-1][1].items()}
+        last["timing_s/step"] = dt / steps_since
+        if tokens_fn:
+          last["perf/tokens_per_s"] = tokens_since / dt
+        if do_eval:
+          t0 = time.perf_counter()
+          evals = eval_fn(state.params, step)
+          last.update(evals)
+          last["timing_s/eval"] = time.perf_counter() - t0
+        if do_log:
+          run.log(step, last)
+          progress.update(step, last)
+          if do_eval:
+            progress.note(f"eval @ {step}: " + " ".join(
+                f"{k}={_fmt(v)}" for k, v in evals.items()))
+        if do_save:
+          ckpt.save(step, state, batches.get_state())
+        t_last, steps_since, tokens_since = time.perf_counter(), 0, 0
+        if stop:
+          status = "interrupted"
+          sig = signal.Signals(interrupts.signum).name if interrupts.signum else "a signal"
+          progress.note(f"{sig} at step {step}: checkpoint saved; re-run the same command to "
+                        "resume.")
+          break
+      else:
+        status = "completed"
+  finally:
+    progress.close()
+    if ckpt is not None:
+      ckpt.wait()  # async writes must land before the process exits
+    summary = {"status": status, "step": step, "start_step": start_step,
+               "total_steps": total_steps, "wall_s": time.perf_counter() - t_start,
+               "metrics": last, "eval": evals}
+    run.write_summary(summary)
+  return {**summary, "state": state}

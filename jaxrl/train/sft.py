@@ -1,0 +1,150 @@
+"""Supervised fine-tuning: masked token-level cross-entropy over completion tokens.
+
+    jaxrl sft --config configs/sft_tiny.py --workdir DIR
+
+Reads top to bottom: config -> mesh -> data -> state -> loss -> eval -> loop. The loss is the
+mean negative log-likelihood of every completion token (and the eos) in the global batch, the
+token-level mean TRL's SFTTrainer uses; prompt tokens and padding carry no loss. Eval reports
+the held-out loss (`eval/loss`) and, on a built-in task, the exact-match accuracy of greedy
+decoding (`eval/accuracy`).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jaxrl import config as config_lib
+from jaxrl.data import ON_BAD_ROW, ByteTokenizer, read_jsonl, sft_batches
+from jaxrl.errors import ConfigError
+from jaxrl.models import apply, token_logprobs
+from jaxrl.parallel import batch_sharding, mesh_from_config
+from jaxrl.train.checkpoint import Checkpointer
+from jaxrl.train.data import ShardedBatches, data_shards
+from jaxrl.train.evaluation import ExactMatch, global_array, make_eval_loss
+from jaxrl.train.loop import resume, train_loop
+from jaxrl.train.optim import make_optimizer
+from jaxrl.train.rundir import RunDir
+from jaxrl.train.state import init_train_state, make_train_step, put_batch
+
+config_lib.CHOICES["data.on_bad_row"] = ON_BAD_ROW
+
+
+def sft_loss(graphdef):
+  """loss_fn(params, batch, key) -> (sum of -log p(target) over masked tokens, (token count,
+  {})); the train step divides by the count over the whole batch."""
+  def loss_fn(params, batch, key):
+    del key  # no dropout in these models
+    logits, _ = apply(graphdef, params, batch["inputs"], batch["positions"],
+                      segment_ids_bt=batch["segment_ids"])
+    logp, _ = token_logprobs(logits, batch["targets"])
+    mask = batch["loss_mask"]
+    return -(logp * mask).sum(), (mask.sum(), {})
+  return loss_fn
+
+
+def _records(config):
+  """(train SFT records, held-out SFT records, held-out {prompt, answer} records or None,
+  the task's checker or None)."""
+  d, seed = config.data, config.seed
+  task = None
+  if d.task:
+    from jaxrl.tasks import get_task
+    task = get_task(d.task, **({"max_digits": d.max_digits} if d.max_digits else {}))
+  if d.train_file:
+    train, _ = read_jsonl(d.train_file, "sft", on_bad_row=d.on_bad_row)
+  elif task is not None:
+    train = task.sft_records("train", d.train_examples, seed, error_rate=d.error_rate)
+  else:
+    raise ConfigError("data.task and data.train_file are both empty: set data.task to a "
+                      "built-in task (e.g. addition) or data.train_file to a JSONL file.")
+  if d.eval_file:
+    held_out, _ = read_jsonl(d.eval_file, "sft", on_bad_row=d.on_bad_row)
+  elif task is not None:
+    held_out = task.sft_records("test", config.eval.examples, seed + 1)
+  else:
+    held_out = []
+  answers = task.records("test", config.eval.examples, seed + 1) if task is not None else None
+  return train, held_out, answers, (task.check if task is not None else None)
+
+
+def run(config, workdir: str, *, out=print) -> dict:
+  """Trains (or resumes) the SFT run in `workdir`; returns the summary."""
+  config_lib.validate(config)
+  main = jax.process_index() == 0
+  mesh = mesh_from_config(config.mesh)
+  cfg = config_lib.model_config(config)
+  run_dir = RunDir(workdir, write=main)
+  run_dir.write_config(config)
+  tokenizer = ByteTokenizer()
+  if tokenizer.vocab_size > cfg.vocab_size:
+    raise ConfigError(f"model.vocab_size={cfg.vocab_size} is smaller than the byte tokenizer's "
+                      f"{tokenizer.vocab_size} ids: use a preset with vocab_size >= 259.")
+
+  # Data: the global batch is the concatenation of `shards` shard batches, and each process
+  # reads only its own shards, so the batches do not depend on the process count.
+  d = config.data
+  train, held_out, answers, check = _records(config)
+  shards, mine = data_shards(d.shards)
+  if d.batch_size % shards:
+    raise ConfigError(f"data.batch_size={d.batch_size} is not divisible by data.shards="
+                      f"{shards}: choose a batch size that is a multiple of it.")
+  batches = ShardedBatches([
+      sft_batches(train, tokenizer, seq_len=d.seq_len, batch_size=d.batch_size // shards,
+                  seed=config.seed, packing=d.packing, shard_index=i, shard_count=shards,
+                  on_bad_row=d.on_bad_row) for i in mine])
+  shd = batch_sharding(mesh, 2, config.layout)
+
+  def put(batch):
+    return put_batch(batch, shd)
+
+  # State, born sharded; then the latest checkpoint if DIR has one.
+  total = config.train.steps
+  tx, schedule = make_optimizer(config.optim, total)
+  graphdef, state, shardings = init_train_state(cfg, mesh, tx, seed=config.seed,
+                                                layout=config.layout)
+  loss_fn = sft_loss(graphdef)
+  step_fn = make_train_step(loss_fn, tx, schedule, shardings, shd, mesh=mesh,
+                            accum_steps=config.optim.accum_steps)
+  ckpt = Checkpointer(run_dir.checkpoints, keep=config.train.keep_checkpoints,
+                      async_save=config.train.async_checkpoints)
+  state, start = resume(ckpt, state, shardings, batches, run_dir, out=out)
+
+  # Eval: fixed held-out batches for the loss; greedy exact match on the task's test split.
+  # Every process holds the (small) held-out set in full, so all of them run the same number
+  # of eval batches; each device still takes only its own rows.
+  eval_batches = []
+  if held_out:
+    eval_bs = min(d.batch_size, len(held_out) // shd.mesh.shape["data"] // shd.mesh.shape["fsdp"]
+                  * shd.mesh.shape["data"] * shd.mesh.shape["fsdp"])
+    if eval_bs > 0:
+      eval_batches = [{k: global_array(v, shd) for k, v in b.items()} for b in sft_batches(
+          held_out, tokenizer, seq_len=d.seq_len, batch_size=eval_bs, seed=0, shuffle=False,
+          num_epochs=1, on_bad_row="skip")]
+  eval_loss = make_eval_loss(loss_fn, mesh)
+  exact = (ExactMatch(graphdef, cfg, mesh, tokenizer, answers, check,
+                      batch=config.eval.batch_size, max_new=config.eval.max_new_tokens)
+           if answers else None)
+
+  def evaluate(params, step):
+    del step
+    metrics = {}
+    if eval_batches:
+      metrics["eval/loss"] = eval_loss(params, eval_batches)
+    if exact is not None:
+      metrics.update(exact(params))
+    return metrics
+
+  if main and start == 0:
+    out(f"sft: {cfg.num_params:,} parameters, {len(train)} train examples, "
+        f"global batch {d.batch_size} x {d.seq_len}, {total} steps")
+  try:
+    summary = train_loop(
+        state=state, step_fn=step_fn, batches=batches, put=put, total_steps=total,
+        run=run_dir, ckpt=ckpt, log_every=config.train.log_every,
+        save_every=config.train.save_every, eval_every=config.eval.every, eval_fn=evaluate,
+        tokens_fn=lambda b: int(np.count_nonzero(b["segment_ids"])), out=out)
+  finally:
+    ckpt.close()
+    run_dir.close()
+  return summary
