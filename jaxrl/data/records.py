@@ -232,8 +232,7 @@ def parse_example(buf: bytes) -> dict:
   Example = {1: Features}; Features = {1: map<string, Feature>}; Feature is one of
   bytes_list (1), float_list (2), int64_list (3), each {1: repeated value}. A one-element
   bytes list becomes a str (UTF-8), which is how TFDS stores text features; longer lists stay
-  lists. Only bytes features can become record text, so floats are decoded approximately
-  enough to be passed along as extras.
+  lists. Float and int64 features are decoded too, so RL records pass them on as extras.
   """
   import struct
   out = {}

@@ -2,7 +2,7 @@
 
 Each task is small enough that a ~1M-parameter byte-level model learns it on CPU in minutes:
 
-    addition   "12+345="     -> "357"      operands of 1..3 digits (configurable)
+    addition   "12+34="      -> "46"       operands of 1..2 digits ("addition:max_digits=3")
     sort       "sort 3142:"  -> "1234"     3..6 digits, sorted ascending
     reverse    "reverse abc:" -> "cba"     3..6 lowercase letters, reversed
 
@@ -56,6 +56,13 @@ class Task:
     """A plausible but wrong answer to `prompt` (never equal to `answer`)."""
     raise NotImplementedError
 
+  def validate(self) -> None:
+    """Raises ConfigError for settings that cannot produce records (e.g. min > max)."""
+    for lo, hi in (("min_digits", "max_digits"), ("min_len", "max_len")):
+      if hasattr(self, lo) and not 1 <= getattr(self, lo) <= getattr(self, hi):
+        raise ConfigError(f"task {self.name!r}: {lo}={getattr(self, lo)} and "
+                          f"{hi}={getattr(self, hi)} must satisfy 1 <= {lo} <= {hi}.")
+
   # -- shared by every task
   def _draw(self, split: str, n: int, seed: int) -> list[tuple[str, str]]:
     if split not in SPLITS:
@@ -107,7 +114,10 @@ def _digits(rng: np.random.Generator, lo: int, hi: int) -> int:
 class Addition(Task):
   name: str = "addition"
   min_digits: int = 1
-  max_digits: int = 3
+  # Two digits by default: measured on 2 CPU cores, the 0.46M-param "tiny" preset reaches 93%
+  # held-out exact match after 1000 SFT steps of 64 on 1-2 digits, but only 25% after 1500
+  # steps on 1-3 digits (answers are written most-significant digit first, which is harder).
+  max_digits: int = 2
 
   def sample(self, rng):
     a, b = _digits(rng, self.min_digits, self.max_digits), _digits(
@@ -166,21 +176,38 @@ TASKS: dict[str, Task] = {t.name: t for t in (Addition(), SortDigits(), Reverse(
 
 
 def get_task(name: str, **options) -> Task:
-  """The task called `name`; keyword options override its settings, e.g. max_digits=4."""
-  if name not in TASKS:
+  """The task called `name`, with settings from `name:key=value,...` or keyword options.
+
+  get_task("addition:max_digits=3") == get_task("addition", max_digits=3); the string form
+  lets a config value or a CLI flag pick a harder variant.
+  """
+  base, _, spec = str(name).partition(":")
+  if base not in TASKS:
     import difflib
-    close = difflib.get_close_matches(str(name), list(TASKS), n=1)
+    close = difflib.get_close_matches(base, list(TASKS), n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise ConfigError(f"task {name!r} does not exist.{hint} Choose one of: "
+    raise ConfigError(f"task {base!r} does not exist.{hint} Choose one of: "
                       f"{', '.join(TASKS)}.")
-  task = TASKS[name]
+  task = TASKS[base]
+  fields = {f.name: type(getattr(task, f.name)) for f in dataclasses.fields(task)}
+  fields.pop("name")
+  for item in filter(None, spec.split(",")):
+    key, eq, value = item.partition("=")
+    if not eq or key.strip() not in fields:
+      raise ConfigError(f"task option {item!r} in {name!r} is not valid: write "
+                        f"{base}:key=value with key one of {', '.join(sorted(fields))}.")
+    try:
+      options.setdefault(key.strip(), fields[key.strip()](value.strip()))
+    except ValueError:
+      raise ConfigError(f"task option {item!r} in {name!r} is not valid: "
+                        f"{key.strip()} takes an integer.") from None
+  bad = sorted(set(options) - set(fields))
+  if bad:
+    raise ConfigError(f"task {base!r} has no option {bad[0]!r}: valid options are "
+                      f"{', '.join(sorted(fields))}.")
   if options:
-    fields = {f.name for f in dataclasses.fields(task)} - {"name"}
-    bad = sorted(set(options) - fields)
-    if bad:
-      raise ConfigError(f"task {name!r} has no option {bad[0]!r}: valid options are "
-                        f"{', '.join(sorted(fields))}.")
     task = dataclasses.replace(task, **options)
+  task.validate()
   return task
 
 
