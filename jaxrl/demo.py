@@ -24,8 +24,8 @@ from jaxrl.errors import ConfigError
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SFT_OVERRIDES = {"data.error_rate": 0.2, "train.steps": 600, "train.log_every": 100,
                  "train.save_every": 300, "eval.every": 300}
-GRPO_OVERRIDES = {"train.steps": 40, "train.log_every": 5, "train.save_every": 20,
-                  "eval.every": 10}
+GRPO_OVERRIDES = {"train.steps": 80, "train.log_every": 5, "train.save_every": 20,
+                  "eval.every": 20}
 
 
 def _config(name: str, overrides: dict, extra: list[str]):
