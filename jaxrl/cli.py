@@ -66,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
   _data_parser(sub)
   s = sub.add_parser("sft", help="supervised fine-tuning; re-running on a workdir resumes it")
   _common(s, config_required=True)
+  s = sub.add_parser("grpo", help="GRPO-family RL (generate, score, update); re-running on a "
+                     "workdir resumes it")
+  _common(s, config_required=True)
   return p
 
 
@@ -239,7 +242,11 @@ def cmd_convert(args, overrides) -> None:
 
 def cmd_demo(args, overrides) -> None:
   from jaxrl import demo
-  demo.run(_load(args, overrides), workdir=args.workdir)
+  if args.config:
+    raise ConfigError("jaxrl demo runs the embedded configs (configs/sft_tiny.py, then "
+                      "configs/grpo_tiny.py): drop --config; --config.a.b=value overrides apply "
+                      "to both.")
+  demo.run(args.workdir or "runs/demo", overrides=overrides)
 
 
 def cmd_data(args, overrides) -> None:
@@ -264,9 +271,15 @@ def cmd_sft(args, overrides) -> None:
   run_trainer(sft.run, args, overrides, _load)
 
 
+def cmd_grpo(args, overrides) -> None:
+  from jaxrl.rl import grpo
+  from jaxrl.train import run_trainer
+  run_trainer(grpo.run, args, overrides, _load)
+
+
 COMMANDS = {"info": cmd_info, "model": cmd_model, "sweep": cmd_sweep, "plan": cmd_plan,
             "bench": cmd_bench, "convert": cmd_convert, "demo": cmd_demo, "data": cmd_data,
-            "sft": cmd_sft}
+            "sft": cmd_sft, "grpo": cmd_grpo}
 
 
 def main(argv: list[str] | None = None) -> None:

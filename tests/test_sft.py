@@ -217,17 +217,3 @@ def test_sft_tiny_learns_addition(repo_root, tmp_path):
   assert before["eval/accuracy"] <= 0.02
   assert after["eval/accuracy"] >= 0.15, after
   assert after["eval/loss"] < 0.6 * before["eval/loss"]
-
-
-@pytest.mark.slow
-def test_demo_runs_sft_and_reports_accuracy(devices, tmp_path):
-  from jaxrl import demo
-  lines = []
-  result = demo.run(config_lib.base_config(), steps=4, out=lines.append, sft_steps=6,
-                    workdir=str(tmp_path))
-  text = "\n".join(lines)
-  assert "weight sync learner -> sampler layout" in text
-  assert "held-out exact match:" in text and "untrained ->" in text
-  assert result["sft"]["status"] == "completed" and result["sft"]["step"] == 6
-  assert len(result["sft"]["samples"]) == 8
-  assert os.path.exists(tmp_path / "summary.json")

@@ -117,6 +117,11 @@ PRESETS: dict[str, ModelConfig] = {
     "small": ModelConfig(vocab_size=512, embed_dim=256, num_layers=4, num_heads=8,
                          num_kv_heads=4, head_dim=32, mlp_dim=768, max_seq_len=512,
                          tie_embeddings=True),
+    # The sampler benchmark's shape (benchmarks/sampler.py), equal to its HF peer anchor:
+    # Qwen2-style, 4,487,424 parameters.
+    "bench": ModelConfig(vocab_size=512, embed_dim=256, num_layers=6, num_heads=4,
+                         num_kv_heads=2, head_dim=64, mlp_dim=688, rope_theta=1e6,
+                         qkv_bias=True, tie_embeddings=True, max_seq_len=2048),
     "qwen2.5-0.5b": _qwen2(151936, 896, 24, 14, 2, 4864, tied=True),
     "qwen2.5-1.5b": _qwen2(151936, 1536, 28, 12, 2, 8960, tied=True),
     "qwen2.5-7b": _qwen2(152064, 3584, 28, 28, 4, 18944, tied=False),

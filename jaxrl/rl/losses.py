@@ -93,6 +93,23 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                 "seq-mean-token-sum-norm")
 
 
+def aggregate_sums(loss_bt, mask_bt, *, mode: str = "token-mean", norm_len: int | None = None):
+  """(numerator, denominator) of `aggregate`, so micro-batches and devices can add them up
+  before one division (the shared train step divides the summed loss by the summed weight)."""
+  m = mask_bt.astype(loss_bt.dtype)
+  masked = loss_bt * m
+  B, T = loss_bt.shape
+  if mode == "token-mean":
+    return masked.sum(), m.sum()
+  if mode == "seq-mean-token-mean":
+    return (masked.sum(-1) / jnp.maximum(m.sum(-1), 1.0)).sum(), jnp.asarray(B, loss_bt.dtype)
+  if mode == "seq-mean-token-sum":
+    return masked.sum(), jnp.asarray(B, loss_bt.dtype)
+  if mode == "seq-mean-token-sum-norm":
+    return masked.sum() / (norm_len or T), jnp.asarray(B, loss_bt.dtype)
+  raise ValueError(f"mode={mode!r}: choose one of {', '.join(AGGREGATIONS)}")
+
+
 def aggregate(loss_bt, mask_bt, *, mode: str = "token-mean", norm_len: int | None = None):
   """Reduces a per-token loss to a scalar.
 
@@ -102,17 +119,8 @@ def aggregate(loss_bt, mask_bt, *, mode: str = "token-mean", norm_len: int | Non
     seq-mean-token-sum-norm  sum / (B * norm_len), a constant normaliser (Dr. GRPO);
                              norm_len defaults to T, the padded completion length
   """
-  m = mask_bt.astype(loss_bt.dtype)
-  masked = loss_bt * m
-  if mode == "token-mean":
-    return masked.sum() / jnp.maximum(m.sum(), 1.0)
-  if mode == "seq-mean-token-mean":
-    return (masked.sum(-1) / jnp.maximum(m.sum(-1), 1.0)).mean()
-  if mode == "seq-mean-token-sum":
-    return masked.sum(-1).mean()
-  if mode == "seq-mean-token-sum-norm":
-    return masked.sum() / (loss_bt.shape[0] * (norm_len or loss_bt.shape[1]))
-  raise ValueError(f"mode={mode!r}: choose one of {', '.join(AGGREGATIONS)}")
+  num, den = aggregate_sums(loss_bt, mask_bt, mode=mode, norm_len=norm_len)
+  return num / jnp.maximum(den, 1.0)
 
 
 def masked_mean(x_bt, mask_bt):

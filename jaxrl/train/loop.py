@@ -110,13 +110,15 @@ def _fmt(v: float) -> str:
 # ----------------------------------------------------------------------------- resume
 
 
-def resume(ckpt: Checkpointer, state, shardings, batches, run: RunDir, *, out=print):
+def resume(ckpt: Checkpointer, state, shardings, batches, run: RunDir, *, out=print,
+           updates_per_step: int = 1):
   """(state, step): the latest checkpoint's state and data position when DIR has one, else the
   given fresh state at its own step. Metrics logged past the checkpoint are dropped, since
-  those steps run again."""
+  those steps run again. A trainer whose step makes several optimizer updates (GRPO's
+  iterations x minibatches) passes `updates_per_step`; checkpoints are keyed by its steps."""
   step = ckpt.latest_step()
   if step is None:
-    return state, int(jax.device_get(state.step))
+    return state, int(jax.device_get(state.step)) // updates_per_step
   target = abstract_state(jax.eval_shape(lambda: state), shardings)
   del state  # free the fresh state before the restored one arrives
   restored, data_state = ckpt.restore(target, step)
@@ -141,15 +143,17 @@ def _first_bad(pending: list[tuple[int, dict]]) -> tuple[int, str, float] | None
 def train_loop(*, state, step_fn: Callable, batches, put: Callable, total_steps: int,
                run: RunDir, ckpt: Checkpointer | None, log_every: int, save_every: int,
                eval_every: int = 0, eval_fn: Callable | None = None,
-               tokens_fn: Callable | None = None, out=print) -> dict:
+               tokens_fn: Callable | None = None, updates_per_step: int = 1,
+               out=print) -> dict:
   """Runs steps until `total_steps`, an interrupt, or a non-finite loss. Returns the summary
   (also written to DIR/summary.json): status, step, last metrics, wall time.
 
   put(batch) turns a process-local numpy batch into global device arrays; tokens_fn(batch)
-  counts its real (non-padding) tokens for `perf/tokens_per_s`.
+  counts its real (non-padding) tokens for `perf/tokens_per_s`. `total_steps` and the logged
+  steps count calls of step_fn, each making `updates_per_step` optimizer updates.
   """
   main = jax.process_index() == 0
-  step = int(jax.device_get(state.step))
+  step = int(jax.device_get(state.step)) // updates_per_step
   start_step, t_start = step, time.perf_counter()
   progress = Progress(total_steps, step, enabled=main, out=out)
   pending: list[tuple[int, dict]] = []

@@ -1,0 +1,513 @@
+"""GRPO-family RL: generate -> score -> update, with the policy and a frozen reference on one mesh.
+
+    jaxrl grpo --config configs/grpo_tiny.py --workdir DIR
+
+Reads top to bottom. Each step:
+  1. sync the policy's weights into the sampler layout (timed: sync/ms);
+  2. sample B prompts x G completions with the engine (continuous batching, one prefill per
+     group); with dynamic sampling, groups whose G rewards are all equal are dropped and more
+     prompts are sampled to refill the batch;
+  3. score the completions with the configured reward functions (host Python, timed);
+  4. compute the reference's and the pre-update policy's log-probs of the sampled tokens in
+     jitted forwards (the "old" log-probs are the policy's own before this step's updates,
+     never a copy of the current ones);
+  5. compute advantages with the named estimator (grpo, dr_grpo, rloo, reinforce_pp, ...);
+  6. run num_iterations x minibatches updates of the clipped surrogate (+ beta * KL, - entropy
+     bonus), through the shared jitted train step.
+
+Departures from the GRPO paper (Shao et al. 2024), all configurable: the loss aggregation
+defaults to token-mean (DAPO) rather than the paper's per-sequence mean; the KL is the k3
+estimator in the loss, clamped at 10 (as verl); advantages are clipped to +-5. The sampler's
+log-probs differ from the learner's only by numerics (and staleness when overlapped); their
+ratio is logged as is_ratio/mean and can correct the loss by truncated importance sampling.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from jaxrl import config as config_lib
+from jaxrl.data import ByteTokenizer, read_jsonl
+from jaxrl.errors import ConfigError
+from jaxrl.models import apply, token_logprobs
+from jaxrl.parallel import batch_sharding
+from jaxrl.parallel.sync import SamplerCopy, WeightSync, make_placement
+from jaxrl.rewards import RewardSpec, parse_specs, register, score
+from jaxrl.rl import advantages as adv_lib
+from jaxrl.rl import losses
+from jaxrl.sampler import Engine, SamplingParams, bucket, generate
+from jaxrl.sampler import metrics as rollout_metrics
+from jaxrl.train.checkpoint import Checkpointer, restore_params
+from jaxrl.train.evaluation import ExactMatch
+from jaxrl.train.loop import resume, train_loop
+from jaxrl.train.optim import make_optimizer
+from jaxrl.train.rundir import RunDir
+from jaxrl.train.state import init_train_state, make_train_step, put_batch
+
+config_lib.CHOICES.update({
+    "algo.advantage": adv_lib.ESTIMATORS,
+    "algo.aggregation": losses.AGGREGATIONS,
+    "algo.kl_estimator": ("k1", "k2", "k3"),
+    "algo.kl_in": ("loss", "reward"),
+    "algo.ratio_level": ("token", "sequence"),
+})
+
+
+def algo_section(**overrides) -> ml_collections.ConfigDict:
+  """The algorithm's knobs. Defaults are GRPO with DAPO's token-mean and no clip-higher."""
+  c = ml_collections.ConfigDict(dict(
+      advantage="grpo",          # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline
+      adv_clip=5.0,
+      eps_low=0.2,
+      eps_high=0.2,              # > eps_low is DAPO's clip-higher
+      dual_clip_c=0.0,           # > 1 enables dual-clip; 0 = off
+      ratio_level="token",       # "sequence" = GSPO
+      aggregation="token-mean",
+      beta=0.04,                 # KL coefficient; 0 = no reference forward at all
+      kl_estimator="k3",
+      kl_clamp=10.0,
+      kl_in="loss",              # or "reward"
+      kl_target=0.0,             # > 0: adaptive KL controller toward this target
+      kl_horizon=10_000,
+      entropy_coef=0.0,
+      num_iterations=1,          # passes over each step's rollouts (mu in the GRPO paper)
+      minibatches=1,             # optimizer updates per pass
+      filter_zero_std=False,     # dynamic sampling: drop all-equal groups, refill the batch
+      max_refill_rounds=3,
+      mask_truncated=False,      # completions cut at max_new_tokens carry no loss
+      tis_cap=0.0,               # > 0: truncated IS correction of sampler/learner mismatch
+  ))
+  c.update(overrides)
+  return c
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+class PromptStream:
+  """B prompt records per step from a list, reshuffled each epoch from (seed, epoch); its
+  position is checkpointed beside the train state, so a resumed run sees the same prompts."""
+
+  def __init__(self, records: list[dict], batch: int, seed: int):
+    if not records:
+      raise ConfigError("the RL prompt set is empty: set data.task or data.train_file.")
+    self.records, self.batch, self.seed = records, batch, seed
+    self.epoch, self.pos = 0, 0
+
+  def _order(self):
+    return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.records))
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> list[dict]:
+    out = []
+    while len(out) < self.batch:
+      order = self._order()
+      take = order[self.pos:self.pos + self.batch - len(out)]
+      out += [self.records[i] for i in take]
+      self.pos += len(take)
+      if self.pos >= len(self.records):
+        self.epoch, self.pos = self.epoch + 1, 0
+    return out
+
+  def get_state(self) -> dict:
+    return {"epoch": self.epoch, "pos": self.pos}
+
+  def set_state(self, state: dict) -> None:
+    self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+
+
+# ----------------------------------------------------------------------------- the batch
+
+
+def learner_batch(rollout, *, length: int, pad_id: int) -> dict[str, np.ndarray]:
+  """Rollout -> next-token arrays over prompt + completion, right-padded to `length` + 1.
+
+  Row s is prompt s's tokens then its completion's. Target index t predicts token t+1, so the
+  completion's first token is the target at index len(prompt) - 1. `mask` marks completion
+  targets; `sampler_logp` is the sampler's log-prob of each such target.
+  """
+  N = rollout.completion_ids.shape[0]
+  seq = np.full((N, length + 1), pad_id, np.int32)
+  mask = np.zeros((N, length), np.float32)
+  sampler_logp = np.zeros((N, length), np.float32)
+  for s in range(N):
+    p = int(rollout.prompt_lengths[s])
+    c = int(rollout.lengths[s])
+    seq[s, :p] = rollout.prompt_ids[s, :p]
+    seq[s, p:p + c] = rollout.completion_ids[s, :c]
+    mask[s, p - 1:p - 1 + c] = 1.0
+    sampler_logp[s, p - 1:p - 1 + c] = rollout.logprobs[s, :c]
+  positions = np.broadcast_to(np.arange(length, dtype=np.int32), (N, length))
+  return {"inputs": seq[:, :-1], "targets": seq[:, 1:], "positions": np.array(positions),
+          "mask": mask, "sampler_logp": sampler_logp}
+
+
+def make_logprobs_fn(graphdef, temperature: float):
+  """Jitted (params, inputs, targets, positions) -> (log-probs, entropy) of the targets."""
+  @jax.jit
+  def fn(params, inputs, targets, positions):
+    logits, _ = apply(graphdef, params, inputs, positions)
+    return token_logprobs(logits, targets, temperature=temperature)
+  return fn
+
+
+def grpo_loss(graphdef, a, *, temperature: float, norm_len: int):
+  """loss_fn for the shared train step: (sum, (weight, metric sums)) of the per-token loss
+  pg + beta * KL - entropy_coef * entropy, aggregated by `a.aggregation`. Metrics (KL,
+  entropy, clip fractions) are aggregated the same way as the loss."""
+  def loss_fn(params, batch, key):
+    del key
+    logits, _ = apply(graphdef, params, batch["inputs"], batch["positions"])
+    logp, entropy = token_logprobs(logits, batch["targets"], temperature=temperature)
+    mask = batch["mask"]
+    pg, low, high = losses.clipped_pg_loss(
+        logp=logp, old_logp=batch["old_logp"], adv=batch["adv"], mask=mask,
+        eps_low=a.eps_low, eps_high=a.eps_high,
+        dual_clip_c=a.dual_clip_c if a.dual_clip_c > 1 else None, ratio_level=a.ratio_level)
+    per_token = pg * batch["tis"]
+    kl = losses.kl_penalty(logp=logp, ref_logp=batch["ref_logp"], estimator=a.kl_estimator,
+                           clamp=a.kl_clamp or None)
+    if a.kl_in == "loss":
+      per_token = per_token + batch["beta"] * kl
+    per_token = per_token - a.entropy_coef * entropy
+
+    def agg(x):
+      return losses.aggregate_sums(x, mask, mode=a.aggregation, norm_len=norm_len)
+
+    loss_sum, weight = agg(per_token)
+    sums = {"kl": agg(kl)[0], "entropy": agg(entropy)[0],
+            "clipfrac/low": agg(low.astype(jnp.float32))[0],
+            "clipfrac/high": agg(high.astype(jnp.float32))[0]}
+    return loss_sum, (weight, sums)
+  return loss_fn
+
+
+# ----------------------------------------------------------------------------- rewards
+
+
+def task_reward(task):
+  """Registers the task's checker as reward "task_<name>" and returns its name."""
+  name = f"task_{task.name}"
+
+  def check(completions, *, batch, **_):
+    return [float(task.check(c, a)) for c, a in zip(completions, batch["answer"])]
+
+  register(name)(check)
+  return name
+
+
+def reward_specs(text: str, task) -> list[RewardSpec]:
+  """Parses `rewards` ("task", "exact_match:1.0,format:0.1", ...); "task" is the task's own
+  checker."""
+  parts = []
+  for part in filter(None, (p.strip() for p in text.split(","))):
+    name, sep, weight = part.partition(":")
+    if name == "task":
+      if task is None:
+        raise ConfigError("rewards names 'task' but data.task is empty: name a reward such as "
+                          "exact_match, or set data.task.")
+      name = task_reward(task)
+    parts.append(name + sep + weight)
+  return parse_specs(",".join(parts))
+
+
+# ----------------------------------------------------------------------------- alarms
+
+
+class Alarms:
+  """KL past a threshold, and reward rising while held-out accuracy falls (reward hacking)."""
+
+  def __init__(self, *, kl_threshold: float, window: int, out):
+    self.kl_threshold, self.window, self.out = kl_threshold, window, out
+    self.rewards: collections.deque = collections.deque(maxlen=window)
+    self.evals: list[tuple[int, float, float]] = []  # (step, mean reward since last, accuracy)
+    self.raised = {"kl": 0, "reward_hacking": 0}
+
+  def on_step(self, step: int, metrics: dict) -> dict:
+    self.rewards.append(metrics["reward/mean"])
+    if metrics.get("kl", 0.0) > self.kl_threshold:
+      self.raised["kl"] += 1
+      self.out(f"ALARM step {step}: kl={metrics['kl']:.4f} > {self.kl_threshold} (the policy is "
+               "drifting from the reference: raise algo.beta or lower optim.lr)")
+      return {"alarm/kl": 1.0}
+    return {"alarm/kl": 0.0}
+
+  def on_eval(self, step: int, accuracy: float) -> dict:
+    reward = float(np.mean(self.rewards)) if self.rewards else 0.0
+    self.evals.append((step, reward, accuracy))
+    if len(self.evals) >= 2:
+      (_, r0, a0), (_, r1, a1) = self.evals[-2], self.evals[-1]
+      if r1 > r0 and a1 < a0:
+        self.raised["reward_hacking"] += 1
+        self.out(f"ALARM step {step}: reward rose {r0:.3f} -> {r1:.3f} while held-out accuracy "
+                 f"fell {a0:.3f} -> {a1:.3f} (reward hacking?)")
+        return {"alarm/reward_hacking": 1.0}
+    return {"alarm/reward_hacking": 0.0}
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+def _records(config, task):
+  d = config.data
+  if d.train_file:
+    train, _ = read_jsonl(d.train_file, "rl", on_bad_row=d.on_bad_row)
+  elif task is not None:
+    train = task.records("train", d.train_examples, config.seed)
+  else:
+    raise ConfigError("data.task and data.train_file are both empty: set data.task to a "
+                      "built-in task or data.train_file to a JSONL of {prompt, answer}.")
+  if d.eval_file:
+    held_out, _ = read_jsonl(d.eval_file, "rl", on_bad_row=d.on_bad_row)
+  elif task is not None:
+    held_out = task.records("test", config.eval.examples, config.seed + 1)
+  else:
+    held_out = []
+  return train, held_out
+
+
+def run(config, workdir: str, *, out=print) -> dict:
+  """Trains (or resumes) the GRPO run in `workdir`; returns the summary."""
+  config_lib.validate(config)
+  main = jax.process_index() == 0
+  cfg = config_lib.model_config(config)
+  placement = make_placement(config.mesh, config.placement)
+  mesh = placement.learner.mesh
+  run_dir = RunDir(workdir, write=main)
+  run_dir.write_config(config)
+  tokenizer = ByteTokenizer()
+  a, r = config.algo, config.rollout
+
+  task = None
+  if config.data.task:
+    from jaxrl.tasks import get_task
+    task = get_task(config.data.task)
+  train_records, held_out = _records(config, task)
+  specs = reward_specs(config.rewards, task)
+
+  # Models: the policy (trained) and its frozen reference, both in the learner layout.
+  tx, schedule = make_optimizer(config.optim, config.train.steps * a.num_iterations *
+                                a.minibatches)
+  graphdef, state, shardings = init_train_state(cfg, mesh, tx, seed=config.seed)
+  if config.init.checkpoint:
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                           sharding=x.sharding), state.params)
+    state = state.replace(params=restore_params(config.init.checkpoint, abstract))
+  # The reference is the starting policy, rebuilt from the same source on resume (never saved).
+  reference = jax.tree.map(jnp.copy, state.params)
+
+  # Sampler: the engine on the sampler mesh, fed by a timed weight sync every step.
+  sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                            max_new_tokens=r.max_new_tokens, eos_id=tokenizer.eos_id)
+  engine = Engine(graphdef, cfg, placement.sampler.mesh, sampling=sampling)
+  weight_sync = WeightSync(cfg, placement, dtype=config.placement.sync_dtype or None)
+  sampler_copy = SamplerCopy(weight_sync)
+
+  prompt_len = bucket(max(len(tokenizer.encode(x["prompt"], bos=True))
+                          for x in train_records + held_out))
+  length = prompt_len + r.max_new_tokens  # fixed, so the learner's jits compile once
+  N = r.prompts_per_step * r.group_size
+  replicas = mesh.shape["data"] * mesh.shape["fsdp"]
+  if N % (a.minibatches * replicas):
+    raise ConfigError(f"rollout.prompts_per_step x rollout.group_size = {N} is not divisible "
+                      f"by algo.minibatches x replicas = {a.minibatches * replicas}: adjust them.")
+  shd = batch_sharding(mesh, 2, "learner")
+  logprobs_fn = make_logprobs_fn(graphdef, r.temperature)
+  loss_fn = grpo_loss(graphdef, a, temperature=r.temperature, norm_len=r.max_new_tokens)
+  update = make_train_step(loss_fn, tx, schedule, shardings, shd, mesh=mesh,
+                           accum_steps=config.optim.accum_steps)
+  beta = [float(a.beta)]
+  stream = PromptStream(train_records, r.prompts_per_step, config.seed)
+  ckpt = Checkpointer(run_dir.checkpoints, keep=config.train.keep_checkpoints,
+                      async_save=config.train.async_checkpoints)
+  state, start = resume(ckpt, state, shardings, stream, run_dir, out=out,
+                        updates_per_step=a.num_iterations * a.minibatches)
+  alarms = Alarms(kl_threshold=config.alarm.kl_threshold, window=config.alarm.window, out=out)
+  exact = (ExactMatch(graphdef, cfg, mesh, tokenizer, held_out, task.check,
+                      batch=config.eval.batch_size, max_new=r.max_new_tokens)
+           if held_out and task is not None else None)
+
+  def put(rows):
+    return {k: put_batch({k: v}, shd)[k] for k, v in rows.items()}
+
+  def sample(params, prompts, step, round_):
+    ids = [tokenizer.encode(x["prompt"], bos=True) for x in prompts]
+    seed = int(jax.random.randint(jax.random.fold_in(jax.random.key(config.seed),
+                                                     step * 16 + round_), (), 0, 2**31 - 1))
+    rollout = generate(engine, params, ids, n=r.group_size, seed=seed, slots=r.slots,
+                       steps_per_call=r.steps_per_call, max_prompt_len=prompt_len,
+                       pad_id=tokenizer.pad_id)
+    texts = [tokenizer.decode(row[:n]) for row, n in zip(rollout.completion_ids,
+                                                           rollout.lengths)]
+    fields = {k: [prompts[i // r.group_size].get(k) for i in range(len(texts))]
+              for k in prompts[0]}
+    fields["completion_length"] = [int(n) for n in rollout.lengths]
+    t0 = time.perf_counter()
+    rewards, reward_stats = score(specs, texts, fields, normalize=config.normalize_rewards)
+    reward_stats["timing_s/reward"] = time.perf_counter() - t0
+    return rollout, rewards, reward_stats
+
+  def step_fn(state, prompts):
+    t_step = time.perf_counter()
+    step = int(jax.device_get(state.step)) // (a.num_iterations * a.minibatches)
+    # 1. sync
+    params_s = sampler_copy.refresh(state.params)
+    # 2-3. sample and score, refilling zero-variance groups when asked
+    t0 = time.perf_counter()
+    rollout, rewards, reward_stats = sample(params_s, prompts, step, 0)
+    rewards_bg = rewards.reshape(-1, r.group_size)
+    zero = np.asarray(adv_lib.zero_std_groups(rewards_bg=rewards_bg))
+    frac_zero = float(zero.mean())
+    gen_stats = rollout_metrics(rollout)
+    if a.filter_zero_std and zero.any():
+      rollout, rewards_bg = _refill(rollout, rewards_bg, zero, lambda p, i: sample(
+          params_s, p, step, i), stream, a.max_refill_rounds, r.group_size)
+    t_gen = time.perf_counter() - t0 - reward_stats["timing_s/reward"]
+    sampler_copy.before_update()  # colocated: its memory goes to the update
+    # 4. reference and old log-probs
+    batch = learner_batch(rollout, length=length, pad_id=tokenizer.pad_id)
+    if a.mask_truncated:
+      truncated = np.array([x == "length" for x in rollout.finish_reasons])
+      batch["mask"][truncated] = 0.0
+    dev = put({k: batch[k] for k in ("inputs", "targets", "positions")})
+    t0 = time.perf_counter()
+    old_logp, entropy = jax.block_until_ready(
+        logprobs_fn(state.params, dev["inputs"], dev["targets"], dev["positions"]))
+    t_score = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    ref_logp, _ = jax.block_until_ready(
+        logprobs_fn(reference, dev["inputs"], dev["targets"], dev["positions"]))
+    t_ref = time.perf_counter() - t0
+    old_np, ref_np = np.asarray(old_logp), np.asarray(ref_logp)
+    mask = batch["mask"]
+    kl_tok = np.asarray(losses.kl_penalty(logp=old_np, ref_logp=ref_np,
+                                          estimator=a.kl_estimator, clamp=a.kl_clamp or None))
+    # 5. advantages (KL in the reward shapes them when kl_in == "reward")
+    seq_rewards = rewards_bg.reshape(-1)
+    if a.kl_in == "reward":
+      seq_rewards = np.asarray(losses.kl_in_reward(rewards_b=seq_rewards, kl_bt=kl_tok,
+                                                   mask_bt=mask, beta=beta[0]))
+    adv = np.asarray(adv_lib.compute(a.advantage, rewards_bg=seq_rewards.reshape(
+        -1, r.group_size), clip=a.adv_clip or None)).reshape(-1)
+    log_ratio = np.where(mask > 0, old_np - batch["sampler_logp"], 0.0)
+    tis = (np.minimum(np.exp(log_ratio), a.tis_cap) if a.tis_cap > 0
+           else np.ones_like(log_ratio)).astype(np.float32)
+    full = {**{k: batch[k] for k in ("inputs", "targets", "positions", "mask")},
+            "old_logp": old_np.astype(np.float32), "ref_logp": ref_np.astype(np.float32),
+            "adv": np.broadcast_to(adv[:, None], mask.shape).astype(np.float32),
+            "tis": tis, "beta": np.full(mask.shape, beta[0], np.float32)}
+    # 6. num_iterations x minibatches updates
+    t0 = time.perf_counter()
+    rng = np.random.default_rng([config.seed, step])
+    upd = []
+    for _ in range(a.num_iterations):
+      order = rng.permutation(N)
+      for mb in np.array_split(order, a.minibatches):
+        state, m = update(state, put({k: v[mb] for k, v in full.items()}))
+        upd.append(m)
+    upd = jax.device_get(upd)
+    t_update = time.perf_counter() - t0
+    if a.kl_target > 0:
+      beta[0] = losses.adaptive_kl_beta(beta[0], kl=float(np.mean([u["kl"] for u in upd])),
+                                        target=a.kl_target, horizon=a.kl_horizon,
+                                        n_steps=N)
+    n_tok = max(mask.sum(), 1.0)
+    metrics = {
+        "loss": float(np.mean([u["loss"] for u in upd])),
+        "grad_norm": float(np.mean([u["grad_norm"] for u in upd])),
+        "lr": float(upd[-1]["lr"]),
+        "kl": float(np.mean([u["kl"] for u in upd])),
+        "entropy": float((np.asarray(entropy) * mask).sum() / n_tok),
+        "clipfrac/low": float(np.mean([u["clipfrac/low"] for u in upd])),
+        "clipfrac/high": float(np.mean([u["clipfrac/high"] for u in upd])),
+        "reward/mean": float(rewards_bg.mean()), "reward/std": float(rewards_bg.std()),
+        "accuracy": reward_stats.get(f"reward/task_{task.name}", float("nan")) if task
+        is not None else float("nan"),
+        "frac_zero_std_groups": frac_zero,
+        "is_ratio/mean": float((np.exp(log_ratio) * mask).sum() / n_tok),
+        "staleness/mean": 0.0,
+        "kl/beta": beta[0],
+        "timing_s/gen": t_gen, "timing_s/score": t_score + reward_stats["timing_s/reward"],
+        "timing_s/ref": t_ref, "timing_s/update": t_update,
+        "timing_s/sync": weight_sync.last.ms / 1e3,
+        **weight_sync.last.metrics(), **gen_stats, **reward_stats,
+    }
+    step_s = time.perf_counter() - t_step
+    metrics["timing_s/step_wall"] = step_s
+    metrics["perf/gen_fraction"] = t_gen / step_s
+    metrics.update(alarms.on_step(step + 1, metrics))
+    return state, metrics
+
+  def evaluate(params, step):
+    if exact is None:
+      return {}
+    m = exact(params)
+    m.update(alarms.on_eval(step, m["eval/accuracy"]))
+    return m
+
+  total = config.train.steps
+  if main and start == 0:
+    out(f"grpo: {cfg.num_params:,} parameters, {len(train_records)} prompts, "
+        f"{r.prompts_per_step} x {r.group_size} samples per step, {config.train.steps} steps; "
+        f"placement {placement.mode}")
+  try:
+    summary = train_loop(
+        state=state, step_fn=step_fn, batches=stream, put=lambda b: b, total_steps=total,
+        run=run_dir, ckpt=ckpt, log_every=config.train.log_every,
+        save_every=config.train.save_every, eval_every=config.eval.every, eval_fn=evaluate,
+        out=out, updates_per_step=a.num_iterations * a.minibatches)
+  finally:
+    ckpt.close()
+    run_dir.close()
+  summary["alarms"] = dict(alarms.raised)
+  return summary
+
+
+def _refill(rollout, rewards_bg, zero, sample, stream, rounds: int, G: int):
+  """Dynamic sampling (DAPO): replaces all-equal groups with groups sampled for fresh prompts,
+  up to `rounds` extra rounds. The group count stays fixed (a group that cannot be replaced
+  stays, with zero advantage), so the learner's jits never recompile."""
+  B = len(zero)
+  parts = [(rollout, rewards_bg, g) for g in np.flatnonzero(~zero)]
+  for i in range(1, rounds + 1):
+    if len(parts) >= B:
+      break
+    ro, rw, _ = sample(next(stream), i)
+    rw_bg = rw.reshape(-1, G)
+    z = np.asarray(adv_lib.zero_std_groups(rewards_bg=rw_bg))
+    parts += [(ro, rw_bg, g) for g in np.flatnonzero(~z)]
+  parts += [(rollout, rewards_bg, g) for g in np.flatnonzero(zero)]  # fill up, zero advantage
+  parts = parts[:B]
+  return _concat_groups(parts, G), np.stack([rw[g] for _, rw, g in parts])
+
+
+def _concat_groups(parts, G: int):
+  """A Rollout made of the given (rollout, rewards, group) groups, padded to common widths."""
+  rows = [(ro, g * G + j) for ro, _, g in parts for j in range(G)]
+  lp = max(ro.prompt_ids.shape[1] for ro, _ in rows)
+  lc = max(ro.completion_ids.shape[1] for ro, _ in rows)
+
+  def stack(name, width):
+    arrs = [getattr(ro, name)[s] for ro, s in rows]
+    out = np.zeros((len(rows), width), arrs[0].dtype)
+    for i, a in enumerate(arrs):
+      out[i, :len(a)] = a
+    return out
+
+  first = rows[0][0]
+  return dataclasses.replace(
+      first, prompt_ids=stack("prompt_ids", lp), completion_ids=stack("completion_ids", lc),
+      completion_mask=stack("completion_mask", lc), logprobs=stack("logprobs", lc),
+      prompt_lengths=np.array([ro.prompt_lengths[s] for ro, s in rows]),
+      lengths=np.array([ro.lengths[s] for ro, s in rows]),
+      finish_reasons=[ro.finish_reasons[s] for ro, s in rows],
+      prompt_index=np.arange(len(rows)) // G)

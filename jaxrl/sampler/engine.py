@@ -1,0 +1,215 @@
+"""The JetStream-style engine: prefill, insert, generate over decode slots.
+
+    engine = Engine(graphdef, cfg, mesh, sampling=SamplingParams(...))
+    state = engine.init_decode_state(slots, max_len)
+    prefix = engine.prefill(params, tokens_pt, true_length_p, key)       # P prompts at once
+    state, first = engine.insert(prefix, state, slot)                    # one prefix, one slot
+    state, first = engine.insert_group(prefix, state, slots_g)          # one prefix, G slots
+    state, out = engine.generate(params, state, key)                    # one step, every slot
+    state, out = engine.generate_steps(params, state, key, steps=k)     # k steps in one scan
+
+Every phase is one jit of a pure function over nnx.split state. Params are an argument, so a
+weight swap (same shapes and shardings) never recompiles; `engine.traces` counts traces so tests
+can show it. The decode state is one pytree whose KV cache is one [2, B, S, K, H] array per layer
+(B slots, S = max_len), sharded for the sampler layout (slots over data x fsdp, KV heads over
+tensor) and donated to every call that updates it, so it is updated in place.
+
+Decode-state fields, per slot b:
+  tokens[b]  the last sampled token, the next step's input; it sits at position pos[b]
+  pos[b]     that token's position (prompt length + tokens generated - 1)
+  ngen[b]    tokens generated so far (the first one comes from the prefill)
+  sample[b]  the global sample index that keys the slot's random draws (see sampling.py)
+  live[b]    the slot is generating; a finished or empty slot still runs but its output is
+             flagged invalid and its state does not advance
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxrl.models import ModelConfig
+from jaxrl.models.llama import init_cache
+from jaxrl.parallel import batch_sharding, cache_sharding
+from jaxrl.sampler.sampling import SamplingParams, is_stop, sample_logits, token_keys
+
+DecodeState = dict  # {"cache": [per-layer [2,B,S,K,H]], "tokens"|"pos"|"ngen"|"sample": [B] i32, "live": [B] bool}
+Prefix = dict  # {"kv": [per-layer [2,P,T,K,H]], "logits": [P,V], "length": [P], "tokens", "logprobs": [P], "key"}
+
+
+class Engine:
+  """Prefill / insert / generate for one model architecture, mesh and sampling setting."""
+
+  def __init__(self, graphdef, cfg: ModelConfig, mesh: Mesh, *, sampling: SamplingParams):
+    self.graphdef, self.cfg, self.mesh, self.sampling = graphdef, cfg, mesh, sampling
+    self.traces: collections.Counter = collections.Counter()
+    self._prefill = jax.jit(self._prefill_fn)
+    # The state (argument 0 of insert, 1 of the steps) is donated: the cache updates in place.
+    self._insert = jax.jit(self._insert_fn, donate_argnums=0)
+    self._steps = jax.jit(self._steps_fn, donate_argnums=1, static_argnames="steps")
+
+  # --------------------------------------------------------------------------- state
+
+  def init_decode_state(self, slots: int, max_len: int) -> DecodeState:
+    """Empty slots and a zeroed KV cache, born sharded for the sampler layout."""
+    cfg = self.cfg
+    shd = self._state_shardings(slots, max_len)
+
+    @functools.partial(jax.jit, out_shardings=shd)
+    def init():
+      z = jnp.zeros((slots,), jnp.int32)
+      return {"cache": init_cache(cfg, slots, max_len), "tokens": z, "pos": z, "ngen": z,
+              "sample": z, "live": jnp.zeros((slots,), bool)}
+
+    return init()
+
+  def _state_shardings(self, slots: int, max_len: int):
+    vec = batch_sharding(self.mesh, 1, "sampler")
+    return {"cache": [cache_sharding(self.mesh, self.cfg, slots, max_len)] * self.cfg.num_layers,
+            "tokens": vec, "pos": vec, "ngen": vec, "sample": vec, "live": vec}
+
+  def _constrain(self, state: DecodeState) -> DecodeState:
+    # Pin the state's layout inside each jit so the donated output keeps the input's shardings
+    # (otherwise propagation may pick another layout and the next call recompiles).
+    slots, max_len = state["cache"][0].shape[1:3]
+    return jax.lax.with_sharding_constraint(state, self._state_shardings(slots, max_len))
+
+  # --------------------------------------------------------------------------- prefill
+
+  def prefill(self, params, tokens_pt, true_length_p, key, *, sample_p=None) -> Prefix:
+    """The KV of P right-padded prompts [P, T], their last-position logits, and a first token
+    per prompt (with its logprob) drawn with the key of (sample_p, token 0).
+
+    T should be a bucketed length (see `bucket`) so that the number of compiles stays bounded;
+    `sample_p` defaults to 0..P-1.
+    """
+    tokens_pt = jnp.asarray(tokens_pt, jnp.int32)
+    if sample_p is None:
+      sample_p = np.arange(tokens_pt.shape[0], dtype=np.int32)
+    return self._prefill(params, tokens_pt, jnp.asarray(true_length_p, jnp.int32),
+                         jnp.asarray(sample_p, jnp.int32), key)
+
+  def _prefill_fn(self, params, tokens_pt, length_p, sample_p, key):
+    self.traces["prefill"] += 1
+    model = nnx.merge(self.graphdef, params)
+    h_ptd, kv = model.hidden(tokens_pt)
+    # Only the last real position's logits are needed: [P, 1, D] -> [P, V].
+    h_last = jnp.take_along_axis(h_ptd, (length_p - 1)[:, None, None], axis=1)
+    logits_pv = model.logits(h_last)[:, 0]
+    zeros = jnp.zeros_like(sample_p)
+    token_p, logprob_p = sample_logits(logits_pv, token_keys(key, sample_p, zeros), self.sampling)
+    return {"kv": kv, "logits": logits_pv, "length": length_p, "tokens": token_p,
+            "logprobs": logprob_p, "key": key}
+
+  # --------------------------------------------------------------------------- insert
+
+  def insert(self, prefix: Prefix, state: DecodeState, slot: int, *, row: int = 0,
+             sample: int | None = None):
+    """Places prefix row `row` into `slot`. Returns (state, first) where first holds the
+    slot's first token, its logprob and done flag ([1] arrays). With the default sample (the
+    row's own) the first token is the one prefill returned."""
+    return self.insert_many(prefix, state, rows=[row], slots=[slot],
+                            samples=[row if sample is None else sample])
+
+  def insert_group(self, prefix: Prefix, state: DecodeState, slots, *, row: int = 0,
+                   samples=None):
+    """One prefix into G slots: a GRPO group prefills its prompt once, not G times. Each slot
+    draws its own first token from the shared last-position logits with its sample's key
+    (samples default to row * G + g)."""
+    g = len(slots)
+    samples = [row * g + i for i in range(g)] if samples is None else samples
+    return self.insert_many(prefix, state, rows=[row] * g, slots=slots, samples=samples)
+
+  def insert_many(self, prefix: Prefix, state: DecodeState, *, rows, slots, samples):
+    """The general insert: prefix row rows[m] goes to slot slots[m], keyed by samples[m].
+
+    The index lists are padded to the slot count (padding targets slot B, which the scatter
+    drops), so one compile serves any number of inserts.
+    """
+    num_slots = state["live"].shape[0]
+    m = len(rows)
+    if not m == len(slots) == len(samples) or m > num_slots:
+      raise ValueError(f"insert_many: {m} rows, {len(slots)} slots and {len(samples)} samples "
+                       f"must be equal in number and at most the {num_slots} slots")
+    pad = num_slots - m
+    rows_m = np.asarray(list(rows) + [0] * pad, np.int32)
+    slots_m = np.asarray(list(slots) + [num_slots] * pad, np.int32)
+    samples_m = np.asarray(list(samples) + [0] * pad, np.int32)
+    state, first = self._insert(state, prefix, rows_m, slots_m, samples_m)
+    return state, {k: v[:m] for k, v in first.items()}
+
+  def _insert_fn(self, state, prefix, rows_m, slots_m, samples_m):
+    self.traces["insert"] += 1
+    sp = self.sampling
+    max_len = state["cache"][0].shape[2]
+    T = prefix["kv"][0].shape[2]
+    cache = [c.at[:, slots_m, :T].set(kv[:, rows_m].astype(c.dtype), mode="drop")
+             for c, kv in zip(state["cache"], prefix["kv"])]
+    # Positions T.. of a reused slot keep the previous occupant's KV: harmless, since a query
+    # only attends to positions <= its own and each step writes its position before reading.
+    logits_mv = prefix["logits"][rows_m]
+    keys_m = token_keys(prefix["key"], samples_m, jnp.zeros_like(samples_m))
+    token_m, logprob_m = sample_logits(logits_mv, keys_m, sp)
+    length_m = prefix["length"][rows_m]
+    done_m = is_stop(token_m, sp) | (sp.max_new_tokens <= 1) | (length_m >= max_len)
+
+    def put(x, v):
+      return x.at[slots_m].set(v.astype(x.dtype), mode="drop")
+
+    state = {"cache": cache, "tokens": put(state["tokens"], token_m),
+             "pos": put(state["pos"], length_m), "ngen": put(state["ngen"], jnp.ones_like(token_m)),
+             "sample": put(state["sample"], samples_m), "live": put(state["live"], ~done_m)}
+    return self._constrain(state), {"tokens": token_m, "logprobs": logprob_m, "done": done_m}
+
+  # --------------------------------------------------------------------------- generate
+
+  def generate(self, params, state: DecodeState, key):
+    """One decode step for every slot: (state, out) with out's "tokens", "logprobs", "done"
+    and "valid" (the slot was live, so the token is real) each [B]."""
+    state, out = self._steps(params, state, key, steps=1)
+    return state, {k: v[0] for k, v in out.items()}
+
+  def generate_steps(self, params, state: DecodeState, key, *, steps: int):
+    """`steps` decode steps in one jitted lax.scan: out's arrays are [steps, B]. The host
+    needs no sync between the steps; a slot that finishes mid-scan idles until the end."""
+    return self._steps(params, state, key, steps=steps)
+
+  def _steps_fn(self, params, state, key, *, steps):
+    self.traces["generate"] += 1
+    sp = self.sampling
+    model = nnx.merge(self.graphdef, params)
+    max_len = state["cache"][0].shape[2]
+
+    def step(state, _):
+      live_b = state["live"]
+      logits, cache = model(state["tokens"][:, None], state["pos"][:, None],
+                            cache=state["cache"])
+      keys_b = token_keys(key, state["sample"], state["ngen"])
+      token_b, logprob_b = sample_logits(logits[:, 0], keys_b, sp)
+      ngen_b = state["ngen"] + live_b
+      pos_b = state["pos"] + live_b
+      done_b = live_b & (is_stop(token_b, sp) | (ngen_b >= sp.max_new_tokens) |
+                         (pos_b >= max_len))
+      new = {"cache": cache, "tokens": jnp.where(live_b, token_b, state["tokens"]),
+             # a finished slot parks at max_len - 1 so its harmless writes stay in bounds
+             "pos": jnp.minimum(pos_b, max_len - 1), "ngen": ngen_b, "sample": state["sample"],
+             "live": live_b & ~done_b}
+      return new, {"tokens": token_b, "logprobs": logprob_b, "done": done_b, "valid": live_b}
+
+    state, out = jax.lax.scan(step, state, None, length=steps)
+    return self._constrain(state), out
+
+
+def bucket(n: int, *, minimum: int = 16) -> int:
+  """The power of two >= n (at least `minimum`): prompt lengths and prefill batch sizes are
+  padded to these so the number of compiles grows with log(length), not with length."""
+  b = minimum
+  while b < n:
+    b *= 2
+  return b

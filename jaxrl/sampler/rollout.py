@@ -1,0 +1,219 @@
+"""The rollout driver: n samples for each prompt, continuously batched over decode slots.
+
+    out = generate(engine, params, prompts, n=G, seed=step_seed, slots=64)
+
+Sample i * n + g is prompt i's g-th sample. The driver keeps a queue of samples. Whenever slots
+are free it prefills the prompts they need (several per call, bucketed by length) and inserts
+each prompt's prefix into as many free slots as it has samples waiting, so a group of G shares
+one prefill. Then it runs `steps_per_call` decode steps in one jitted scan, reads the tokens and
+done flags back in one transfer, and frees finished slots for the next round. One long sample
+never holds up the batch, and the host syncs once per `steps_per_call` tokens, not per token.
+
+With `continuous=False` the driver batches statically instead: it refills only when every slot
+is free (the baseline the benchmark compares against). With `share_prefix=False` each sample
+prefills its own copy of the prompt (the baseline for group insert). Both settings return the
+same samples as the defaults, because a token's key depends only on (seed, sample, token).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxrl.errors import ConfigError
+from jaxrl.sampler.engine import Engine, bucket
+
+
+@dataclasses.dataclass
+class Rollout:
+  """Padded rollout arrays, N = prompts x n rows (prompt-major), plus the driver's stats.
+
+  prompt_ids [N, Lp] and completion_ids [N, Lc] are right-padded with pad_id; completion_mask
+  [N, Lc] is 1 on generated tokens (the stop token included); logprobs [N, Lc] are the
+  sampler's log pi(token) under temperature before truncation (0 on padding); finish_reasons
+  is "stop" (eos or a stop id) or "length" (max_new_tokens or the cache's end).
+  """
+
+  prompt_ids: np.ndarray
+  prompt_lengths: np.ndarray
+  completion_ids: np.ndarray
+  completion_mask: np.ndarray
+  logprobs: np.ndarray
+  lengths: np.ndarray
+  finish_reasons: list[str]
+  prompt_index: np.ndarray
+  stats: dict
+
+
+def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slots: int = 16,
+             steps_per_call: int = 8, max_prompt_len: int | None = None,
+             continuous: bool = True, share_prefix: bool = True, pad_id: int = 0,
+             progress: bool = False) -> Rollout:
+  """Generates n samples per prompt (lists of token ids) with `engine`'s sampling settings."""
+  sp = engine.sampling
+  prompts = [list(map(int, p)) for p in prompts]
+  if n < 1:
+    raise ConfigError(f"n={n} is not valid: ask for at least 1 sample per prompt.")
+  for i, p in enumerate(prompts):
+    if not p:
+      raise ConfigError(f"prompt {i} is empty: every prompt needs at least one token (e.g. bos).")
+  replicas = engine.mesh.shape["data"] * engine.mesh.shape["fsdp"]
+  if slots % replicas:
+    raise ConfigError(f"slots={slots} is not divisible by the replica count data x fsdp = "
+                      f"{replicas}: choose a multiple of {replicas}.")
+  longest = max(map(len, prompts), default=1)
+  max_prompt_len = bucket(max_prompt_len or longest)
+  if longest > max_prompt_len:
+    raise ConfigError(f"a prompt has {longest} tokens, more than max_prompt_len="
+                      f"{max_prompt_len}: raise it or shorten the prompt.")
+  max_len = max_prompt_len + sp.max_new_tokens
+  num = len(prompts) * n
+  key = jax.random.key(seed)
+
+  t_start = time.perf_counter()
+  state = engine.init_decode_state(slots, max_len)
+  queue = deque(range(num))
+  prefixes: dict[int, tuple] = {}  # prompt -> (prefix batch, row), while samples still wait
+  slot_sample = [-1] * slots
+  toks: list[list[int]] = [[] for _ in range(num)]
+  lps: list[list[float]] = [[] for _ in range(num)]
+  finished = [False] * num
+  stats = dict(prefill_s=0.0, decode_s=0.0, prefill_calls=0, prefill_prompts=0,
+               prefill_tokens=0, decode_steps=0, slot_steps=0, live_slot_steps=0)
+  bar = tqdm(total=num, desc="sampling", unit="sample", disable=not progress, leave=False)
+
+  def finish(s: int):
+    finished[s] = True
+    bar.update(1)
+
+  while queue or any(x >= 0 for x in slot_sample):
+    free = [b for b in range(slots) if slot_sample[b] < 0]
+    firsts = []
+    if queue and free and (continuous or len(free) == slots):
+      t0 = time.perf_counter()
+      take = [queue.popleft() for _ in range(min(len(free), len(queue)))]
+      # Prefill what is needed: one row per prompt (shared by its group), or per sample.
+      owners = {}  # sample -> the row key its prefix lives under
+      need = []
+      for s in take:
+        k = s // n if share_prefix else ("s", s)
+        owners[s] = k
+        if k not in prefixes and k not in need:
+          need.append(k)
+      for batch in _prefill_batches(need, lambda k: len(prompts[k if isinstance(k, int)
+                                                                 else k[1] // n]), slots):
+        ids = [prompts[k if isinstance(k, int) else k[1] // n] for k in batch]
+        T = bucket(max(map(len, ids)))
+        P = bucket(len(ids), minimum=1)
+        tokens = np.full((P, T), pad_id, np.int32)
+        lengths = np.ones((P,), np.int32)
+        for r, p in enumerate(ids):
+          tokens[r, :len(p)], lengths[r] = p, len(p)
+        prefix = engine.prefill(params, tokens, lengths, key)
+        stats["prefill_calls"] += 1
+        stats["prefill_prompts"] += len(ids)
+        stats["prefill_tokens"] += int(sum(map(len, ids)))
+        for r, k in enumerate(batch):
+          prefixes[k] = (prefix, r)
+      # Insert: one call per prefix batch, each placing every row its samples need.
+      by_prefix: dict[int, tuple] = {}
+      for s, b in zip(take, free):
+        prefix, r = prefixes[owners[s]]
+        entry = by_prefix.setdefault(id(prefix), (prefix, [], [], []))
+        entry[1].append(r)
+        entry[2].append(b)
+        entry[3].append(s)
+        slot_sample[b] = s
+      for prefix, rows, bs, ss in by_prefix.values():
+        state, first = engine.insert_many(prefix, state, rows=rows, slots=bs, samples=ss)
+        firsts.append((bs, ss, first))
+      waiting = {s // n if share_prefix else ("s", s) for s in queue}
+      for k in [k for k in prefixes if k not in waiting]:
+        del prefixes[k]  # every sample of this prompt is placed: free its prefix
+      firsts = jax.device_get(firsts)
+      stats["prefill_s"] += time.perf_counter() - t0
+      for bs, ss, first in firsts:
+        for b, s, tok, lp, done in zip(bs, ss, first["tokens"], first["logprobs"],
+                                       first["done"]):
+          toks[s].append(int(tok))
+          lps[s].append(float(lp))
+          if done:
+            finish(s)
+            slot_sample[b] = -1
+    if not any(x >= 0 for x in slot_sample):
+      continue  # every inserted sample finished on its first token
+    t0 = time.perf_counter()
+    state, out = engine.generate_steps(params, state, key, steps=steps_per_call)
+    out = jax.device_get(out)  # the one host sync per steps_per_call tokens
+    stats["decode_s"] += time.perf_counter() - t0
+    stats["decode_steps"] += steps_per_call
+    stats["slot_steps"] += steps_per_call * slots
+    stats["live_slot_steps"] += int(out["valid"].sum())
+    for t in range(steps_per_call):
+      for b in np.flatnonzero(out["valid"][t]):
+        s = slot_sample[b]
+        toks[s].append(int(out["tokens"][t, b]))
+        lps[s].append(float(out["logprobs"][t, b]))
+        if out["done"][t, b]:
+          finish(s)
+          slot_sample[b] = -1
+  bar.close()
+  wall = time.perf_counter() - t_start
+  return _assemble(prompts, n, toks, lps, sp, pad_id, stats, wall)
+
+
+def _prefill_batches(keys, length_of, max_rows):
+  """Groups prefill rows by length bucket (so short prompts are not padded to long ones), in
+  calls of at most max_rows."""
+  groups: dict[int, list] = {}
+  for k in keys:
+    groups.setdefault(bucket(length_of(k)), []).append(k)
+  for group in groups.values():
+    for i in range(0, len(group), max_rows):
+      yield group[i:i + max_rows]
+
+
+def _assemble(prompts, n, toks, lps, sp, pad_id, stats, wall) -> Rollout:
+  num = len(toks)
+  lp_max = max(map(len, prompts), default=1)
+  lc_max = max(map(len, toks), default=1)
+  prompt_ids = np.full((num, lp_max), pad_id, np.int32)
+  completion_ids = np.full((num, lc_max), pad_id, np.int32)
+  mask = np.zeros((num, lc_max), np.int32)
+  logprobs = np.zeros((num, lc_max), np.float32)
+  stops = set(sp.stop_tokens)
+  reasons = []
+  for s in range(num):
+    p, c = prompts[s // n], toks[s]
+    prompt_ids[s, :len(p)] = p
+    completion_ids[s, :len(c)] = c
+    mask[s, :len(c)] = 1
+    logprobs[s, :len(c)] = lps[s]
+    reasons.append("stop" if c and c[-1] in stops else "length")
+  lengths = mask.sum(1).astype(np.int32)
+  generated = int(lengths.sum())
+  stats = dict(stats, tokens_generated=generated, wall_s=wall,
+               tokens_per_s=generated / max(wall, 1e-9),
+               decode_tokens_per_s=int(stats["live_slot_steps"]) / max(stats["decode_s"], 1e-9),
+               slot_utilisation=stats["live_slot_steps"] / max(stats["slot_steps"], 1))
+  return Rollout(prompt_ids=prompt_ids,
+                 prompt_lengths=np.array([len(prompts[s // n]) for s in range(num)], np.int32),
+                 completion_ids=completion_ids, completion_mask=mask, logprobs=logprobs,
+                 lengths=lengths, finish_reasons=reasons,
+                 prompt_index=np.arange(num, dtype=np.int32) // n, stats=stats)
+
+
+def metrics(rollout: Rollout) -> dict:
+  """The rollout's stats under DESIGN.md's metric names, for trainers to log."""
+  st = rollout.stats
+  return {"timing_s/gen": st["wall_s"], "perf/gen_tokens_per_s": st["tokens_per_s"],
+          "response_length/mean": float(rollout.lengths.mean()) if len(rollout.lengths) else 0.0,
+          "sampler/prefill_s": st["prefill_s"], "sampler/decode_s": st["decode_s"],
+          "sampler/slot_utilisation": st["slot_utilisation"],
+          "response_length/clip_ratio": float(np.mean([r == "length" for r in rollout.finish_reasons])) if rollout.finish_reasons else 0.0,
+          "sampler/tokens_generated": st["tokens_generated"]}

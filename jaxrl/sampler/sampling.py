@@ -1,0 +1,108 @@
+"""Sampling settings, per-token keys, and the pure function that picks a token from logits.
+
+The logprob returned with every token is log pi(token) under temperature scaling, *before*
+top-k / top-p / min-p truncation:
+
+    logp = log_softmax(logits / temperature)[token]
+
+Truncation only decides which tokens may be drawn; it does not renormalise the reported
+probability. This is exactly what the learner recomputes (jaxrl.models.token_logprobs with the
+same temperature), so importance ratios between sampler and learner compare like with like. With
+greedy decoding the token is the argmax and its logprob is the same expression.
+
+Keys. A token's key is fold_in(fold_in(key(seed), sample), t): `sample` is the sample's global
+index in the rollout (prompt * n + g) and `t` its token index (0 is the token sampled from the
+prefill). Every (sample, token) pair gets its own key, so no key is reused across steps, slots or
+samples, and a sample's tokens do not depend on which slot or step it was scheduled in:
+continuous and static batching draw the same samples from the same seed. Callers that generate
+several rollouts pass a fresh seed for each (e.g. fold the RL step into it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """Static sampling settings (hashable: they are compiled into the decode step).
+
+  top_k=0, top_p=1.0 and min_p=0.0 each mean "off". `greedy` takes the argmax; its logprob is
+  still reported under `temperature`. Generation stops at `eos_id`, at any of `stop_ids`, or after
+  `max_new_tokens` tokens; the stop token is part of the completion.
+  """
+
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  min_p: float = 0.0
+  greedy: bool = False
+  max_new_tokens: int = 64
+  eos_id: int | None = 2
+  stop_ids: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    object.__setattr__(self, "stop_ids", tuple(int(s) for s in self.stop_ids))
+    checks = [
+        ("temperature", self.temperature > 0, "a number > 0 (use greedy for argmax)"),
+        ("top_k", self.top_k >= 0, "an integer >= 0 (0 turns it off)"),
+        ("top_p", 0 < self.top_p <= 1, "a number in (0, 1] (1 turns it off)"),
+        ("min_p", 0 <= self.min_p < 1, "a number in [0, 1) (0 turns it off)"),
+        ("max_new_tokens", self.max_new_tokens >= 1, "an integer >= 1"),
+    ]
+    for key, ok, want in checks:
+      if not ok:
+        raise ConfigError(f"sampling.{key}={getattr(self, key)!r} is not valid: use {want}.")
+
+  @property
+  def stop_tokens(self) -> tuple[int, ...]:
+    return tuple(sorted(set(self.stop_ids) | ({self.eos_id} if self.eos_id is not None else set())))
+
+
+def token_keys(key: jax.Array, sample_b: jax.Array, t_b: jax.Array) -> jax.Array:
+  """Per-row keys [B]: fold_in(fold_in(key, sample), t). See the module docstring."""
+  return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.fold_in(key, s), t))(sample_b, t_b)
+
+
+def sample_logits(logits_bv: jax.Array, keys_b: jax.Array, sp: SamplingParams):
+  """(token [B] int32, logprob [B] float32) from fp32 logits [B, V].
+
+  The logprob is log_softmax(logits / temperature) at the token, before truncation.
+  """
+  logp_bv = jax.nn.log_softmax(logits_bv.astype(jnp.float32) / sp.temperature, axis=-1)
+  if sp.greedy:
+    token_b = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+  else:
+    masked_bv = logp_bv
+    neg = jnp.float32(-jnp.inf)
+    if sp.top_k and sp.top_k < logits_bv.shape[-1]:
+      kth_b = jax.lax.top_k(logp_bv, sp.top_k)[0][:, -1:]
+      masked_bv = jnp.where(logp_bv >= kth_b, masked_bv, neg)
+    if sp.min_p > 0:
+      # min-p: keep tokens whose probability is at least min_p times the most likely one's.
+      floor_b = jnp.max(logp_bv, axis=-1, keepdims=True) + jnp.log(sp.min_p)
+      masked_bv = jnp.where(logp_bv >= floor_b, masked_bv, neg)
+    if sp.top_p < 1:
+      # Nucleus: the smallest set of most likely tokens whose mass reaches top_p (the token
+      # that crosses the threshold is kept). Computed on the already-truncated distribution.
+      sorted_bv = jnp.sort(masked_bv, axis=-1)[:, ::-1]
+      probs_bv = jax.nn.softmax(sorted_bv, axis=-1)
+      before_bv = jnp.cumsum(probs_bv, axis=-1) - probs_bv  # mass strictly above each token
+      keep_bv = before_bv < sp.top_p
+      cutoff_b = jnp.min(jnp.where(keep_bv, sorted_bv, jnp.inf), axis=-1, keepdims=True)
+      masked_bv = jnp.where(masked_bv >= cutoff_b, masked_bv, neg)
+    token_b = jax.vmap(jax.random.categorical)(keys_b, masked_bv).astype(jnp.int32)
+  logprob_b = jnp.take_along_axis(logp_bv, token_b[:, None], axis=-1)[:, 0]
+  return token_b, logprob_b
+
+
+def is_stop(token_b: jax.Array, sp: SamplingParams) -> jax.Array:
+  stops = sp.stop_tokens
+  if not stops:
+    return jnp.zeros(token_b.shape, bool)
+  return jnp.any(token_b[:, None] == jnp.asarray(stops, jnp.int32)[None, :], axis=-1)

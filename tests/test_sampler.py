@@ -1,0 +1,188 @@
+"""The sampler on 2 (fsdp) x 4 (tensor) fake CPU devices: exactness against a full forward without
+cache, logprobs, keys, continuous vs static batching, stopping, and weight swaps."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl.errors import ConfigError
+from jaxrl.models import apply, get_preset, token_logprobs
+from jaxrl.parallel import init_params, make_mesh
+from jaxrl.sampler import Engine, SamplingParams, generate, sample_logits
+
+# Mixed lengths on purpose: they land in two prefill buckets (16 and 32).
+PROMPTS = [[1, 40, 41, 42], [1, 50], [1] + list(range(60, 78)), [1, 7, 8, 9, 10, 11, 12]]
+
+
+@pytest.fixture(scope="module")
+def model(devices):
+  mesh = make_mesh(1, 2, 4)
+  cfg = get_preset("tiny-qwen2")
+  graphdef, params = init_params(cfg, mesh, "sampler", seed=0)
+  # At init the tied embedding (std 0.02) makes logits nearly flat, so greedy ties would be a
+  # matter of float rounding. Scaling the embedding spreads the logits (std ~1) and keeps the
+  # argmax well separated, so token-for-token comparisons are meaningful.
+  params = dict(params, embed=params["embed"] * 5.0)
+  return mesh, cfg, graphdef, params
+
+
+def _full_logits(graphdef, params, rollout):
+  """Logits of one no-cache forward over each prompt + completion: [N, L, V] (unpadded rows)."""
+  fwd = jax.jit(lambda p, t: apply(graphdef, p, t)[0])
+  out = []
+  for s in range(len(rollout.lengths)):
+    lp, lc = rollout.prompt_lengths[s], rollout.lengths[s]
+    seq = np.concatenate([rollout.prompt_ids[s, :lp], rollout.completion_ids[s, :lc]])
+    padded = np.zeros((1, 64), np.int32)
+    padded[0, :len(seq)] = seq
+    out.append(np.asarray(fwd(params, jnp.asarray(padded)))[0, lp - 1:lp - 1 + lc])
+  return out
+
+
+def test_greedy_equals_argmax_of_full_forward(model):
+  mesh, cfg, graphdef, params = model
+  engine = Engine(graphdef, cfg, mesh, sampling=SamplingParams(greedy=True, max_new_tokens=20,
+                                                               eos_id=None))
+  r = generate(engine, params, PROMPTS, n=1, slots=2, steps_per_call=4)
+  assert list(r.lengths) == [20] * 4
+  gaps = []
+  for s, logits in enumerate(_full_logits(graphdef, params, r)):
+    # Causal, so argmax at every position of one forward over the greedy sequence is exactly
+    # step-by-step greedy decoding without a cache.
+    np.testing.assert_array_equal(r.completion_ids[s], logits.argmax(-1), err_msg=f"sample {s}")
+    top2 = np.sort(logits, -1)[:, -2:]
+    gaps.append(top2[:, 1] - top2[:, 0])
+  assert np.min(np.concatenate(gaps)) > 1e-4  # no near-ties: the comparison above is decisive
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_full_forward_before_truncation(model, temperature):
+  mesh, cfg, graphdef, params = model
+  sp = SamplingParams(temperature=temperature, top_k=40, top_p=0.9, max_new_tokens=12)
+  engine = Engine(graphdef, cfg, mesh, sampling=sp)
+  r = generate(engine, params, PROMPTS, n=2, slots=4, seed=3)
+  for s, logits in enumerate(_full_logits(graphdef, params, r)):
+    lc = r.lengths[s]
+    ref, _ = token_logprobs(jnp.asarray(logits)[None], jnp.asarray(r.completion_ids[s, :lc])[None],
+                            temperature=temperature)
+    np.testing.assert_allclose(r.logprobs[s, :lc], np.asarray(ref)[0], atol=2e-5, rtol=1e-5)
+    assert np.all(r.logprobs[s, lc:] == 0) and np.all(r.completion_mask[s, lc:] == 0)
+  # top_k=40 and top_p=0.9 did truncate, yet the logprobs above are the untruncated ones
+  # (renormalised over the kept set they would be larger and the comparison would fail).
+  assert r.stats["tokens_generated"] == int(r.lengths.sum())
+
+
+def test_group_samples_differ_and_seeds_reproduce(model):
+  mesh, cfg, graphdef, params = model
+  engine = Engine(graphdef, cfg, mesh, sampling=SamplingParams(max_new_tokens=8, eos_id=None))
+  a = generate(engine, params, PROMPTS[:2], n=4, slots=4, seed=11)
+  for i in range(2):
+    group = [tuple(a.completion_ids[i * 4 + g]) for g in range(4)]
+    assert len(set(group)) == 4, f"prompt {i}: the group's samples are not all different"
+  b = generate(engine, params, PROMPTS[:2], n=4, slots=4, seed=11)
+  np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
+  np.testing.assert_array_equal(a.logprobs, b.logprobs)
+  c = generate(engine, params, PROMPTS[:2], n=4, slots=4, seed=12)
+  assert (a.completion_ids != c.completion_ids).any(axis=1).all()  # every sample changes
+  # Group insert prefills each prompt once; prefilling per sample draws the very same samples.
+  d = generate(engine, params, PROMPTS[:2], n=4, slots=4, seed=11, share_prefix=False)
+  np.testing.assert_array_equal(a.completion_ids, d.completion_ids)
+  assert a.stats["prefill_prompts"] == 2 and d.stats["prefill_prompts"] == 8
+
+
+def test_continuous_batching_equals_static_batching(model):
+  mesh, cfg, graphdef, params = model
+  prompts = PROMPTS + [[1, 90, 91], [1, 33, 34, 35, 36], [1, 120], [1, 5, 5, 5, 5, 5, 5, 5, 5]]
+  # Many stop ids (every 7th) give the samples mixed lengths, so slots free up at different
+  # times; the sampled case also shows the draws do not depend on slot or step.
+  stops = tuple(range(0, 512, 7))
+  for sp in (SamplingParams(greedy=True, max_new_tokens=24, stop_ids=stops),
+             SamplingParams(max_new_tokens=24, stop_ids=stops)):
+    engine = Engine(graphdef, cfg, mesh, sampling=sp)
+    cont = generate(engine, params, prompts, n=1, slots=2, steps_per_call=2, seed=5)
+    static = generate(engine, params, prompts, n=1, slots=8, continuous=False, seed=5)
+    assert len(set(cont.lengths.tolist())) > 2, "lengths are not mixed; the test shows nothing"
+    assert cont.stats["prefill_calls"] > 2  # slots were refilled while others still decoded
+    for field in ("completion_ids", "completion_mask", "lengths"):
+      np.testing.assert_array_equal(getattr(cont, field), getattr(static, field), err_msg=field)
+    np.testing.assert_allclose(cont.logprobs, static.logprobs, atol=2e-5)
+    assert cont.finish_reasons == static.finish_reasons
+
+
+def test_stop_tokens_and_max_new_tokens(model):
+  mesh, cfg, graphdef, params = model
+  stops = tuple(range(200, 260))
+  sp = SamplingParams(max_new_tokens=10, eos_id=2, stop_ids=stops)
+  r = generate(Engine(graphdef, cfg, mesh, sampling=sp), params, PROMPTS, n=4, slots=8, seed=1)
+  stop_set = set(stops) | {2}
+  assert "stop" in r.finish_reasons and "length" in r.finish_reasons
+  for s, reason in enumerate(r.finish_reasons):
+    c = r.completion_ids[s, :r.lengths[s]].tolist()
+    assert 1 <= len(c) <= 10
+    assert not stop_set & set(c[:-1]), f"sample {s} ran past a stop token"
+    if reason == "stop":
+      assert c[-1] in stop_set
+    else:
+      assert len(c) == 10 and c[-1] not in stop_set
+  # max_new_tokens=1: every sample ends with the token drawn from the prefill.
+  one = generate(Engine(graphdef, cfg, mesh, sampling=SamplingParams(max_new_tokens=1)), params,
+                 PROMPTS, n=2, slots=2)
+  assert list(one.lengths) == [1] * 8 and one.stats["decode_steps"] == 0
+
+
+def test_weight_swap_changes_outputs_without_recompiling(model):
+  mesh, cfg, graphdef, params = model
+  engine = Engine(graphdef, cfg, mesh, sampling=SamplingParams(greedy=True, max_new_tokens=8,
+                                                               eos_id=None))
+  a = generate(engine, params, PROMPTS, n=1, slots=4)
+  traces = dict(engine.traces)
+  # two length buckets: prefill and insert trace once per prefix shape
+  assert traces == {"prefill": 2, "insert": 2, "generate": 1}
+  _, other = init_params(cfg, mesh, "sampler", seed=1)
+  b = generate(engine, other, PROMPTS, n=1, slots=4)
+  assert dict(engine.traces) == traces, "swapping params recompiled a phase"
+  assert (a.completion_ids != b.completion_ids).any()
+  c = generate(engine, params, PROMPTS, n=1, slots=4)  # and back: the same outputs again
+  np.testing.assert_array_equal(a.completion_ids, c.completion_ids)
+  assert dict(engine.traces) == traces
+
+
+def test_engine_contract_single_steps_equal_the_scan(model):
+  mesh, cfg, graphdef, params = model
+  engine = Engine(graphdef, cfg, mesh, sampling=SamplingParams(max_new_tokens=16, eos_id=None))
+  key = jax.random.key(0)
+  tokens = np.zeros((2, 16), np.int32)
+  tokens[0, :4], tokens[1, :2] = PROMPTS[0], PROMPTS[1]
+  prefix = engine.prefill(params, tokens, [4, 2], key)
+
+  def run(single):
+    state = engine.init_decode_state(4, 32)
+    state, first = engine.insert(prefix, state, 3, row=1)
+    # Same row and sample as prefill's own draw: the same first token.
+    assert int(first["tokens"][0]) == int(prefix["tokens"][1])
+    state, _ = engine.insert_group(prefix, state, [0, 1, 2], row=0, samples=[5, 6, 7])
+    if single:
+      steps = []
+      for _ in range(5):
+        state, out = engine.generate(params, state, key)
+        steps.append(out["tokens"])
+      return np.stack(steps)
+    state, out = engine.generate_steps(params, state, key, steps=5)
+    return np.asarray(out["tokens"])
+
+  np.testing.assert_array_equal(run(True), run(False))
+
+
+def test_sampling_truncations():
+  logits = jnp.asarray([[0.0, 3.0, 2.9, -1.0, 1.0]] * 64)
+  keys = jax.random.split(jax.random.key(0), 64)
+  for sp in (SamplingParams(top_k=1), SamplingParams(top_p=0.01), SamplingParams(min_p=0.99)):
+    tok, _ = sample_logits(logits, keys, sp)
+    assert set(np.asarray(tok).tolist()) == {1}, sp
+  tok, logp = sample_logits(logits, keys, SamplingParams(top_k=2, temperature=0.5))
+  assert set(np.asarray(tok).tolist()) == {1, 2}  # both survivors drawn, nothing else
+  ref = jax.nn.log_softmax(logits[0] / 0.5)
+  np.testing.assert_allclose(np.asarray(logp), np.asarray(ref)[np.asarray(tok)], rtol=1e-6)
+  with pytest.raises(ConfigError, match=r"sampling.top_p=1.5 is not valid"):
+    SamplingParams(top_p=1.5)
