@@ -42,6 +42,12 @@ def _parser() -> argparse.ArgumentParser:
   s.add_argument("--dry-run", action="store_true", help="list the runs without running them")
   s.add_argument("--command", dest="run_command", default="model",
                  help="the jaxrl command each run executes (default: model)")
+  s = sub.add_parser("sample", help="completions for a JSONL file of prompts, printed and "
+                     "written to DIR/completions.jsonl")
+  _common(s, config_required=True)
+  s.add_argument("--prompts", required=True, metavar="FILE", help='JSONL, {"prompt": ...} a line')
+  s.add_argument("--n", type=int, default=None, help="samples per prompt (default: sampling.n)")
+  s.add_argument("--checkpoint", metavar="DIR", help="checkpoint to sample from (not yet)")
   s = sub.add_parser("demo", help="the embedded default job (runs with no arguments)")
   _common(s, config_required=False)
   return p
@@ -125,7 +131,14 @@ def cmd_demo(args, overrides) -> None:
   demo.run(_load(args, overrides))
 
 
-COMMANDS = {"info": cmd_info, "model": cmd_model, "sweep": cmd_sweep, "demo": cmd_demo}
+def cmd_sample(args, overrides) -> None:
+  from jaxrl.sampler import command
+  command.run(_load(args, overrides), prompts_path=args.prompts, workdir=args.workdir, n=args.n,
+              checkpoint=args.checkpoint)
+
+
+COMMANDS = {"info": cmd_info, "model": cmd_model, "sweep": cmd_sweep, "demo": cmd_demo,
+            "sample": cmd_sample}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -32,6 +32,8 @@ CHOICES: dict[str, Iterable[str]] = {
     "model.preset": PRESETS,
     "model.dtype": DTYPES,
     "model.param_dtype": DTYPES,
+    "sampling.mode": ("sample", "greedy"),
+    "sampling.batching": ("continuous", "static"),
 }
 _AUTO_KEYS = ("mesh.data", "mesh.fsdp", "mesh.tensor")  # accept "auto" for -1
 

@@ -14,7 +14,7 @@ def test_help_lists_the_commands(capsys):
   with pytest.raises(SystemExit):
     cli.main(["--help"])
   out = capsys.readouterr().out
-  for command in ("info", "model", "sweep", "demo"):
+  for command in ("info", "model", "sweep", "demo", "sample"):
     assert f"    {command} " in out
 
 
@@ -68,4 +68,4 @@ def test_demo_decodes_and_checks_itself(devices):
   text = "\n".join(lines)
   assert "weight sync learner -> sampler layout" in text
   assert result["generated"].shape == (8, 6)  # 4 prompts padded to a multiple of 8 replicas
-  assert result["max_logit_diff"] < 1e-4
+  assert result["max_logprob_diff"] < 1e-4

@@ -186,3 +186,50 @@ def test_sampling_truncations():
   np.testing.assert_allclose(np.asarray(logp), np.asarray(ref)[np.asarray(tok)], rtol=1e-6)
   with pytest.raises(ConfigError, match=r"sampling.top_p=1.5 is not valid"):
     SamplingParams(top_p=1.5)
+
+
+def test_sample_command_writes_and_prints_completions(tmp_path, capsys, repo_root, devices):
+  import json
+  import os
+
+  from jaxrl import cli
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text('{"prompt": "12+34="}\n\n{"prompt": "reverse abc:", "answer": "cba"}\n')
+  cli.main(["sample", "--config", os.path.join(repo_root, "configs/sample_tiny.py"),
+            "--prompts", str(prompts), "--n", "3", "--workdir", str(tmp_path / "run"),
+            "--config.sampling.max_new_tokens=6", "--config.sampling.slots=8"])
+  out = capsys.readouterr().out
+  rows = [json.loads(line) for line in open(tmp_path / "run" / "completions.jsonl")]
+  assert len(rows) == 6 and [r["prompt_index"] for r in rows] == [0, 0, 0, 1, 1, 1]
+  for r in rows:
+    n_tok = len(r["completion_ids"])
+    assert 1 <= n_tok <= 6 and (n_tok == 6 or r["finish_reason"] == "stop")
+    assert len(r["logprobs"]) == len(r["completion_ids"]) and all(lp <= 0 for lp in r["logprobs"])
+    assert f"{r['prompt']!r} -> {r['completion']!r}" in out
+  assert "6 completions (2 prompts x 3)" in out
+  assert json.load(open(tmp_path / "run" / "summary.json"))["sampler/tokens_generated"] == sum(
+      len(r["completion_ids"]) for r in rows)
+
+
+@pytest.mark.parametrize("content, args, pattern", [
+    ('{"prompt": "a"}\n{"prompt": 3}\n', [], r"prompts.jsonl, line 2: field \"prompt\" is missing"),
+    ('{"prompt": "a"}\nnot json\n', [], r"prompts.jsonl, line 2: not valid JSON"),
+    ('\n', [], r"holds no prompts"),
+    ('{"prompt": "a"}\n', ["--checkpoint", "ckpt"], r"--checkpoint is not supported yet"),
+    ('{"prompt": "a"}\n', ["--config.sampling.top_p=0"], r"sampling.top_p=0.0 is not valid"),
+    ('{"prompt": "a"}\n', ["--config.sampling.mode=beam"], r"sampling.mode='beam' is not valid"),
+])
+def test_sample_command_bad_input_is_one_sentence(tmp_path, capsys, repo_root, content, args,
+                                                  pattern):
+  import os
+  import re
+
+  from jaxrl import cli
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text(content)
+  with pytest.raises(SystemExit) as e:
+    cli.main(["sample", "--config", os.path.join(repo_root, "configs/sample_tiny.py"),
+              "--prompts", str(prompts), "--workdir", str(tmp_path / "run"), *args])
+  assert e.value.code == 2
+  err = capsys.readouterr().err.strip().splitlines()[-1]
+  assert re.search(pattern, err), err
