@@ -95,7 +95,8 @@ def main():
   graphdef, params = init_params(cfg, mesh, "sampler", seed=0)
   print(f"jax {jax.__version__} | 1 CPU device, {os.cpu_count()} cores | preset bench "
         f"({cfg.num_params:,} params, fp32) | steps per call {args.steps_per_call} | "
-        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r} | load average at start "
+        f"{os.getloadavg()[0]:.1f}")
 
   # ---- 1. engine vs naive vs HF
   prompt_len, new = 16, 128
