@@ -152,9 +152,12 @@ def main():
     print(f"\n2. {num} samples on {slots} slots, long-tailed lengths (mean {lengths.mean():.0f}, "
           f"median {np.median(lengths):.0f}, p95 {np.percentile(lengths, 95):.0f}, max "
           f"{lengths.max()}), 8 steps per call")
-    print(f"{'batching':>10} {'tokens/s':>9} {'slot util':>10}")
+    print(f"{'batching':>10} {'tokens/s':>9} {'slot util':>10} {'decode steps':>13} "
+          f"{'prefill calls':>14} {'prefill s':>10} {'decode s':>9}")
     for mode, (tps, r) in res.items():
-      print(f"{mode:>10} {tps:9.0f} {r.stats['slot_utilisation']:10.2f}")
+      st = r.stats
+      print(f"{mode:>10} {tps:9.0f} {st['slot_utilisation']:10.2f} {st['decode_steps']:13d} "
+            f"{st['prefill_calls']:14d} {st['prefill_s']:10.2f} {st['decode_s']:9.2f}")
     assert (res["static"][1].completion_ids == res["continuous"][1].completion_ids).all()
     print(f"continuous / static: {res['continuous'][0] / res['static'][0]:.2f}x (target 1.5x); "
           "both return identical samples")
