@@ -137,8 +137,8 @@ def cmd_sample(args, overrides) -> None:
               checkpoint=args.checkpoint)
 
 
-COMMANDS = {"info": cmd_info, "model": cmd_model, "sweep": cmd_sweep, "demo": cmd_demo,
-            "sample": cmd_sample}
+COMMANDS = {"info": cmd_info, "model": cmd_model, "sweep": cmd_sweep, "demo": cmd_demo}
+COMMANDS["sample"] = cmd_sample
 
 
 def main(argv: list[str] | None = None) -> None:
