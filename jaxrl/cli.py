@@ -61,6 +61,12 @@ def _parser() -> argparse.ArgumentParser:
   s.add_argument("--max-shard-mb", type=float, default=2048.0,
                  help="jaxrl-to-hf: largest safetensors file (default 2048 MiB)")
   _common(s, config_required=False)
+  s = sub.add_parser("sample", help="completions for a JSONL file of prompts, printed and "
+                     "written to DIR/completions.jsonl")
+  _common(s, config_required=True)
+  s.add_argument("--prompts", required=True, metavar="FILE", help='JSONL, {"prompt": ...} a line')
+  s.add_argument("--n", type=int, default=None, help="samples per prompt (default: sampling.n)")
+  s.add_argument("--checkpoint", metavar="DIR", help="checkpoint to sample from (not yet)")
   s = sub.add_parser("demo", help="the embedded default job (runs with no arguments)")
   _common(s, config_required=False)
   _data_parser(sub)
@@ -277,9 +283,16 @@ def cmd_grpo(args, overrides) -> None:
   run_trainer(grpo.run, args, overrides, _load)
 
 
+def cmd_sample(args, overrides) -> None:
+  from jaxrl.sampler import command
+  command.run(_load(args, overrides), prompts_path=args.prompts, workdir=args.workdir, n=args.n,
+              checkpoint=args.checkpoint)
+
+
 COMMANDS = {"info": cmd_info, "model": cmd_model, "sweep": cmd_sweep, "plan": cmd_plan,
             "bench": cmd_bench, "convert": cmd_convert, "demo": cmd_demo, "data": cmd_data,
-            "sft": cmd_sft, "grpo": cmd_grpo}
+            "sft": cmd_sft, "grpo": cmd_grpo,
+            "sample": cmd_sample}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -37,6 +37,8 @@ CHOICES: dict[str, Iterable[str]] = {
     "placement.mode": PLACEMENTS,
     "placement.sync_dtype": SYNC_DTYPES,
     "plan.device": ("", *DEVICE_MEMORY_GIB),
+    "sampling.mode": ("sample", "greedy"),
+    "sampling.batching": ("continuous", "static"),
 }
 _AUTO_KEYS = ("mesh.data", "mesh.fsdp", "mesh.tensor", "placement.sampler_mesh.data",
               "placement.sampler_mesh.fsdp", "placement.sampler_mesh.tensor")  # accept "auto" for -1

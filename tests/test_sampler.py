@@ -27,17 +27,20 @@ def model(devices):
   return mesh, cfg, graphdef, params
 
 
+# graphdef is static (hashable), so every test shares one compile per input shape.
+_FORWARD = jax.jit(lambda g, p, t: apply(g, p, t)[0], static_argnums=0)
+
+
 def _full_logits(graphdef, params, rollout):
-  """Logits of one no-cache forward over each prompt + completion: [N, L, V] (unpadded rows)."""
-  fwd = jax.jit(lambda p, t: apply(graphdef, p, t)[0])
-  out = []
+  """Logits of one no-cache forward over each prompt + completion, per sample [L, V]."""
+  padded = np.zeros((len(rollout.lengths), 64), np.int32)  # one shape for every test
   for s in range(len(rollout.lengths)):
     lp, lc = rollout.prompt_lengths[s], rollout.lengths[s]
-    seq = np.concatenate([rollout.prompt_ids[s, :lp], rollout.completion_ids[s, :lc]])
-    padded = np.zeros((1, 64), np.int32)
-    padded[0, :len(seq)] = seq
-    out.append(np.asarray(fwd(params, jnp.asarray(padded)))[0, lp - 1:lp - 1 + lc])
-  return out
+    padded[s, :lp + lc] = np.concatenate([rollout.prompt_ids[s, :lp],
+                                          rollout.completion_ids[s, :lc]])
+  logits = np.asarray(_FORWARD(graphdef, params, jnp.asarray(padded)))
+  return [logits[s, lp - 1:lp - 1 + lc]
+          for s, (lp, lc) in enumerate(zip(rollout.prompt_lengths, rollout.lengths))]
 
 
 def test_greedy_equals_argmax_of_full_forward(model):
@@ -100,7 +103,7 @@ def test_continuous_batching_equals_static_batching(model):
   for sp in (SamplingParams(greedy=True, max_new_tokens=24, stop_ids=stops),
              SamplingParams(max_new_tokens=24, stop_ids=stops)):
     engine = Engine(graphdef, cfg, mesh, sampling=sp)
-    cont = generate(engine, params, prompts, n=1, slots=2, steps_per_call=2, seed=5)
+    cont = generate(engine, params, prompts, n=1, slots=2, steps_per_call=4, seed=5)
     static = generate(engine, params, prompts, n=1, slots=8, continuous=False, seed=5)
     assert len(set(cont.lengths.tolist())) > 2, "lengths are not mixed; the test shows nothing"
     assert cont.stats["prefill_calls"] > 2  # slots were refilled while others still decoded
@@ -186,3 +189,50 @@ def test_sampling_truncations():
   np.testing.assert_allclose(np.asarray(logp), np.asarray(ref)[np.asarray(tok)], rtol=1e-6)
   with pytest.raises(ConfigError, match=r"sampling.top_p=1.5 is not valid"):
     SamplingParams(top_p=1.5)
+
+
+def test_sample_command_writes_and_prints_completions(tmp_path, capsys, repo_root, devices):
+  import json
+  import os
+
+  from jaxrl import cli
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text('{"prompt": "12+34="}\n\n{"prompt": "reverse abc:", "answer": "cba"}\n')
+  cli.main(["sample", "--config", os.path.join(repo_root, "configs/sample_tiny.py"),
+            "--prompts", str(prompts), "--n", "3", "--workdir", str(tmp_path / "run"),
+            "--config.sampling.max_new_tokens=6", "--config.sampling.slots=8"])
+  out = capsys.readouterr().out
+  rows = [json.loads(line) for line in open(tmp_path / "run" / "completions.jsonl")]
+  assert len(rows) == 6 and [r["prompt_index"] for r in rows] == [0, 0, 0, 1, 1, 1]
+  for r in rows:
+    n_tok = len(r["completion_ids"])
+    assert 1 <= n_tok <= 6 and (n_tok == 6 or r["finish_reason"] == "stop")
+    assert len(r["logprobs"]) == len(r["completion_ids"]) and all(lp <= 0 for lp in r["logprobs"])
+    assert f"{r['prompt']!r} -> {r['completion']!r}" in out
+  assert "6 completions (2 prompts x 3)" in out
+  assert json.load(open(tmp_path / "run" / "summary.json"))["sampler/tokens_generated"] == sum(
+      len(r["completion_ids"]) for r in rows)
+
+
+@pytest.mark.parametrize("content, args, pattern", [
+    ('{"prompt": "a"}\n{"prompt": 3}\n', [], r"prompts.jsonl, line 2: field \"prompt\" is missing"),
+    ('{"prompt": "a"}\nnot json\n', [], r"prompts.jsonl, line 2: not valid JSON"),
+    ('\n', [], r"holds no prompts"),
+    ('{"prompt": "a"}\n', ["--checkpoint", "ckpt"], r"--checkpoint is not supported yet"),
+    ('{"prompt": "a"}\n', ["--config.sampling.top_p=0"], r"sampling.top_p=0.0 is not valid"),
+    ('{"prompt": "a"}\n', ["--config.sampling.mode=beam"], r"sampling.mode='beam' is not valid"),
+])
+def test_sample_command_bad_input_is_one_sentence(tmp_path, capsys, repo_root, content, args,
+                                                  pattern):
+  import os
+  import re
+
+  from jaxrl import cli
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text(content)
+  with pytest.raises(SystemExit) as e:
+    cli.main(["sample", "--config", os.path.join(repo_root, "configs/sample_tiny.py"),
+              "--prompts", str(prompts), "--workdir", str(tmp_path / "run"), *args])
+  assert e.value.code == 2
+  err = capsys.readouterr().err.strip().splitlines()[-1]
+  assert re.search(pattern, err), err

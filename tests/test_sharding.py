@@ -115,17 +115,3 @@ def test_param_dtype_applies_to_every_leaf(mesh):
   _, params = init_params(cfg, mesh, "sampler")
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
 
-
-def test_optimizer_state_follows_the_params(mesh):
-  import optax
-
-  from jaxrl.parallel import like_params
-  _, params = init_params(get_preset("tiny"), mesh, "learner")
-  tx = optax.adamw(1e-3)
-  shd = like_params(jax.eval_shape(tx.init, params), jax.tree.map(lambda x: x.sharding, params),
-                    mesh)
-  state = jax.jit(tx.init, out_shardings=shd)(params)
-  mu = state[0].mu
-  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(mu)):
-    assert b.sharding.is_equivalent_to(a.sharding, a.ndim)
-  assert state[0].count.sharding.is_fully_replicated

@@ -11,10 +11,11 @@ import pytest
 
 from jaxrl.errors import ConfigError
 from jaxrl.models import apply, get_preset, init_cache
-from jaxrl.parallel import cache_sharding, init_params, like_params
+from jaxrl.parallel import cache_sharding, init_params
 from jaxrl.parallel.plan import memory_plan, plan_config
 from jaxrl.parallel.sync import (Overlap, SamplerCopy, WeightSync, live_bytes, make_placement,
                                  placement_config, sync)
+from jaxrl.train.state import init_train_state
 
 MESH_FSDP8 = dict(data=1, fsdp=-1, tensor=1)
 
@@ -171,11 +172,9 @@ def test_plan_is_within_20_percent_of_measured_live_bytes(colocated):
   before = _bytes_per_device()  # other tests' arrays may still be alive in this process
   # Build what stays live in a colocated GRPO step: actor, Adam state, reference, sampler copy,
   # KV cache. Gradients and activations are transient and excluded on both sides.
-  _, actor = init_params(cfg, colocated.learner.mesh, "learner", seed=0)
   tx = optax.adamw(1e-3)
-  opt_shd = like_params(jax.eval_shape(tx.init, actor), jax.tree.map(lambda x: x.sharding, actor),
-                        colocated.learner.mesh)
-  opt_state = jax.jit(tx.init, out_shardings=opt_shd)(actor)
+  _, state, _ = init_train_state(cfg, colocated.learner.mesh, tx, seed=0)
+  actor, opt_state = state.params, state.opt_state
   _, reference = init_params(cfg, colocated.learner.mesh, "learner", seed=1)
   sampler = WeightSync(cfg, colocated)(actor)
   S = colocated.sampler.mesh
@@ -186,7 +185,7 @@ def test_plan_is_within_20_percent_of_measured_live_bytes(colocated):
   measured = max(after[d] - before[d] for d in after)
   predicted = plan.persistent_bytes()
   assert abs(predicted - measured) / measured < 0.2, (predicted, measured)
-  del actor, opt_state, reference, sampler, cache
+  del state, actor, opt_state, reference, sampler, cache
 
 
 def test_plan_says_when_it_does_not_fit(colocated):

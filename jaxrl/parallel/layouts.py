@@ -91,22 +91,6 @@ def tree_shardings(shapes, axes, mesh: Mesh, layout: str):
   return jax.tree_util.tree_map_with_path(one, shapes, axes)
 
 
-def like_params(abstract_tree, param_shardings, mesh: Mesh):
-  """Shardings for a tree that embeds copies of the parameter tree (optimizer state: Adam's mu
-  and nu): every subtree shaped like the params gets their shardings, the rest (step counts)
-  is replicated. Without this, jit places such state on one device or replicates it."""
-  pdef = jax.tree.structure(param_shardings)
-
-  def is_params(x):
-    try:
-      return jax.tree.structure(x) == pdef
-    except Exception:  # noqa: BLE001  (non-pytree leaves)
-      return False
-
-  return jax.tree.map(lambda x: param_shardings if is_params(x) else NamedSharding(mesh, P()),
-                      abstract_tree, is_leaf=is_params)
-
-
 def param_shardings(cfg: ModelConfig, mesh: Mesh, layout: str):
   _, shapes, axes = abstract_model(cfg)
   return tree_shardings(shapes, axes, mesh, layout)

@@ -106,3 +106,23 @@ def is_stop(token_b: jax.Array, sp: SamplingParams) -> jax.Array:
   if not stops:
     return jnp.zeros(token_b.shape, bool)
   return jnp.any(token_b[:, None] == jnp.asarray(stops, jnp.int32)[None, :], axis=-1)
+
+
+MODES = ("sample", "greedy")
+
+
+def from_config(section, *, eos_id: int | None) -> SamplingParams:
+  """SamplingParams from a config's `sampling` section (see configs/sample_tiny.py)."""
+  stop_ids = section.get("stop_ids") or ()
+  if isinstance(stop_ids, int):
+    stop_ids = (stop_ids,)
+  try:
+    stop_ids = tuple(int(s) for s in stop_ids)
+  except (TypeError, ValueError):
+    raise ConfigError(f"sampling.stop_ids={section.get('stop_ids')!r} is not valid: give a tuple "
+                      "of token ids, e.g. --config.sampling.stop_ids='(2, 10)'.") from None
+  return SamplingParams(temperature=float(section.temperature), top_k=int(section.top_k),
+                        top_p=float(section.top_p), min_p=float(section.min_p),
+                        greedy=section.mode == "greedy",
+                        max_new_tokens=int(section.max_new_tokens), eos_id=eos_id,
+                        stop_ids=stop_ids)

@@ -1,0 +1,98 @@
+"""`jaxrl sample`: completions for a JSONL file of prompts, printed and written to the workdir.
+
+Until checkpoints exist (the training loop's issue), the model is a random init of the config's
+model; --checkpoint fails with a ConfigError that says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from jaxrl import config as config_lib
+from jaxrl.data import ByteTokenizer
+from jaxrl.errors import ConfigError
+from jaxrl.parallel import init_params, mesh_from_config
+from jaxrl.sampler.engine import Engine
+from jaxrl.sampler.rollout import generate, metrics
+from jaxrl.sampler.sampling import from_config
+
+
+def read_prompts(path: str) -> list[dict]:
+  """The records of a prompts JSONL file; blank lines are skipped, bad ones named by line."""
+  if not os.path.isfile(path):
+    raise ConfigError(f"prompts file {path!r} does not exist: pass --prompts FILE.jsonl with one "
+                      "JSON object holding a \"prompt\" string per line.")
+  records = []
+  with open(path, encoding="utf-8") as f:
+    for lineno, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}, line {lineno}: not valid JSON ({e.msg}): write one object "
+                          "per line, like {\"prompt\": \"2+2=\"}.") from None
+      if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+        raise ConfigError(f"{path}, line {lineno}: field \"prompt\" is missing or not a string: "
+                          "write one object per line, like {\"prompt\": \"2+2=\"}.")
+      records.append(record)
+  if not records:
+    raise ConfigError(f"prompts file {path} holds no prompts: add lines like "
+                      "{\"prompt\": \"2+2=\"}.")
+  return records
+
+
+def run(config, *, prompts_path: str, workdir: str | None, n: int | None = None,
+        checkpoint: str | None = None, progress: bool = True, out=print) -> dict:
+  if checkpoint is not None:
+    raise ConfigError("--checkpoint is not supported yet: loading checkpoints arrives with the "
+                      "training loop; omit it to sample from a random init of the config's model.")
+  if not workdir:
+    raise ConfigError("jaxrl sample needs --workdir DIR: the completions are written to "
+                      "DIR/completions.jsonl.")
+  if "sampling" not in config:
+    raise ConfigError("the config has no `sampling` section: use configs/sample_tiny.py or add "
+                      "one like it.")
+  records = read_prompts(prompts_path)
+  s = config.sampling
+  n = s.n if n is None else n
+  tok = ByteTokenizer()
+  cfg = config_lib.model_config(config)
+  if tok.vocab_size > cfg.vocab_size:
+    raise ConfigError(f"model.vocab_size={cfg.vocab_size} is smaller than the byte tokenizer's "
+                      f"{tok.vocab_size} ids: choose a preset with a vocabulary of at least "
+                      f"{tok.vocab_size}.")
+  sp = from_config(s, eos_id=tok.eos_id)
+  mesh = mesh_from_config(config.mesh)
+  graphdef, params = init_params(cfg, mesh, "sampler", seed=config.seed)
+  engine = Engine(graphdef, cfg, mesh, sampling=sp)
+  prompts = [tok.encode(r["prompt"], bos=True) for r in records]
+  rollout = generate(engine, params, prompts, n=n, seed=config.seed, slots=s.slots,
+                     steps_per_call=s.steps_per_call, continuous=s.batching == "continuous",
+                     pad_id=tok.pad_id, progress=progress)
+
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(config.to_json_best_effort(indent=2))
+  path = os.path.join(workdir, "completions.jsonl")
+  with open(path, "w", encoding="utf-8") as f:
+    for i in range(len(rollout.lengths)):
+      p = int(rollout.prompt_index[i])
+      ids = rollout.completion_ids[i, :rollout.lengths[i]].tolist()
+      row = {"prompt": records[p]["prompt"], "prompt_index": p, "sample": i % n,
+             "completion": tok.decode(ids), "completion_ids": ids,
+             "logprobs": rollout.logprobs[i, :rollout.lengths[i]].tolist(),
+             "finish_reason": rollout.finish_reasons[i]}
+      f.write(json.dumps(row) + "\n")
+      out(f"[{p}.{i % n}] {records[p]['prompt']!r} -> {row['completion']!r} "
+          f"({len(ids)} tokens, {row['finish_reason']})")
+  summary = {**metrics(rollout), **{f"sampler/{k}": v for k, v in rollout.stats.items()}}
+  with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  st = rollout.stats
+  out(f"{len(rollout.lengths)} completions ({len(records)} prompts x {n}), "
+      f"{st['tokens_generated']} tokens in {st['wall_s']:.2f} s ({st['tokens_per_s']:.0f} tok/s "
+      f"incl. compile; prefill {st['prefill_s']:.2f} s, decode {st['decode_s']:.2f} s, slot "
+      f"utilisation {st['slot_utilisation']:.0%}) -> {path}")
+  return {"rollout": rollout, "path": path}
