@@ -124,6 +124,20 @@ def test_pulse_run_logs_every_metric_and_resumes(repo_root, tmp_path, devices):
   assert "eval/accuracy" in rows[-1]
   assert all(np.isfinite(r["loss"]) for r in rows)
   assert rows[0]["is_ratio/mean"] == pytest.approx(1.0, abs=1e-3)  # sampler == learner
+  # The checkpoint serves `jaxrl sample --checkpoint`: the params it loads are the run's own.
+  from jaxrl.sampler import command
+  from jaxrl.train.checkpoint import restore_params
+  trained = summary["state"].params
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          trained)
+  for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(restore_params(workdir, abstract))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text('{"prompt": "12+7="}\n')
+  sample_cfg = config_lib.load_config(os.path.join(repo_root, "configs/sample_tiny.py"))
+  out = command.run(sample_cfg, prompts_path=str(prompts), workdir=str(tmp_path / "s"), n=2,
+                    checkpoint=workdir, progress=False, out=lambda *a: None)
+  assert len(out["rollout"].lengths) == 2 and os.path.exists(out["path"])
   # Re-running with more steps resumes from the checkpoint at step 2.
   lines = []
   summary = grpo.run(config_lib.load_config(spec, ["train.steps=3"]), workdir, out=lines.append)

@@ -218,7 +218,8 @@ def test_sample_command_writes_and_prints_completions(tmp_path, capsys, repo_roo
     ('{"prompt": "a"}\n{"prompt": 3}\n', [], r"prompts.jsonl, line 2: field \"prompt\" is missing"),
     ('{"prompt": "a"}\nnot json\n', [], r"prompts.jsonl, line 2: not valid JSON"),
     ('\n', [], r"holds no prompts"),
-    ('{"prompt": "a"}\n', ["--checkpoint", "ckpt"], r"--checkpoint is not supported yet"),
+    ('{"prompt": "a"}\n', ["--checkpoint", "no/such/run"], r"--checkpoint='no/such/run' does "
+     r"not exist"),
     ('{"prompt": "a"}\n', ["--config.sampling.top_p=0"], r"sampling.top_p=0.0 is not valid"),
     ('{"prompt": "a"}\n', ["--config.sampling.mode=beam"], r"sampling.mode='beam' is not valid"),
 ])

@@ -1,13 +1,16 @@
 """`jaxrl sample`: completions for a JSONL file of prompts, printed and written to the workdir.
 
-Until checkpoints exist (the training loop's issue), the model is a random init of the config's
-model; --checkpoint fails with a ConfigError that says so.
+--checkpoint takes a run directory of `jaxrl sft` or `jaxrl grpo` (or its checkpoints/): its latest
+params are read straight into the sampler layout. Without it the model is a random init of the
+config's model (useful for checking the plumbing only).
 """
 
 from __future__ import annotations
 
 import json
 import os
+
+import jax
 
 from jaxrl import config as config_lib
 from jaxrl.data import ByteTokenizer
@@ -45,9 +48,6 @@ def read_prompts(path: str) -> list[dict]:
 
 def run(config, *, prompts_path: str, workdir: str | None, n: int | None = None,
         checkpoint: str | None = None, progress: bool = True, out=print) -> dict:
-  if checkpoint is not None:
-    raise ConfigError("--checkpoint is not supported yet: loading checkpoints arrives with the "
-                      "training loop; omit it to sample from a random init of the config's model.")
   if not workdir:
     raise ConfigError("jaxrl sample needs --workdir DIR: the completions are written to "
                       "DIR/completions.jsonl.")
@@ -66,6 +66,11 @@ def run(config, *, prompts_path: str, workdir: str | None, n: int | None = None,
   sp = from_config(s, eos_id=tok.eos_id)
   mesh = mesh_from_config(config.mesh)
   graphdef, params = init_params(cfg, mesh, "sampler", seed=config.seed)
+  if checkpoint:
+    from jaxrl.train.checkpoint import restore_params
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                            params)
+    params = restore_params(checkpoint, abstract, key="--checkpoint")
   engine = Engine(graphdef, cfg, mesh, sampling=sp)
   prompts = [tok.encode(r["prompt"], bos=True) for r in records]
   rollout = generate(engine, params, prompts, n=n, seed=config.seed, slots=s.slots,

@@ -102,7 +102,8 @@ def abstract_state(state_shapes, shardings):
                       state_shapes, shardings)
 
 
-def restore_params(path: str, abstract_params, step: int | None = None):
+def restore_params(path: str, abstract_params, step: int | None = None, *,
+                   key: str = "init.checkpoint"):
   """The params of a run's checkpoint (a run directory or its checkpoints/), placed with the
   abstract params' shardings; the optimizer state is not read. This is how RL and preference
   trainers start from an SFT run: `init.checkpoint=runs/sft`."""
@@ -111,13 +112,13 @@ def restore_params(path: str, abstract_params, step: int | None = None):
   if (root / "checkpoints").exists():
     root = root / "checkpoints"
   if not root.exists():
-    raise ConfigError(f"init.checkpoint={path!r} does not exist: give a run directory that "
-                      "holds checkpoints/ (e.g. the --workdir of a jaxrl sft run).")
+    raise ConfigError(f"{key}={path!r} does not exist: give a run directory that holds "
+                      "checkpoints/ (e.g. the --workdir of a jaxrl sft run).")
   manager = ocp.CheckpointManager(root, item_names=("state", "data"))
   step = manager.latest_step() if step is None else step
   manager.close()
   if step is None:
-    raise ConfigError(f"init.checkpoint={path!r} holds no checkpoint: train there first.")
+    raise ConfigError(f"{key}={path!r} holds no checkpoint: train there first.")
   restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding),
                               abstract_params)
   with ocp.PyTreeCheckpointer() as ckptr:
