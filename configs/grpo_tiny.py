@@ -30,7 +30,8 @@ def get_config(arg=None):
       task="addition", train_file="", eval_file="", train_examples=20_000, on_bad_row="error"))
   c.rollout = ml_collections.ConfigDict(dict(
       prompts_per_step=16, group_size=8, max_new_tokens=8, temperature=1.0, top_k=0,
-      top_p=1.0, slots=64, steps_per_call=8))
+      top_p=1.0, slots=64, steps_per_call=8,
+      ignore_eos=False))  # True: every completion runs to max_new_tokens (benchmarks)
   c.algo = algo_section()
   c.rewards = "task"  # "task" = the task's checker; else e.g. "exact_match:1.0,format:0.1"
   c.normalize_rewards = False
@@ -41,7 +42,9 @@ def get_config(arg=None):
   c.train = ml_collections.ConfigDict(dict(
       steps=80, log_every=5, save_every=20, keep_checkpoints=2, async_checkpoints=True))
   c.eval = ml_collections.ConfigDict(dict(every=20, examples=256, batch_size=128))
-  c.alarm = ml_collections.ConfigDict(dict(kl_threshold=0.1, window=20))
+  # Alarms: KL above kl_threshold; reward (mean over the last `window` steps) rising between two
+  # evals while held-out accuracy falls by more than min_accuracy_drop.
+  c.alarm = ml_collections.ConfigDict(dict(kl_threshold=0.1, window=20, min_accuracy_drop=0.03))
   c.placement = placement_config()
   c.distributed = distributed_section()
   if arg == "runlocal":

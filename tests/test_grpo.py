@@ -107,7 +107,9 @@ def test_alarms_fire():
   assert alarms.on_eval(2, 0.6)["alarm/reward_hacking"] == 0.0
   alarms.on_step(3, {"reward/mean": 0.9, "kl": 0.0})
   alarms.on_step(4, {"reward/mean": 0.9, "kl": 0.0})
-  assert alarms.on_eval(4, 0.4)["alarm/reward_hacking"] == 1.0  # reward up, accuracy down
+  assert alarms.on_eval(4, 0.59)["alarm/reward_hacking"] == 0.0  # a one-point dip is noise
+  alarms.on_step(5, {"reward/mean": 0.95, "kl": 0.0})
+  assert alarms.on_eval(5, 0.4)["alarm/reward_hacking"] == 1.0  # reward up, accuracy down
   assert alarms.raised == {"kl": 1, "reward_hacking": 1}
   assert any("kl=0.5000 > 0.1" in s for s in said) and any("reward hacking" in s for s in said)
 
@@ -118,6 +120,8 @@ def test_pulse_run_logs_every_metric_and_resumes(repo_root, tmp_path, devices):
   summary = grpo.run(config_lib.load_config(spec), workdir, out=lambda *a: None)
   assert summary["status"] == "completed" and summary["step"] == 2
   rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+  assert rows[0]["step"] == 0 and "eval/accuracy" in rows[0]  # the starting point
+  rows = rows[1:]
   assert [r["step"] for r in rows] == [1, 2]
   for name in STEP_METRICS:
     assert all(name in r for r in rows), name
@@ -143,21 +147,30 @@ def test_pulse_run_logs_every_metric_and_resumes(repo_root, tmp_path, devices):
   summary = grpo.run(config_lib.load_config(spec, ["train.steps=3"]), workdir, out=lines.append)
   assert summary["step"] == 3 and any("resuming" in s for s in lines)
   rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
-  assert [r["step"] for r in rows] == [1, 2, 3]
+  assert [r["step"] for r in rows] == [0, 1, 2, 3]
 
 
 @pytest.mark.slow
-def test_demo_grpo_raises_heldout_accuracy_above_sft(tmp_path, devices):
-  """The embedded demo end to end: SFT on noisy demonstrations, then GRPO; held-out greedy
-  accuracy must rise clearly above the SFT starting point with KL below the alarm."""
-  from jaxrl import demo
-  result = demo.run(str(tmp_path / "demo"), out=lambda *a: None)
+def test_demo_grpo_raises_heldout_accuracy_above_sft(tmp_path, repo_root):
+  """`jaxrl demo` end to end, as `make demo` runs it (a subprocess with the default XLA flags,
+  not this suite's faster-compiling ones): SFT on noisy demonstrations, then GRPO; held-out
+  greedy accuracy must rise clearly above the SFT starting point with KL below the alarm."""
+  import subprocess
+  import sys
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  jaxrl = os.path.join(os.path.dirname(sys.executable), "jaxrl")
+  workdir = tmp_path / "demo"
+  res = subprocess.run([jaxrl, "demo", "--workdir", str(workdir)], cwd=repo_root, env=env,
+                       capture_output=True, text=True, timeout=1800)
+  assert res.returncode == 0, res.stderr[-2000:]
+  assert "after GRPO" in res.stdout and "Traceback" not in res.stderr
+  result = json.load(open(workdir / "summary.json"))
   sft_acc = result["sft"]["eval/accuracy"]
   grpo_acc = result["grpo"]["eval/accuracy"]
   assert grpo_acc >= sft_acc + 0.03, (sft_acc, grpo_acc)
   assert result["grpo"]["kl/max"] < 0.1
   assert result["grpo"]["alarms"]["kl"] == 0
   assert os.path.getsize(result["plot"]) > 10_000  # a real PNG with three panels
-  summary = json.load(open(tmp_path / "demo" / "summary.json"))
-  assert summary["grpo"]["steps"] == 80 and set(summary["grpo"]["time_split"]) == {
+  assert result["grpo"]["steps"] == 80 and set(result["grpo"]["time_split"]) == {
       "gen", "score", "ref", "update", "sync"}

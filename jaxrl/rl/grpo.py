@@ -226,8 +226,11 @@ def reward_specs(text: str, task) -> list[RewardSpec]:
 class Alarms:
   """KL past a threshold, and reward rising while held-out accuracy falls (reward hacking)."""
 
-  def __init__(self, *, kl_threshold: float, window: int, out):
+  def __init__(self, *, kl_threshold: float, window: int, out, min_drop: float = 0.03):
     self.kl_threshold, self.window, self.out = kl_threshold, window, out
+    # Held-out accuracy on a few hundred prompts moves by a point or two between evals by chance;
+    # only a larger fall while the reward rises counts as hacking.
+    self.min_drop = min_drop
     self.rewards: collections.deque = collections.deque(maxlen=window)
     self.evals: list[tuple[int, float, float]] = []  # (step, mean reward since last, accuracy)
     self.raised = {"kl": 0, "reward_hacking": 0}
@@ -246,7 +249,7 @@ class Alarms:
     self.evals.append((step, reward, accuracy))
     if len(self.evals) >= 2:
       (_, r0, a0), (_, r1, a1) = self.evals[-2], self.evals[-1]
-      if r1 > r0 and a1 < a0:
+      if r1 > r0 and a1 < a0 - self.min_drop:
         self.raised["reward_hacking"] += 1
         self.out(f"ALARM step {step}: reward rose {r0:.3f} -> {r1:.3f} while held-out accuracy "
                  f"fell {a0:.3f} -> {a1:.3f} (reward hacking?)")
@@ -307,7 +310,8 @@ def run(config, workdir: str, *, out=print) -> dict:
 
   # Sampler: the engine on the sampler mesh, fed by a timed weight sync every step.
   sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                            max_new_tokens=r.max_new_tokens, eos_id=tokenizer.eos_id)
+                            max_new_tokens=r.max_new_tokens,
+                            eos_id=None if r.ignore_eos else tokenizer.eos_id)
   engine = Engine(graphdef, cfg, placement.sampler.mesh, sampling=sampling)
   weight_sync = WeightSync(cfg, placement, dtype=config.placement.sync_dtype or None)
   sampler_copy = SamplerCopy(weight_sync)
@@ -331,7 +335,8 @@ def run(config, workdir: str, *, out=print) -> dict:
                       async_save=config.train.async_checkpoints)
   state, start = resume(ckpt, state, shardings, stream, run_dir, out=out,
                         updates_per_step=a.num_iterations * a.minibatches)
-  alarms = Alarms(kl_threshold=config.alarm.kl_threshold, window=config.alarm.window, out=out)
+  alarms = Alarms(kl_threshold=config.alarm.kl_threshold, window=config.alarm.window, out=out,
+                  min_drop=config.alarm.min_accuracy_drop)
   exact = (ExactMatch(graphdef, cfg, mesh, tokenizer, held_out, task.check,
                       batch=config.eval.batch_size, max_new=r.max_new_tokens)
            if held_out and task is not None else None)
