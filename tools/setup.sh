@@ -40,5 +40,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$py" -m venv "$VENV"
 fi
 echo "setup: installing jaxrl[test] pinned by requirements.lock"
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check -c requirements.lock -e '.[test]'
+# (This machine's pip config names extra index folders that may not exist; drop that noise.)
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -c requirements.lock -e '.[test]' \
+  2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 echo "$want" > "$stamp"
