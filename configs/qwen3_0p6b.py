@@ -19,43 +19,13 @@ no generation), "fixture" (tests/fixtures/hf/qwen3, runs on CPU in seconds).
 
 import os
 
-from jaxrl.config import base_config
-from jaxrl.parallel.plan import plan_config
-from jaxrl.parallel.sync import placement_config
+from jaxrl.config import hf_model_config
 
 CHECKPOINT = "checkpoints/Qwen3-0.6B"
-FIXTURE = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
-                                         "fixtures", "hf", "qwen3"))
+FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures",
+                       "hf", "qwen3")
 
 
 def get_config(arg=None):
-  c = base_config()
-  c.model.preset = "qwen3-0.6b"
-  c.model.hf_path = CHECKPOINT
-  # fp32 master weights (and Adam state) on the learner; the sampler gets a bf16 copy.
-  c.model.param_dtype = "float32"
-  c.model.dtype = "bfloat16"
-  c.mesh.fsdp = 8  # learner: FSDP over the 8 chips (heads 16, kv heads 8)
-  c.placement = placement_config()
-  c.placement.sampler_mesh.data, c.placement.sampler_mesh.tensor = 4, 2
-  c.placement.sync_dtype = "bfloat16"
-  c.plan = plan_config()
-  c.plan.device = "tpu-v5e"
-  c.plan.slots, c.plan.max_len = 64, 2048  # 512 prompt + 1536 completion tokens
-  # One 2048-token sequence per chip per micro-step: the fp32 logits over a 128k-152k vocabulary
-  # dominate activations (2.5 GiB at micro_batch=1, 10 GiB at 4).
-  c.plan.micro_batch, c.plan.seq_len = 1, 2048
-  c.plan.remat = True  # without recomputation activations alone need ~14 GiB per chip
-  if arg == "sft":
-    c.plan.reference = False
-    c.plan.slots, c.plan.max_len = 8, 8  # SFT does not generate: a minimal sampler side
-  elif arg == "fixture":
-    c.model.hf_path = FIXTURE
-    c.model.param_dtype = c.model.dtype = "float32"
-    c.mesh.fsdp, c.mesh.tensor = -1, 1
-    c.placement.sampler_mesh.data, c.placement.sampler_mesh.tensor = -1, 1
-    c.plan.device = ""
-    c.plan.slots, c.plan.max_len, c.plan.micro_batch, c.plan.seq_len = 8, 64, 2, 64
-  elif arg not in (None, "", "grpo"):
-    raise ValueError(f"unknown arg {arg!r}: use '', 'grpo', 'sft' or 'fixture'")
-  return c
+  return hf_model_config(arg, preset="qwen3-0.6b", checkpoint=CHECKPOINT,
+                         fixture=os.path.normpath(FIXTURE))

@@ -290,3 +290,44 @@ def iter_config_files(root: str = "configs") -> Iterator[str]:
   for name in sorted(os.listdir(root)):
     if name.endswith(".py") and not name.startswith("_"):
       yield os.path.join(root, name)
+
+
+def hf_model_config(arg, *, preset: str, checkpoint: str, fixture: str):
+  """The ready-made real-model configs (configs/qwen3_0p6b.py, ...): a local HF checkpoint on an
+  8-chip slice, fp32 master weights with bf16 compute, and its memory plan.
+
+  arg: "" or "grpo" (actor + reference; sampler 64 slots x 2048 tokens), "sft" (no reference,
+  no generation), "fixture" (a tiny HF fixture that runs on CPU in seconds).
+  """
+  from jaxrl.parallel.plan import plan_config
+  from jaxrl.parallel.sync import placement_config
+  c = base_config()
+  c.model.preset = preset
+  c.model.hf_path = checkpoint
+  # fp32 master weights (and Adam state) on the learner; the sampler gets a bf16 copy.
+  c.model.param_dtype = "float32"
+  c.model.dtype = "bfloat16"
+  c.mesh.fsdp = 8  # learner: FSDP over the 8 chips
+  c.placement = placement_config()
+  c.placement.sampler_mesh.data, c.placement.sampler_mesh.tensor = 4, 2
+  c.placement.sync_dtype = "bfloat16"
+  c.plan = plan_config()
+  c.plan.device = "tpu-v5e"
+  c.plan.slots, c.plan.max_len = 64, 2048  # 512 prompt + 1536 completion tokens
+  # One 2048-token sequence per chip per micro-step: the fp32 logits over a 128k-152k vocabulary
+  # dominate activations (2.5 GiB at micro_batch=1, 10 GiB at 4).
+  c.plan.micro_batch, c.plan.seq_len = 1, 2048
+  c.plan.remat = True  # without recomputation activations alone need ~14 GiB per chip
+  if arg == "sft":
+    c.plan.reference = False
+    c.plan.slots, c.plan.max_len = 8, 8  # SFT does not generate: a minimal sampler side
+  elif arg == "fixture":
+    c.model.hf_path = fixture
+    c.model.param_dtype = c.model.dtype = "float32"
+    c.mesh.fsdp, c.mesh.tensor = -1, 1
+    c.placement.sampler_mesh.data, c.placement.sampler_mesh.tensor = -1, 1
+    c.plan.device = ""
+    c.plan.slots, c.plan.max_len, c.plan.micro_batch, c.plan.seq_len = 8, 64, 2, 64
+  elif arg not in (None, "", "grpo"):
+    raise ValueError(f"unknown arg {arg!r}: use '', 'grpo', 'sft' or 'fixture'")
+  return c
