@@ -99,6 +99,17 @@ def test_dynamic_sampling_refills_zero_variance_groups():
   assert ro.prompt_ids[2].tolist() == [1, 6]
 
 
+def test_reward_specs_take_kwargs_from_config():
+  from jaxrl.errors import ConfigError
+  from jaxrl.rewards import score
+  specs = grpo.reward_specs("exact_match:1.0,format:0.5", None,
+                            {"format": {"pattern": r"^\d+$"}})
+  total, _ = score(specs, ["12", "12 apples"], {"answer": ["12", "12"]})
+  assert total.tolist() == [1.5, 0.0]
+  with pytest.raises(ConfigError, match="reward_kwargs names 'lenght_penalty'"):
+    grpo.reward_specs("exact_match", None, {"lenght_penalty": {"max_tokens": 3}})
+
+
 def test_alarms_fire():
   said = []
   alarms = grpo.Alarms(kl_threshold=0.1, window=3, out=said.append)

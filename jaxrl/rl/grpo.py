@@ -205,9 +205,10 @@ def task_reward(task):
   return name
 
 
-def reward_specs(text: str, task) -> list[RewardSpec]:
+def reward_specs(text: str, task, kwargs=None) -> list[RewardSpec]:
   """Parses `rewards` ("task", "exact_match:1.0,format:0.1", ...); "task" is the task's own
-  checker."""
+  checker. `kwargs` maps a reward name to its keyword arguments (config `reward_kwargs`, e.g.
+  {"format": {"pattern": "^\\d+$"}})."""
   parts = []
   for part in filter(None, (p.strip() for p in text.split(","))):
     name, sep, weight = part.partition(":")
@@ -217,7 +218,15 @@ def reward_specs(text: str, task) -> list[RewardSpec]:
                           "exact_match, or set data.task.")
       name = task_reward(task)
     parts.append(name + sep + weight)
-  return parse_specs(",".join(parts))
+  kwargs = dict(kwargs or {})
+  specs = parse_specs(",".join(parts))
+  unknown = sorted(set(kwargs) - {s.name for s in specs} - {"task"})
+  if unknown:
+    raise ConfigError(f"reward_kwargs names {unknown[0]!r}, which `rewards` does not use: "
+                      f"rewards are {', '.join(s.name for s in specs)}.")
+  task_name = task_reward(task) if task is not None else None
+  return [RewardSpec(s.name, s.weight, dict(kwargs.get(
+      "task" if s.name == task_name else s.name, {}))) for s in specs]
 
 
 # ----------------------------------------------------------------------------- alarms
@@ -295,7 +304,7 @@ def run(config, workdir: str, *, out=print) -> dict:
     from jaxrl.tasks import get_task
     task = get_task(config.data.task)
   train_records, held_out = _records(config, task)
-  specs = reward_specs(config.rewards, task)
+  specs = reward_specs(config.rewards, task, config.get("reward_kwargs"))
 
   # Models: the policy (trained) and its frozen reference, both in the learner layout.
   tx, schedule = make_optimizer(config.optim, config.train.steps * a.num_iterations *
