@@ -70,7 +70,7 @@ def algo_section(**overrides) -> ml_collections.ConfigDict:
       dual_clip_c=0.0,           # > 1 enables dual-clip; 0 = off
       ratio_level="token",       # "sequence" = GSPO
       aggregation="token-mean",
-      beta=0.04,                 # KL coefficient; 0 = no reference forward at all
+      beta=0.04,                 # KL coefficient in the loss; 0 still measures KL (alarms)
       kl_estimator="k3",
       kl_clamp=10.0,
       kl_in="loss",              # or "reward"
