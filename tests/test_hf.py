@@ -481,3 +481,33 @@ def test_two_processes_read_only_their_shards(tmp_path):
   original, exported = hf_tensors(fixture("qwen2")), hf_tensors(str(tmp_path / "out"))
   assert set(original) == set(exported)
   assert all(np.array_equal(original[k], exported[k]) for k in original)
+
+
+def test_trainers_start_from_hf_weights_and_tokenizer(tmp_path, repo_root, devices):
+  """model.hf_path gives the trainers the checkpoint's tokenizer and weights: an SFT pulse on
+  the Qwen3 fixture starts from exactly its params and runs with its BPE tokenizer."""
+  import jax
+  import optax
+
+  from jaxrl import config as config_lib
+  from jaxrl.data.hf_tokenizer import HFTokenizer, tokenizer_for
+  from jaxrl.models.hf import load_hf
+  from jaxrl.parallel import make_mesh
+  from jaxrl.train import sft
+  from jaxrl.train.state import init_train_state, start_from_hf
+  fixture = os.path.join(repo_root, "tests", "fixtures", "hf", "qwen3")
+  config = config_lib.load_config(os.path.join(repo_root, "configs/sft_tiny.py:runlocal"),
+                                  [f"model.hf_path={fixture}", "train.steps=2",
+                                   "train.log_every=1", "eval.every=2", "eval.examples=8",
+                                   "eval.batch_size=8"])
+  assert isinstance(tokenizer_for(config), HFTokenizer)
+  mesh = make_mesh()
+  cfg = config_lib.model_config(config)
+  _, state, _ = init_train_state(cfg, mesh, optax.adamw(1e-3), seed=0)
+  state = start_from_hf(config, state, mesh)
+  _, _, ref = load_hf(fixture, mesh, "learner", cfg=cfg)
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  summary = sft.run(config, str(tmp_path / "sft"), out=lambda *a: None)
+  assert summary["status"] == "completed" and np.isfinite(summary["metrics"]["loss"])
+  assert "eval/accuracy" in summary["eval"]

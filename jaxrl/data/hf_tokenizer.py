@@ -194,3 +194,20 @@ class HFTokenizer:
     enc = self._tok.encode(text, add_special_tokens=False)
     mask = [any(s <= a and b <= e for s, e in spans) and a < b for a, b in enc.offsets]
     return enc.ids, mask
+
+
+def tokenizer_for(config):
+  """The tokenizer a trainer uses: the checkpoint's own (HFTokenizer) when model.hf_path holds
+  a tokenizer.json, else the byte-level tokenizer. Its ids must fit the model's vocabulary."""
+  from jaxrl.data.tokenizer import ByteTokenizer
+  from jaxrl.errors import ConfigError
+  path = config.model.get("hf_path") or ""
+  tok = (HFTokenizer(path) if path and os.path.isfile(os.path.join(path, "tokenizer.json"))
+         else ByteTokenizer())
+  from jaxrl import config as config_lib
+  vocab = config_lib.model_config(config).vocab_size
+  if tok.vocab_size > vocab:
+    raise ConfigError(f"the tokenizer has {tok.vocab_size} ids but model.vocab_size is {vocab}: "
+                      "use a model whose vocabulary covers the tokenizer (the byte tokenizer "
+                      "needs at least 259).")
+  return tok

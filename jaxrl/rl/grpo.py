@@ -34,7 +34,8 @@ import ml_collections
 import numpy as np
 
 from jaxrl import config as config_lib
-from jaxrl.data import ByteTokenizer, read_jsonl
+from jaxrl.data import read_jsonl
+from jaxrl.data.hf_tokenizer import tokenizer_for
 from jaxrl.errors import ConfigError
 from jaxrl.models import apply, token_logprobs
 from jaxrl.parallel import batch_sharding
@@ -49,7 +50,7 @@ from jaxrl.train.evaluation import ExactMatch
 from jaxrl.train.loop import resume, train_loop
 from jaxrl.train.optim import make_optimizer
 from jaxrl.train.rundir import RunDir
-from jaxrl.train.state import init_train_state, make_train_step, put_batch
+from jaxrl.train.state import init_train_state, make_train_step, put_batch, start_from_hf
 
 config_lib.CHOICES.update({
     "algo.advantage": adv_lib.ESTIMATORS,
@@ -296,7 +297,7 @@ def run(config, workdir: str, *, out=print) -> dict:
   mesh = placement.learner.mesh
   run_dir = RunDir(workdir, write=main)
   run_dir.write_config(config)
-  tokenizer = ByteTokenizer()
+  tokenizer = tokenizer_for(config)
   a, r = config.algo, config.rollout
 
   task = None
@@ -310,6 +311,7 @@ def run(config, workdir: str, *, out=print) -> dict:
   tx, schedule = make_optimizer(config.optim, config.train.steps * a.num_iterations *
                                 a.minibatches)
   graphdef, state, shardings = init_train_state(cfg, mesh, tx, seed=config.seed)
+  state = start_from_hf(config, state, mesh)  # an SFT checkpoint, if given, comes next
   if config.init.checkpoint:
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                            sharding=x.sharding), state.params)

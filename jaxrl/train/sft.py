@@ -17,7 +17,8 @@ import jax
 import numpy as np
 
 from jaxrl import config as config_lib
-from jaxrl.data import ON_BAD_ROW, ByteTokenizer, read_jsonl, sft_batches
+from jaxrl.data import ON_BAD_ROW, read_jsonl, sft_batches
+from jaxrl.data.hf_tokenizer import tokenizer_for
 from jaxrl.errors import ConfigError
 from jaxrl.models import apply, token_logprobs
 from jaxrl.parallel import batch_sharding, mesh_from_config
@@ -27,7 +28,7 @@ from jaxrl.train.evaluation import ExactMatch, global_array, make_eval_loss
 from jaxrl.train.loop import resume, train_loop
 from jaxrl.train.optim import make_optimizer
 from jaxrl.train.rundir import RunDir
-from jaxrl.train.state import init_train_state, make_train_step, put_batch
+from jaxrl.train.state import init_train_state, make_train_step, put_batch, start_from_hf
 
 config_lib.CHOICES["data.on_bad_row"] = ON_BAD_ROW
 
@@ -130,10 +131,7 @@ def run(config, workdir: str, *, out=print) -> dict:
   run_dir = RunDir(workdir, write=main)
   _note_config_changes(run_dir, config, out if main else (lambda *_: None))
   run_dir.write_config(config)
-  tokenizer = ByteTokenizer()
-  if tokenizer.vocab_size > cfg.vocab_size:
-    raise ConfigError(f"model.vocab_size={cfg.vocab_size} is smaller than the byte tokenizer's "
-                      f"{tokenizer.vocab_size} ids: use a preset with vocab_size >= 259.")
+  tokenizer = tokenizer_for(config)
 
   # Data: the global batch is the concatenation of `shards` shard batches, and each process
   # reads only its own shards, so the batches do not depend on the process count.
@@ -162,6 +160,7 @@ def run(config, workdir: str, *, out=print) -> dict:
   tx, schedule = make_optimizer(config.optim, total)
   graphdef, state, shardings = init_train_state(cfg, mesh, tx, seed=config.seed,
                                                 layout=config.layout)
+  state = start_from_hf(config, state, mesh, config.layout)
   loss_fn = sft_loss(graphdef)
   step_fn = make_train_step(loss_fn, tx, schedule, shardings, shd, mesh=mesh,
                             accum_steps=config.optim.accum_steps)

@@ -124,3 +124,13 @@ def put_batch(batch: dict, sharding: NamedSharding) -> dict:
   passes only its own rows (explicit host-to-device transfer, no gather)."""
   return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
 
+
+
+def start_from_hf(config, state: TrainState, mesh: Mesh, layout: str = "learner") -> TrainState:
+  """The state with the params of model.hf_path, when the config names one (the optimizer state
+  of a fresh run is zeros either way, so only the params change)."""
+  if not (config.model.get("hf_path") or ""):
+    return state
+  from jaxrl.models.hf import params_from_config
+  _, _, params = params_from_config(config, mesh, layout)
+  return state.replace(params=params)
