@@ -10,11 +10,12 @@ Then (8 fake CPU devices stand in for a v5e-8 / v6e-8 slice when planning on a l
     jaxrl model --config configs/qwen3_0p6b.py:fixture        # runlocal: the tiny qwen3 fixture
 
 The weights load from model.hf_path (--config.model.hf_path=DIR to move it); until that
-directory exists the preset 'qwen3-0.6b' supplies the same shapes, so `plan` works first. The
-SFT and GRPO trainers add their own sections to this config when they land.
+directory exists the preset 'qwen3-0.6b' supplies the same shapes, so `plan` works first.
+Train with it: `jaxrl sft --config configs/qwen3_0p6b.py:sft --workdir runs/sft` then
+`jaxrl grpo --config configs/qwen3_0p6b.py --config.init.checkpoint=runs/sft --workdir runs/grpo`.
 
 arg: "" or "grpo" (actor + reference; sampler 64 slots x 2048 tokens), "sft" (no reference,
-no generation), "fixture" (tests/fixtures/hf/qwen3, runs on CPU in seconds).
+no generation), "fixture" (a GRPO pulse on tests/fixtures/hf/qwen3, runs on CPU in seconds).
 """
 
 import os

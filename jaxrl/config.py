@@ -294,14 +294,29 @@ def iter_config_files(root: str = "configs") -> Iterator[str]:
 
 def hf_model_config(arg, *, preset: str, checkpoint: str, fixture: str):
   """The ready-made real-model configs (configs/qwen3_0p6b.py, ...): a local HF checkpoint on an
-  8-chip slice, fp32 master weights with bf16 compute, and its memory plan.
+  8-chip slice, fp32 master weights with bf16 compute, the trainer's sections and the memory
+  plan that matches them.
 
-  arg: "" or "grpo" (actor + reference; sampler 64 slots x 2048 tokens), "sft" (no reference,
-  no generation), "fixture" (a tiny HF fixture that runs on CPU in seconds).
+  arg: "" or "grpo" (GRPO: actor + reference; sampler 64 slots x 2048 tokens), "sft" (SFT: no
+  reference, no generation), "fixture" (GRPO on a tiny HF fixture, runs on CPU in seconds).
   """
   from jaxrl.parallel.plan import plan_config
   from jaxrl.parallel.sync import placement_config
-  c = base_config()
+  if arg not in (None, "", "grpo", "sft", "fixture"):
+    raise ValueError(f"unknown arg {arg!r}: use '', 'grpo', 'sft' or 'fixture'")
+  if arg == "sft":
+    from jaxrl.train.sft import default_config
+    c = default_config()
+    c.data.update(seq_len=512, batch_size=64)
+    c.optim.update(lr=1e-5, warmup_steps=20)
+    c.eval.update(max_new_tokens=32, batch_size=64)
+  else:
+    from jaxrl.rl.grpo import default_config
+    c = default_config()
+    # 512 prompt + 1536 completion tokens in 64 decode slots, as the plan below assumes.
+    c.rollout.update(prompts_per_step=16, group_size=8, max_new_tokens=1536, slots=64)
+    c.optim.update(lr=1e-6)
+    c.eval.update(batch_size=64)
   c.model.preset = preset
   c.model.hf_path = checkpoint
   # fp32 master weights (and Adam state) on the learner; the sampler gets a bf16 copy.
@@ -313,7 +328,7 @@ def hf_model_config(arg, *, preset: str, checkpoint: str, fixture: str):
   c.placement.sync_dtype = "bfloat16"
   c.plan = plan_config()
   c.plan.device = "tpu-v5e"
-  c.plan.slots, c.plan.max_len = 64, 2048  # 512 prompt + 1536 completion tokens
+  c.plan.slots, c.plan.max_len = 64, 2048
   # One 2048-token sequence per chip per micro-step: the fp32 logits over a 128k-152k vocabulary
   # dominate activations (2.5 GiB at micro_batch=1, 10 GiB at 4).
   c.plan.micro_batch, c.plan.seq_len = 1, 2048
@@ -326,8 +341,10 @@ def hf_model_config(arg, *, preset: str, checkpoint: str, fixture: str):
     c.model.param_dtype = c.model.dtype = "float32"
     c.mesh.fsdp, c.mesh.tensor = -1, 1
     c.placement.sampler_mesh.data, c.placement.sampler_mesh.tensor = -1, 1
+    c.placement.sync_dtype = ""
+    c.rollout.update(prompts_per_step=4, group_size=4, max_new_tokens=8, slots=16)
+    c.train.update(steps=2, log_every=1, save_every=2)
+    c.eval.update(every=2, examples=8, batch_size=8)
     c.plan.device = ""
     c.plan.slots, c.plan.max_len, c.plan.micro_batch, c.plan.seq_len = 8, 64, 2, 64
-  elif arg not in (None, "", "grpo"):
-    raise ValueError(f"unknown arg {arg!r}: use '', 'grpo', 'sft' or 'fixture'")
   return c
