@@ -21,7 +21,7 @@ from typing import Any
 
 import ml_collections
 
-from jaxrl.errors import ConfigError
+from jaxrl.errors import ConfigError, check_choice
 from jaxrl.models import PRESETS, ModelConfig, model_config_from
 from jaxrl.models.config import DTYPES, model_section_fields
 from jaxrl.parallel import LAYOUTS
@@ -278,12 +278,7 @@ def hf_base(config: ml_collections.ConfigDict) -> ModelConfig | None:
 
 
 def validate_choice(key: str, value: Any, choices: Iterable[str]) -> None:
-  choices = list(choices)
-  if value not in choices:
-    close = difflib.get_close_matches(str(value), choices, n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise ConfigError(f"{key}={value!r} is not valid.{hint} Choose one of: "
-                      f"{', '.join(choices)}.")
+  check_choice(key, value, choices)
 
 
 def iter_config_files(root: str = "configs") -> Iterator[str]:

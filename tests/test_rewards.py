@@ -55,7 +55,7 @@ def test_errors_name_the_function():
     score([RewardSpec("_test_raises")], ["a", "b"], {})
   with pytest.raises(RewardError, match=r"'_test_nan' returned nan for completion 1"):
     score([RewardSpec("_test_nan")], ["a", "b"], {})
-  with pytest.raises(ConfigError, match=r"reward 'exact_mach' is not registered\. Did you mean "
+  with pytest.raises(ConfigError, match=r"reward='exact_mach' is not valid\. Did you mean "
                      r"'exact_match'"):
     parse_specs("exact_mach")
   with pytest.raises(ConfigError, match=r"weight 'x' in 'format:x' is not a number"):

@@ -8,10 +8,9 @@ model cards publish.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from typing import Any
 
-from jaxrl.errors import ConfigError
+from jaxrl.errors import ConfigError, check_choice
 
 DTYPES = ("float32", "bfloat16")
 
@@ -140,13 +139,7 @@ _MODEL_SECTION_EXTRA = ("preset", "hf_path")
 
 
 def get_preset(name: str) -> ModelConfig:
-  if name not in PRESETS:
-    close = difflib.get_close_matches(name, PRESETS, n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise ConfigError(
-        f"model.preset={name!r} is not a known preset.{hint} Choose one of: "
-        f"{', '.join(PRESETS)}.")
-  return PRESETS[name]
+  return PRESETS[check_choice("model.preset", name, PRESETS)]
 
 
 def model_config_from(section: Any, base: ModelConfig | None = None) -> ModelConfig:

@@ -13,7 +13,6 @@ it; query heads are the exception, since an uneven head split is a config mistak
 
 from __future__ import annotations
 
-import difflib
 from functools import partial
 
 import jax
@@ -21,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxrl.errors import ConfigError
+from jaxrl.errors import ConfigError, check_choice
 from jaxrl.models import CACHE_AXES, ModelConfig, Transformer, abstract_model
 
 Rule = str | tuple[str, ...] | None
@@ -44,12 +43,7 @@ _MUST_DIVIDE = {
 
 
 def get_rules(layout: str) -> dict[str, Rule]:
-  if layout not in LAYOUTS:
-    close = difflib.get_close_matches(layout, LAYOUTS, n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise ConfigError(f"layout={layout!r} is not a layout.{hint} Choose one of: "
-                      f"{', '.join(LAYOUTS)}.")
-  return LAYOUTS[layout]
+  return LAYOUTS[check_choice("layout", layout, LAYOUTS)]
 
 
 def logical_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], rules: dict[str, Rule],

@@ -15,14 +15,13 @@ returns NaN is named in the error.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
 import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jaxrl.errors import ConfigError
+from jaxrl.errors import ConfigError, check_choice
 
 RewardFn = Callable[..., Sequence[float]]
 REWARDS: dict[str, RewardFn] = {}
@@ -40,12 +39,7 @@ def register(name: str):
 
 
 def get_reward(name: str) -> RewardFn:
-  if name not in REWARDS:
-    close = difflib.get_close_matches(name, REWARDS, n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise ConfigError(f"reward {name!r} is not registered.{hint} Choose one of: "
-                      f"{', '.join(sorted(REWARDS))}.")
-  return REWARDS[name]
+  return REWARDS[check_choice("reward", name, sorted(REWARDS))]
 
 
 # ----------------------------------------------------------------------------- built-ins

@@ -19,7 +19,7 @@ import zlib
 
 import numpy as np
 
-from jaxrl.errors import ConfigError
+from jaxrl.errors import ConfigError, check_choice
 
 SPLITS = ("train", "test")
 # One prompt in five belongs to the test split. The hash is crc32, not Python's hash(), which is
@@ -182,13 +182,7 @@ def get_task(name: str, **options) -> Task:
   lets a config value or a CLI flag pick a harder variant.
   """
   base, _, spec = str(name).partition(":")
-  if base not in TASKS:
-    import difflib
-    close = difflib.get_close_matches(base, list(TASKS), n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise ConfigError(f"task {base!r} does not exist.{hint} Choose one of: "
-                      f"{', '.join(TASKS)}.")
-  task = TASKS[base]
+  task = TASKS[check_choice("task", base, TASKS)]
   fields = {f.name: type(getattr(task, f.name)) for f in dataclasses.fields(task)}
   fields.pop("name")
   for item in filter(None, spec.split(",")):
