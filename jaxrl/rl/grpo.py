@@ -386,7 +386,7 @@ def run(config, workdir: str, *, out=print) -> dict:
            if held_out and task is not None else None)
 
   def put(rows):
-    return {k: put_batch({k: v}, shd)[k] for k, v in rows.items()}
+    return put_batch(rows, shd)
 
   def sample(params, prompts, step, round_):
     ids = [tokenizer.encode(x["prompt"], bos=True) for x in prompts]

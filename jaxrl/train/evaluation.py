@@ -1,8 +1,8 @@
 """Held-out evaluation: teacher-forced loss, and exact match of greedy decoding on a task.
 
 The greedy decoder is one jit (prefill, then a lax.scan of cached single-token steps), compiled
-once per run and called at every eval. It stands in until the sampler ([sampler]) lands; eval
-then switches to the sampler's engine.
+once per run and called at every eval. It runs on the learner's params in the learner layout,
+so evaluating needs no weight sync into the sampler and no sampler KV cache.
 """
 
 from __future__ import annotations
