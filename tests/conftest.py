@@ -30,3 +30,28 @@ def devices():
 @pytest.fixture
 def repo_root():
   return ROOT
+
+
+@pytest.fixture(scope="session")
+def sft_addition(tmp_path_factory):
+  """The run dir of one tiny SFT policy on addition, trained once per test session.
+
+  The demo's SFT stage (600 steps, 20% wrong demonstrations, so RL has headroom): held-out
+  greedy accuracy about 0.7. The xdist workers share it: the first to take the lock trains
+  it, the others wait and reuse the finished run dir. Tests must only read it (copy it to
+  resume from it).
+  """
+  import fcntl
+  from jaxrl import config as config_lib
+  from jaxrl.train import sft
+  shared = tmp_path_factory.getbasetemp().parent  # common to every xdist worker
+  workdir = shared / "sft_addition"
+  with open(shared / "sft_addition.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not (workdir / "summary.json").exists():
+      config = config_lib.load_config(os.path.join(ROOT, "configs", "sft_tiny.py"))
+      config_lib.apply_overrides(config, {"data.error_rate": 0.2, "train.steps": 600,
+                                          "train.log_every": 100, "train.save_every": 600,
+                                          "eval.every": 600})
+      sft.run(config, str(workdir), out=lambda *_: None)
+  return str(workdir)
