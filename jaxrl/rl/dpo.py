@@ -213,7 +213,7 @@ def kto_loss(graphdef, a):
     N = jnp.float32(loss.shape[0])
     nd, nu = m.pop("count/chosen").sum(), m.pop("count/rejected").sum()
     sums = {"rewards/accuracies": m["rewards/accuracies"].sum(), "kl": z0 * N,
-            "count/chosen": nd, "count/rejected": nu}
+            "kto/frac_desirable": nd}
     for k, cnt in (("rewards/chosen", nd), ("logps/chosen", nd), ("rewards/rejected", nu),
                    ("logps/rejected", nu)):
       sums[k] = m[k].sum() / jnp.maximum(cnt, 1.0) * N
