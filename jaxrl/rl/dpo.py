@@ -118,11 +118,14 @@ def default_config():
       mode="auto",         # live | cached | auto (see the module docstring)
       batch_size=128,      # pairs per forward when filling the cache
   ))
-  c.optim = optim_section(lr=1e-4, schedule="constant", warmup_steps=0, weight_decay=0.0,
+  # Measured on the tiny preset from the 600-step SFT policy (README): at lr 5e-5 every loss
+  # raised held-out accuracy within 100 steps; past ~150 steps the likelihood of the chosen
+  # answers keeps falling and greedy accuracy drops back while preference accuracy still rises.
+  c.optim = optim_section(lr=5e-5, schedule="constant", warmup_steps=0, weight_decay=0.0,
                           clip_norm=1.0)
   c.train = ml_collections.ConfigDict(dict(
-      steps=200, log_every=10, save_every=100, keep_checkpoints=2, async_checkpoints=True))
-  c.eval = ml_collections.ConfigDict(dict(every=50, examples=256, batch_size=128,
+      steps=100, log_every=10, save_every=50, keep_checkpoints=2, async_checkpoints=True))
+  c.eval = ml_collections.ConfigDict(dict(every=25, examples=256, batch_size=128,
                                           max_new_tokens=6))
   c.plan = plan_config()  # only device / device_gib matter here (ref.mode=auto)
   c.distributed = distributed_section()
