@@ -248,3 +248,12 @@ def test_jaxrl_distributed_auto_asks_for_multi_host(monkeypatch):
   assert not environment_asks()
   monkeypatch.setenv("JAXRL_DISTRIBUTED", "auto")  # what tpu/worker.sh run --multihost sets
   assert environment_asks()
+
+
+def test_run_warns_when_a_slice_would_write_to_local_disks():
+  out = _dry("run.sh", "--name", "pod", "--zone", "z", "--workers", "4", "--run-name", "r", "--",
+             "sft", "--workdir", "runs/local")
+  assert out[0].startswith("# warning: workdir runs/local is on each worker's own disk")
+  one = _dry("run.sh", "--name", "t", "--zone", "z", "--workers", "1", "--run-name", "r", "--",
+             "sft", "--workdir", "runs/local")
+  assert not any("warning" in l for l in one)  # one worker: its disk is the whole run

@@ -50,6 +50,16 @@ fi
 
 multihost=""
 [ "$WORKERS" = 1 ] || multihost=" --multihost"
+prev=""
+for a in "$@"; do
+  w=""
+  [ "$prev" != --workdir ] || w=$a
+  [[ $a != --workdir=* ]] || w=${a#--workdir=}
+  if [ -n "$w" ] && [ "$WORKERS" != 1 ] && [[ $w != gs://* ]]; then
+    note "warning: workdir $w is on each worker's own disk; the workers of a slice write one checkpoint together and need a shared directory: use --workdir gs://BUCKET/... (setup.sh --bucket BUCKET)"
+  fi
+  prev=$a
+done
 # ~ reaches the worker unquoted, so the worker's shell expands it.
 remote="cd ~/jaxrl && bash tpu/worker.sh run --log ~/jaxrl-logs/$RUN_NAME.log$multihost -- $(quote_all "$@")"
 out=$LOG_DIR/$RUN_NAME
