@@ -54,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
                      "jaxrl's format) or jaxrl-to-hf (back to config.json + safetensors)")
   s.add_argument("direction", choices=["hf-to-jaxrl", "jaxrl-to-hf"])
   s.add_argument("--src", metavar="DIR", help="hf-to-jaxrl: the Hugging Face checkpoint")
-  s.add_argument("--checkpoint", metavar="DIR", help="jaxrl-to-hf: the jaxrl checkpoint")
+  s.add_argument("--checkpoint", metavar="DIR", help="jaxrl-to-hf: the jaxrl checkpoint, or a "
+                 "jaxrl sft / grpo run directory (its latest params)")
   s.add_argument("--out", metavar="DIR", required=True, help="directory to write")
   s.add_argument("--param-dtype", choices=["float32", "bfloat16"],
                  help="hf-to-jaxrl: parameter dtype (default: the checkpoint's own)")
