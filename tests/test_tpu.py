@@ -2,11 +2,13 @@
 the scripts pass bash -n and shellcheck, and watch.sh recreates a preempted VM and re-runs the
 command (played against a fake gcloud that records its calls)."""
 
+import functools
 import glob
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -26,10 +28,14 @@ def _dry(script, *args):
   return res.stdout.splitlines()
 
 
-def _no_gcloud_env(tmp=None):
+@functools.cache
+def _no_gcloud_dir():
+  return tempfile.mkdtemp(prefix="jaxrl-no-gcloud-")
+
+
+def _no_gcloud_env():
   """PATH with a gcloud that fails loudly: a dry run must never call it."""
-  d = tmp or os.path.join(ROOT, ".pytest_cache", "no-gcloud")
-  os.makedirs(d, exist_ok=True)
+  d = _no_gcloud_dir()
   with open(os.path.join(d, "gcloud"), "w") as f:
     f.write("#!/bin/sh\necho 'gcloud was called in a dry run' >&2\nexit 99\n")
   os.chmod(os.path.join(d, "gcloud"), 0o755)
