@@ -27,7 +27,7 @@ from flax import nnx
 
 from jaxrl.models.config import ModelConfig, RopeScaling
 
-# A KV cache is one array per layer, [2, B, S, K, H] (k then v). One array per layer, donated,
+# A KV cache is one array per layer, [2, B, K, S, H] (k then v). One array per layer, donated,
 # never restacked: restacking a cache every step made decoding up to 3x slower at batch 64.
 KVCache = list[jax.Array]
 
