@@ -103,6 +103,24 @@ def test_reference_cache_matches_the_live_forward(devices):
   np.testing.assert_array_equal(cache.lookup(dpo.unpair(rows)), live.reshape(-1))
 
 
+def test_starts_from_a_hugging_face_checkpoint_with_a_cached_reference(tmp_path, repo_root,
+                                                                      devices):
+  """A run from model.hf_path (its weights and its own tokenizer, as start_from_hf loads them)
+  with the reference cached: the cache is scored by the same starting model in a separate jit
+  and batch shape, and the first step's loss (before any update) is still ln 2 to 1e-6."""
+  hf = os.path.join(repo_root, "tests", "fixtures", "hf", "qwen3")
+  lines = []
+  summary = dpo.run(_config(**{**FAST, "train.steps": 2}, **{
+      "model.hf_path": hf, "data.seq_len": 32, "ref.mode": "cached"}), str(tmp_path / "run"),
+      out=lines.append)
+  assert summary["status"] == "completed" and summary["ref_mode"] == "cached"
+  assert any("scored" in x for x in lines)
+  first = _losses(str(tmp_path / "run"))[1]
+  assert first["loss"] == pytest.approx(np.log(2), abs=1e-6)
+  assert first["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+  assert first["logps/chosen"] < 0
+
+
 @pytest.mark.parametrize("gib, want", [(0.001, "cached"), (64.0, "live")])
 def test_auto_reference_mode_follows_the_memory_plan(devices, gib, want):
   from jaxrl.parallel import mesh_from_config
