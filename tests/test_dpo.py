@@ -168,6 +168,8 @@ def test_kto_trains_on_an_unpaired_file(tmp_path, devices):
     ({"algo.loss": "kto", "ref.mode": "cached"}, r"kto_z0='mismatched' needs the live reference"),
     ({"algo.loss": "orpo", "algo.nll_coef": 1.0}, r"orpo.* has its own NLL term"),
     ({"data.format": "kto"}, r"only algo.loss=kto trains on"),
+    ({"algo.loss": "ipo", "algo.label_smoothing": 0.1}, r"applies to dpo \(cDPO\) and simpo"),
+    ({"algo.label_smoothing": 0.5}, r"label_smoothing=0.5 is not valid"),
     ({"algo.loss": "dpx"}, r"algo.loss='dpx' is not valid\. Did you mean 'dpo'\?"),
     ({"ref.mode": "cache"}, r"ref.mode='cache' is not valid"),
 ])

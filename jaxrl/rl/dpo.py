@@ -414,6 +414,13 @@ def run(config, workdir: str, *, out=print) -> dict:
                       f"algo.loss={a.loss!r} " + ("has its own NLL term" if a.loss == "orpo"
                                                   else "takes none") + ": set it to 0.")
 
+  if a.label_smoothing and a.loss not in ("dpo", "simpo"):
+    raise ConfigError(f"algo.label_smoothing={a.label_smoothing} applies to dpo (cDPO) and "
+                      f"simpo; algo.loss={a.loss!r} takes none: set it to 0.")
+  if not 0.0 <= a.label_smoothing < 0.5:
+    raise ConfigError(f"algo.label_smoothing={a.label_smoothing} is not valid: give the "
+                      "probability that a label is flipped, in [0, 0.5).")
+
   # Data.
   task = None
   if d.task:
