@@ -187,8 +187,11 @@ class Attention(nnx.Module):
     logits_bkgs = jnp.where(mask_bs[:, None, None, :], logits_bkgs, jnp.finfo(jnp.float32).min)
     probs_bkgs = jax.nn.softmax(logits_bkgs, axis=-1).astype(dt)
     out_bkgh = jnp.einsum("BKGS,BKSH->BKGH", probs_bkgs, values_bksh)
-    out = out_bkgh.reshape(B, 1, n, cfg.head_dim)
-    return jnp.einsum("BTNH,NHD->BTD", out, self.o[...].astype(dt)), new_kv
+    # As one [B, N*H] x [N*H, D] matmul over row-major reshapes (free): written as the general
+    # path's einsum, XLA:CPU transposed the whole o weight every decode step.
+    o_fd = self.o[...].astype(dt).reshape(n * cfg.head_dim, cfg.embed_dim)
+    out_bd = out_bkgh.reshape(B, n * cfg.head_dim) @ o_fd
+    return out_bd[:, None], new_kv
 
 
 class MLP(nnx.Module):
