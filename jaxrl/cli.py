@@ -72,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
   _data_parser(sub)
   s = sub.add_parser("sft", help="supervised fine-tuning; re-running on a workdir resumes it")
   _common(s, config_required=True)
+  s = sub.add_parser("rm", help="reward-model training on preference pairs (Bradley-Terry); "
+                     "re-running on a workdir resumes it")
+  _common(s, config_required=True)
   s = sub.add_parser("grpo", help="GRPO-family RL (generate, score, update); re-running on a "
                      "workdir resumes it")
   _common(s, config_required=True)
@@ -277,6 +280,11 @@ def cmd_sft(args, overrides) -> None:
   run_trainer(sft.run, args, overrides, _load)
 
 
+def cmd_rm(args, overrides) -> None:
+  from jaxrl.train import rm, run_trainer
+  run_trainer(rm.run, args, overrides, _load)
+
+
 def cmd_grpo(args, overrides) -> None:
   from jaxrl.rl import grpo
   from jaxrl.train import run_trainer
@@ -291,7 +299,7 @@ def cmd_sample(args, overrides) -> None:
 
 COMMANDS = {"info": cmd_info, "model": cmd_model, "sweep": cmd_sweep, "plan": cmd_plan,
             "bench": cmd_bench, "convert": cmd_convert, "demo": cmd_demo, "data": cmd_data,
-            "sft": cmd_sft, "grpo": cmd_grpo,
+            "sft": cmd_sft, "rm": cmd_rm, "grpo": cmd_grpo,
             "sample": cmd_sample}
 
 

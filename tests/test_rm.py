@@ -1,0 +1,131 @@
+"""Reward models: the Bradley-Terry loss and centering (golden values), the scalar head on the
+last real token, sharded init from an SFT checkpoint, and the trainer's pulse run."""
+
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl import config as config_lib
+from jaxrl.models import RewardModel, abstract_model, get_preset, last_index, reward_apply
+from jaxrl.parallel import make_mesh
+from jaxrl.train import rm
+from jaxrl.train.optim import make_optimizer, optim_section
+from jaxrl.train.state import init_train_state
+
+
+# ----------------------------------------------------------------------------- golden values
+
+
+def test_bradley_terry_of_equal_scores_is_ln2():
+  s = jnp.array([-3.0, 0.0, 0.5, 7.0])
+  loss = rm.bradley_terry_loss(chosen_b=s, rejected_b=s)
+  np.testing.assert_allclose(loss, [math.log(2)] * 4, rtol=1e-6)
+
+
+def test_bradley_terry_hand_values():
+  # -log sigmoid(d): d = 1 -> log(1 + e^-1); d = -2 -> log(1 + e^2).
+  loss = rm.bradley_terry_loss(chosen_b=jnp.array([1.0, 0.0]), rejected_b=jnp.array([0.0, 2.0]))
+  np.testing.assert_allclose(loss, [math.log1p(math.exp(-1)), math.log1p(math.exp(2))],
+                             rtol=1e-6)
+
+
+def test_margin_shifts_the_difference():
+  c, r = jnp.array([1.0, 2.5, -1.0]), jnp.array([0.0, 0.5, -1.0])
+  with_margin = rm.bradley_terry_loss(chosen_b=c, rejected_b=r, margin=1.0)
+  np.testing.assert_allclose(with_margin, rm.bradley_terry_loss(chosen_b=c - 1.0, rejected_b=r),
+                             rtol=1e-6)
+  assert float(with_margin[0]) == pytest.approx(math.log(2))  # a gap equal to the margin
+  # A margin asks for more: every pair's loss rises.
+  assert np.all(np.asarray(with_margin) > np.asarray(rm.bradley_terry_loss(chosen_b=c,
+                                                                           rejected_b=r)))
+
+
+def test_center_penalty_is_zero_for_centred_scores():
+  c = jnp.array([0.3, -2.0, 5.0])
+  np.testing.assert_array_equal(rm.center_penalty(chosen_b=c, rejected_b=-c), 0.0)
+  np.testing.assert_allclose(rm.center_penalty(chosen_b=jnp.array([1.0, 2.0]),
+                                               rejected_b=jnp.array([1.0, -1.0])), [4.0, 1.0])
+
+
+def test_pair_stats():
+  s = np.array([[2.0, 1.0], [0.0, 1.0], [3.0, -1.0], [1.0, 1.0]])
+  st = rm.pair_stats(s)
+  assert st["eval/accuracy"] == 0.5  # a tie is not a win
+  assert st["eval/reward_chosen"] == pytest.approx(1.5)
+  assert st["eval/reward_rejected"] == pytest.approx(0.5)
+  assert st["eval/margin"] == pytest.approx(1.0)
+  assert st["eval/margin_std"] == pytest.approx(np.std([1.0, -1.0, 4.0, 0.0]))
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def test_last_index():
+  mask = jnp.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
+  assert last_index(mask).tolist() == [2, 4, 0]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3"])
+def test_reward_model_params_and_head(preset, devices):
+  cfg = get_preset(preset)
+  graphdef, shapes, axes = abstract_model(cfg, RewardModel)
+  assert set(shapes) == {"backbone", "head"}
+  assert axes["head"] == ("embed",) and shapes["head"].shape == (cfg.embed_dim,)
+  assert "lm_head" not in shapes["backbone"]  # untied (qwen3) LM head is dropped: never read
+  _, policy_shapes, _ = abstract_model(cfg)
+  assert set(policy_shapes) - set(shapes["backbone"]) <= {"lm_head"}
+
+
+def test_reward_reads_the_last_real_token(devices):
+  cfg = get_preset("tiny")
+  mesh = make_mesh()
+  tx, _ = make_optimizer(optim_section(lr=1e-3), 10)
+  graphdef, state, shd = init_train_state(cfg, mesh, tx, seed=0, model=RewardModel)
+  # Born sharded in the learner layout: the head's embed axis over data x fsdp.
+  assert state.params["head"].sharding.spec == shd.params["head"].spec
+  assert len(state.params["head"].sharding.device_set) == 8
+  head = np.asarray(state.params["head"])
+  assert 0.005 < head.std() < 0.05  # small-initialised
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(3, 200, size=(8, 10)).astype(np.int32)
+  pos = np.broadcast_to(np.arange(10, dtype=np.int32), (8, 10))
+  score = jax.jit(lambda p, t, last: reward_apply(graphdef, p, t, pos, last))
+  last = np.full((8,), 5, np.int32)
+  base = np.asarray(score(state.params, tokens, last))
+  assert base.shape == (8,) and np.all(np.isfinite(base))
+  after = tokens.copy()
+  after[:, 6:] = 0  # tokens past the last real one change nothing (causal)
+  np.testing.assert_allclose(score(state.params, after, last), base, rtol=1e-5, atol=1e-6)
+  changed = tokens.copy()
+  changed[:, 5] = (changed[:, 5] + 1) % 200 + 3  # the last real token changes the score
+  assert not np.allclose(score(state.params, changed, last), base)
+  # Hand-check the head: the score is head . final hidden state at `last`.
+  from flax import nnx
+  model = nnx.merge(graphdef, jax.device_get(state.params))
+  h, _ = model.backbone.hidden(jnp.asarray(tokens), jnp.asarray(pos))
+  np.testing.assert_allclose(np.asarray(h[:, 5] @ head), base, rtol=1e-4, atol=1e-5)
+
+
+def test_pair_scores_keep_pairs_together(devices):
+  cfg = get_preset("tiny")
+  mesh = make_mesh()
+  tx, _ = make_optimizer(optim_section(lr=1e-3), 10)
+  graphdef, state, _ = init_train_state(cfg, mesh, tx, seed=1, model=RewardModel)
+  rng = np.random.default_rng(1)
+  B, S = 4, 8
+  inputs = rng.integers(3, 200, size=(B, 2, S)).astype(np.int32)
+  seg = np.ones((B, 2, S), np.int32)
+  seg[:, 1, 6:] = 0  # rejected rows are shorter
+  inputs[seg == 0] = 0
+  pos = np.broadcast_to(np.arange(S, dtype=np.int32), (B, 2, S)).copy()
+  batch = {"inputs": inputs, "positions": pos, "segment_ids": seg}
+  s = np.asarray(rm.pair_scores(graphdef, state.params, batch))
+  one = lambda t, last: np.asarray(reward_apply(graphdef, state.params, t, pos[:, 0],
+                                                np.full((B,), last, np.int32)))
+  np.testing.assert_allclose(s[:, 0], one(inputs[:, 0], S - 1), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(s[:, 1], one(inputs[:, 1], 5), rtol=1e-4, atol=1e-5)
