@@ -82,7 +82,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _data_parser(sub) -> None:
-  s = sub.add_parser("data", help="data tools: `data export` writes a built-in task as JSONL")
+  s = sub.add_parser("data", help="data tools: `data export` writes a built-in task as JSONL, "
+                     "`data prefs` its preference pairs")
   data_sub = s.add_subparsers(dest="data_command", metavar="<data command>", required=True)
   e = data_sub.add_parser("export", help="write a built-in task's records in the standard "
                           "JSONL format (what your own files must look like)")
@@ -95,6 +96,19 @@ def _data_parser(sub) -> None:
   e.add_argument("--error-rate", type=float, default=0.0,
                  help="sft only: fraction of deliberately wrong completions (default 0)")
   e.add_argument("--seed", type=int, default=0)
+  f = data_sub.add_parser("prefs", help="write preference pairs {prompt, chosen, rejected} "
+                          "from a built-in task (chosen correct, rejected wrong), optionally "
+                          "from a biased labeller")
+  f.add_argument("--task", required=True, help="built-in task name, e.g. addition")
+  f.add_argument("--split", default="train", choices=("train", "test"))
+  f.add_argument("--n", type=int, required=True, help="number of pairs")
+  f.add_argument("--out", required=True, metavar="FILE.jsonl", help="output file")
+  f.add_argument("--bias", default="none", choices=("none", "longer"),
+                 help="longer: prefer the longer answer regardless of correctness (a proxy "
+                 "to hack, for the reward-hacking demonstration)")
+  f.add_argument("--bias-rate", type=float, default=1.0,
+                 help="fraction of pairs labelled by the biased labeller (default 1)")
+  f.add_argument("--seed", type=int, default=0)
 
 
 def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -264,6 +278,16 @@ def cmd_data(args, overrides) -> None:
   if overrides:
     raise ConfigError(f"jaxrl data takes no --config overrides, got {overrides[0]!r}.")
   task = get_task(args.task)
+  if args.data_command == "prefs":
+    from jaxrl.data.prefs import fingerprint, task_prefs
+    records = task_prefs(task, args.split, args.n, args.seed, bias=args.bias,
+                         bias_rate=args.bias_rate)
+    n = write_jsonl(args.out, records)
+    print(f"wrote {n} preference pairs of task {task.name!r} ({args.split} split, seed "
+          f"{args.seed}, bias {args.bias}"
+          f"{f' at rate {args.bias_rate}' if args.bias != 'none' else ''}) to {args.out}; "
+          f"fingerprint {fingerprint(records)}")
+    return
   if args.format == "sft":
     records = task.sft_records(args.split, args.n, args.seed, error_rate=args.error_rate)
   elif args.error_rate:

@@ -83,12 +83,14 @@ def test_chat_records_are_normalised(tmp_path):
       {"prompt": "5+5=", "completion": "10"},
   ])
   records, _ = read_jsonl(path, "sft")
-  assert records == [
+  # The text form is for tokenizers without a chat template; the messages stay for those with.
+  assert [{k: r[k] for k in ("prompt", "completion")} for r in records] == [
       {"prompt": "12+34=", "completion": "46"},
       {"prompt": "Add.\n\n1+2=", "completion": "3"},
       {"prompt": "user: hi\nassistant: yo\nuser: 2+2=\nassistant: ", "completion": "4"},
       {"prompt": "5+5=", "completion": "10"},
   ]
+  assert [len(r.get("messages", [])) for r in records] == [2, 3, 4, 0]
 
 
 def test_blank_lines_are_not_rows(tmp_path):

@@ -32,10 +32,35 @@ log = logging.getLogger(__name__)
 FEATURES = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
 
 
+def encode_turn(prompt: str, completion: str, tokenizer: Tokenizer,
+                context: list[dict] | None = None) -> tuple[list[int], list[int]]:
+  """(prompt ids, completion ids ending in the eos) of one example.
+
+  With `context` (the chat turns before the completion) and a tokenizer that has a chat
+  template, the chat is rendered by that template, the way transformers' apply_chat_template
+  would (the completion is then the final assistant turn with its end-of-turn tokens). Else
+  it is bos + prompt text, and completion text + eos.
+  """
+  if context and getattr(tokenizer, "chat_template", None):
+    p, c = tokenizer.encode_chat_sft([*context, {"role": "assistant", "content": completion}])
+    return p, c if tokenizer.eos_id in c else c + [tokenizer.eos_id]
+  return tokenizer.encode(prompt, bos=True), tokenizer.encode(completion, eos=True)
+
+
 def tokenize_sft(record: dict, tokenizer: Tokenizer) -> dict[str, np.ndarray]:
-  """One example's unpadded inputs, targets and loss_mask, each [P + C + 1]."""
-  prompt = tokenizer.encode(record["prompt"], bos=True)
-  completion = tokenizer.encode(record["completion"], eos=True)
+  """One example's unpadded inputs, targets and loss_mask, each [P + C + 1].
+
+  A chat record ({"messages"}) is rendered with the tokenizer's chat template when it has one
+  (HFTokenizer); only the final assistant turn is trained on.
+  """
+  messages = record.get("messages")
+  prompt, completion = encode_turn(record["prompt"], record["completion"], tokenizer,
+                                   messages[:-1] if messages else None)
+  return example(prompt, completion)
+
+
+def example(prompt: list[int], completion: list[int]) -> dict[str, np.ndarray]:
+  """inputs, targets and loss_mask of prompt + completion ids (the loss on the completion)."""
   seq = np.asarray(prompt + completion, np.int32)
   # Target t is seq[t + 1]; it is a completion token (or the eos) from t = len(prompt) - 1 on.
   loss_mask = np.zeros(len(seq) - 1, np.float32)
@@ -62,7 +87,7 @@ def prepare_sft(records: Sequence[dict], tokenizer: Tokenizer, *, seq_len: int,
       ex = tokenize_sft(rec, tokenizer)
       n = len(ex["inputs"])
       if n > seq_len:
-        n_prompt = len(tokenizer.encode(rec["prompt"], bos=True))
+        n_prompt = n - int(ex["loss_mask"].sum()) + 1
         field = "prompt" if n_prompt >= seq_len else "completion"
         raise BadRow(f"{at}: field {field!r} makes the row {n} tokens long, over "
                      f"seq_len={seq_len}: raise seq_len or shorten the row.")
@@ -78,7 +103,7 @@ def prepare_sft(records: Sequence[dict], tokenizer: Tokenizer, *, seq_len: int,
   return examples, skipped
 
 
-def _pad(seq_len: int):
+def pad_to(seq_len: int):
   def pad(ex: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     n = len(ex["inputs"])
     out = {}
@@ -105,11 +130,10 @@ def _positive(name: str, value) -> None:
     raise ConfigError(f"{name}={value!r} is not valid: give a positive integer.")
 
 
-def sft_dataset(records: Sequence[dict], tokenizer: Tokenizer, *, seq_len: int,
-                batch_size: int, seed: int, shuffle: bool = True, num_epochs: int | None = None,
-                packing: bool = False, shard_index: int = 0, shard_count: int = 1,
-                on_bad_row: str = "error") -> tuple[grain.IterDataset, int]:
-  """(the batched grain IterDataset, skipped rows) behind `sft_batches`."""
+def shard_indices(n: int, *, seq_len: int, batch_size: int, num_epochs: int | None,
+                  shard_index: int, shard_count: int) -> range:
+  """The record indices process shard `shard_index` reads (index i belongs to shard
+  i % shard_count), after checking the pipeline's arguments."""
   _positive("seq_len", seq_len)
   _positive("batch_size", batch_size)
   _positive("shard_count", shard_count)
@@ -118,14 +142,12 @@ def sft_dataset(records: Sequence[dict], tokenizer: Tokenizer, *, seq_len: int,
   if not (isinstance(shard_index, (int, np.integer)) and 0 <= shard_index < shard_count):
     raise ConfigError(f"shard_index={shard_index!r} is not valid: give 0 <= shard_index < "
                       f"shard_count={shard_count}.")
-  # This process touches only its own rows: index i belongs to shard i % shard_count.
-  indices = range(shard_index, len(records), shard_count)
-  examples, skipped = prepare_sft(records, tokenizer, seq_len=seq_len, on_bad_row=on_bad_row,
-                                  indices=indices)
-  if not examples:
-    raise ConfigError(f"shard {shard_index} of {shard_count} has no usable SFT rows "
-                      f"({len(indices)} read, {skipped} skipped): give more data or fewer "
-                      "shards.")
+  return range(shard_index, n, shard_count)
+
+
+def epochs(examples: Sequence, *, seed: int, shuffle: bool, num_epochs: int | None
+           ) -> grain.IterDataset:
+  """In-memory examples as a grain IterDataset: seeded shuffle, reshuffled each epoch."""
   ds = grain.MapDataset.source(examples)
   if shuffle:
     ds = ds.shuffle(seed=seed % 2**32)
@@ -134,14 +156,31 @@ def sft_dataset(records: Sequence[dict], tokenizer: Tokenizer, *, seq_len: int,
     ds = ds.repeat(num_epochs)
   # Threads buy nothing for in-memory numpy rows and would make the order harder to reason
   # about; the iterator stays checkpointable either way.
-  it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+  return ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+
+
+def sft_dataset(records: Sequence[dict], tokenizer: Tokenizer, *, seq_len: int,
+                batch_size: int, seed: int, shuffle: bool = True, num_epochs: int | None = None,
+                packing: bool = False, shard_index: int = 0, shard_count: int = 1,
+                on_bad_row: str = "error") -> tuple[grain.IterDataset, int]:
+  """(the batched grain IterDataset, skipped rows) behind `sft_batches`."""
+  indices = shard_indices(len(records), seq_len=seq_len, batch_size=batch_size,
+                          num_epochs=num_epochs, shard_index=shard_index,
+                          shard_count=shard_count)
+  examples, skipped = prepare_sft(records, tokenizer, seq_len=seq_len, on_bad_row=on_bad_row,
+                                  indices=indices)
+  if not examples:
+    raise ConfigError(f"shard {shard_index} of {shard_count} has no usable SFT rows "
+                      f"({len(indices)} read, {skipped} skipped): give more data or fewer "
+                      "shards.")
+  it = epochs(examples, seed=seed, shuffle=shuffle, num_epochs=num_epochs)
   if packing:
     it = grain.experimental.FirstFitPackIterDataset(
         it, length_struct={k: seq_len for k in ("inputs", "targets", "loss_mask")},
         num_packing_bins=batch_size, seed=seed % 2**32, shuffle_bins=shuffle)
     it = it.map(_from_packed)
   else:
-    it = it.map(_pad(seq_len))
+    it = it.map(pad_to(seq_len))
   # Whole batches only: a jitted step compiles once for [batch_size, seq_len].
   it = it.batch(batch_size, drop_remainder=True)
   if num_epochs is not None and not packing:

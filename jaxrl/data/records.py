@@ -2,7 +2,10 @@
 
     sft     {"prompt": str, "completion": str}  or  {"messages": [{"role", "content"}, ...]}
     rl      {"prompt": str, "answer": str, ...}   extra fields are kept for reward functions
-    prefs   {"prompt": str, "chosen": str, "rejected": str}
+    prefs   {"prompt": str, "chosen": str, "rejected": str}  or the chat variant of public
+            binarized sets (UltraFeedback): "chosen"/"rejected" are message lists that end in the
+            assistant's turn ("prompt" optional; the earlier turns are the prompt)
+    kto     {"prompt": str, "completion": str, "label": bool}   unpaired (KTO)
 
 Every bad row (not JSON, not an object, a field missing, of the wrong type or empty) raises a
 ConfigError naming the file, the line and the field. With on_bad_row="skip" it is skipped
@@ -21,11 +24,11 @@ from jaxrl.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-KINDS = ("sft", "rl", "prefs")
+KINDS = ("sft", "rl", "prefs", "kto")
 ON_BAD_ROW = ("error", "skip")
 ROLES = ("system", "user", "assistant")
 _FIELDS = {"sft": ("prompt", "completion"), "rl": ("prompt", "answer"),
-           "prefs": ("prompt", "chosen", "rejected")}
+           "prefs": ("prompt", "chosen", "rejected"), "kto": ("prompt", "completion")}
 
 
 class Record(dict):
@@ -91,12 +94,14 @@ def messages_to_sft(messages: list[dict]) -> tuple[str, str]:
   return lines + "assistant: ", last["content"]
 
 
-def _check_messages(obj: dict, at: str) -> list[dict]:
+def _check_messages(obj: dict, at: str, *, context: bool = False) -> list[dict]:
+  """The validated message list obj["messages"]: a chat ending in the assistant's turn, or
+  with context=True the turns before one (ending in the user's)."""
   messages = obj["messages"]
   if not isinstance(messages, list):
     raise BadRow(f"{at}: field 'messages' is a {type(messages).__name__}, not a list of "
                  "{\"role\", \"content\"} objects.")
-  if len(messages) < 2:
+  if len(messages) < (1 if context else 2):
     raise BadRow(f"{at}: field 'messages' has {len(messages)} turn(s): give at least one "
                  "turn before the final assistant turn.")
   out = []
@@ -109,6 +114,11 @@ def _check_messages(obj: dict, at: str) -> list[dict]:
     if role not in ROLES:
       raise BadRow(f"{at}: field '{f}.role' is {role!r}: use one of {', '.join(ROLES)}.")
     out.append({"role": role, "content": _text(m, "content", f"{at} {f}")})
+  if context:
+    if out[-1]["role"] != "user":
+      raise BadRow(f"{at}: field 'messages[{len(out) - 1}].role' is {out[-1]['role']!r}: the "
+                   "prompt's last turn must be the user's.")
+    return out
   if out[-1]["role"] != "assistant":
     raise BadRow(f"{at}: field 'messages[{len(out) - 1}].role' is {out[-1]['role']!r}: the "
                  "final turn must be the assistant's, since it is what is trained.")
@@ -123,13 +133,56 @@ def check_record(obj, kind: str, at: str) -> dict:
   if not isinstance(obj, dict):
     raise BadRow(f"{at}: the row is a JSON {type(obj).__name__}, not an object with fields "
                  f"{', '.join(_FIELDS[kind])}.")
-  if kind == "sft" and "messages" in obj and "prompt" not in obj:
-    prompt, completion = messages_to_sft(_check_messages(obj, at))
-    return {"prompt": prompt, "completion": completion}
+  if kind == "sft" and "messages" in obj:
+    messages = _check_messages(obj, at)
+    # The text form serves tokenizers without a chat template; a chat tokenizer renders the
+    # messages with its own template (jaxrl/data/pipeline.py). A record normalised before
+    # (it has both) keeps its text form.
+    prompt, completion = ((obj["prompt"], obj["completion"]) if "prompt" in obj
+                          else messages_to_sft(messages))
+    return {"prompt": prompt, "completion": completion, "messages": messages}
+  if kind == "prefs" and (isinstance(obj.get("chosen"), list) or
+                          isinstance(obj.get("rejected"), list)):
+    return _chat_pair(obj, at)
   out = dict(obj) if kind == "rl" else {}  # RL extras go on to the reward functions
   for field in _FIELDS[kind]:
     out[field] = _text(obj, field, at)
+  if kind == "prefs" and "messages" in obj:  # a chat pair normalised before: its prompt turns
+    out["messages"] = _check_messages(obj, at, context=True)
+  if kind == "kto":
+    label = obj.get("label")
+    if not isinstance(label, bool):
+      raise BadRow(f"{at}: field 'label' is {'missing' if 'label' not in obj else repr(label)}:"
+                   " give true (a desirable completion) or false (an undesirable one).")
+    out["label"] = label
   return out
+
+
+def _chat_pair(obj: dict, at: str) -> dict:
+  """{"prompt", "chosen", "rejected"} of a chat pair: each side is the earlier turns plus the
+  final assistant turn; both sides must share those earlier turns, which become the prompt."""
+  sides = {}
+  for field in ("chosen", "rejected"):
+    if field not in obj:
+      raise BadRow(f"{at}: field {field!r} is missing: every row needs 'chosen' and "
+                   "'rejected'.")
+    if not isinstance(obj[field], list):
+      raise BadRow(f"{at}: field {field!r} is a {type(obj[field]).__name__} while the other "
+                   "side is a message list: write both as message lists or both as strings.")
+    sides[field] = _check_messages({"messages": obj[field]}, f"{at} {field}")
+  context = sides["chosen"][:-1]
+  if sides["rejected"][:-1] != context:
+    raise BadRow(f"{at}: fields 'chosen' and 'rejected' differ before their final assistant "
+                 "turn: a pair must answer the same conversation.")
+  prompt, chosen = messages_to_sft(sides["chosen"])
+  if "prompt" in obj:
+    given = _text(obj, "prompt", at)
+    user = [m["content"] for m in context if m["role"] == "user"]
+    if given.strip() not in (u.strip() for u in user) and given.strip() != prompt.strip():
+      raise BadRow(f"{at}: field 'prompt' is not the user turn of 'chosen': drop 'prompt' or "
+                   "make it match the conversation.")
+  return {"prompt": prompt, "chosen": chosen, "rejected": sides["rejected"][-1]["content"],
+          "messages": context}
 
 
 def _collect(rows: Iterable[tuple[str, object]], kind: str, on_bad_row: str,
@@ -169,7 +222,7 @@ def _json_rows(path: str):
 
 
 def read_jsonl(path: str, kind: str, *, on_bad_row: str = "error") -> tuple[list[dict], int]:
-  """(records, skipped) of a JSONL file of `kind` ("sft", "rl" or "prefs").
+  """(records, skipped) of a JSONL file of `kind` ("sft", "rl", "prefs" or "kto").
 
   Each record remembers its file and line (see `Record`). Bad rows raise ConfigError naming
   the file, the line and the field, or with on_bad_row="skip" are skipped and counted.
