@@ -22,7 +22,7 @@ from jaxrl.train.rm import default_config
 def get_config(arg=None):
   c = default_config()
   c.model.preset = "tiny"
-  c.data.update(task="addition", train_examples=4000, seq_len=24, batch_size=32)
+  c.data.update(task="addition", train_examples=4000, seq_len=16, batch_size=32)
   c.optim.update(lr=1e-3, warmup_steps=20, schedule="cosine", clip_norm=1.0)
   c.train.update(steps=300, log_every=25, save_every=100)
   c.eval.update(every=100, examples=512, batch_size=64)

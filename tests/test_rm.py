@@ -129,3 +129,108 @@ def test_pair_scores_keep_pairs_together(devices):
                                                 np.full((B,), last, np.int32)))
   np.testing.assert_allclose(s[:, 0], one(inputs[:, 0], S - 1), rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(s[:, 1], one(inputs[:, 1], 5), rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+def test_rm_pulse_run_logs_fingerprint_and_resumes(repo_root, tmp_path, devices):
+  spec = os.path.join(repo_root, "configs/rm_tiny.py:runlocal")
+  workdir = str(tmp_path / "rm")
+  lines = []
+  summary = rm.run(config_lib.load_config(spec), workdir, out=lines.append)
+  assert summary["status"] == "completed" and summary["step"] == 10
+  rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+  assert rows[0]["step"] == 0
+  for name in ("eval/accuracy", "eval/reward_chosen", "eval/reward_chosen_std",
+               "eval/reward_rejected", "eval/reward_rejected_std", "eval/margin",
+               "eval/margin_std", "eval/loss"):
+    assert name in rows[0] and name in rows[-1], name
+  # An untrained head scores near zero: the held-out loss starts near ln 2.
+  assert rows[0]["eval/loss"] == pytest.approx(math.log(2), abs=0.05)
+  for name in ("loss", "loss/bt", "accuracy", "reward_chosen", "reward_rejected", "margin",
+               "grad_norm", "lr"):
+    assert name in rows[-1], name
+  # The data's fingerprint and cleaning report, beside the config and in the summary.
+  data = json.load(open(os.path.join(workdir, "data.json")))
+  saved = json.load(open(os.path.join(workdir, "summary.json")))
+  from jaxrl.data import prefs
+  records = prefs.task_prefs("addition", "train", 256, 0)
+  kept, report = prefs.clean_prefs(records, eval_prompts=[
+      r["prompt"] for r in prefs.task_prefs("addition", "test", 32, 1)])
+  assert data["train"]["fingerprint"] == prefs.fingerprint(kept) == \
+      saved["data"]["train"]["fingerprint"]
+  assert data["train"]["report"] == report and report["duplicates_exact"] > 0
+  assert any("duplicates" in s and "kept" in s for s in lines)
+  # Re-running with more steps resumes at step 10.
+  lines = []
+  summary = rm.run(config_lib.load_config(spec, ["train.steps=12"]), workdir, out=lines.append)
+  assert summary["step"] == 12 and any("resuming" in s for s in lines)
+
+
+def test_rm_starts_from_an_sft_checkpoint(repo_root, tmp_path, devices):
+  from jaxrl.train import sft
+  sft_dir = str(tmp_path / "sft")
+  sft.run(config_lib.load_config(os.path.join(repo_root, "configs/sft_tiny.py:runlocal"),
+                                 ["train.steps=2", "eval.every=0"]), sft_dir,
+          out=lambda *a: None)
+  config = config_lib.load_config(os.path.join(repo_root, "configs/rm_tiny.py:runlocal"),
+                                  [f"init.checkpoint={sft_dir}"])
+  mesh = make_mesh()
+  tx, _ = make_optimizer(config.optim, 10)
+  _, state, _ = rm.init_reward_state(config, mesh, tx)
+  from jaxrl.train.checkpoint import restore_params
+  policy = restore_params(sft_dir, jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+      state.params["backbone"]))
+  for a, b in zip(jax.tree.leaves(state.params["backbone"]), jax.tree.leaves(policy)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert a.sharding == b.sharding
+  from jaxrl.errors import ConfigError
+  bad = config_lib.load_config(os.path.join(repo_root, "configs/rm_tiny.py:runlocal"),
+                               [f"init.checkpoint={tmp_path / 'nope'}"])
+  with pytest.raises(ConfigError, match="init.checkpoint=.*does not exist"):
+    rm.init_reward_state(bad, mesh, tx)
+
+
+@pytest.mark.parametrize("override, pattern", [
+    ("data.bias=shorter", r"data.bias='shorter' is not valid"),
+    ("data.bias_rate=1.5", r"data.bias_rate=1.5 is not a fraction"),
+    ("data.task=", r"data.task and data.train_file are both empty"),
+    ("data.batch_size=12", r"data.batch_size=12 is not divisible by the 8 batch shards"),
+])
+def test_bad_rm_config_is_one_sentence(repo_root, tmp_path, override, pattern, devices):
+  from jaxrl.errors import ConfigError
+  with pytest.raises(ConfigError, match=pattern):
+    rm.run(config_lib.load_config(os.path.join(repo_root, "configs/rm_tiny.py:runlocal"),
+                                  [override]), str(tmp_path / "rm"), out=lambda *a: None)
+
+
+def test_rm_reads_a_pairs_file_cleans_it_and_names_a_bad_row(repo_root, tmp_path, devices):
+  from jaxrl.errors import ConfigError
+  rows = [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}
+          for a in range(10) for b in range(10)]
+  respaced = {**rows[7], "chosen": " " + rows[7]["chosen"].upper() + " "}
+  train = tmp_path / "pairs.jsonl"
+  train.write_text("".join(json.dumps(r) + "\n" for r in rows + rows[:5] + [respaced]))
+  held_out = tmp_path / "test.jsonl"
+  held_out.write_text("".join(json.dumps(r) + "\n" for r in rows if r["prompt"].endswith("+9=")))
+  spec = os.path.join(repo_root, "configs/rm_tiny.py:runlocal")
+  workdir = tmp_path / "rm"
+  summary = rm.run(config_lib.load_config(spec, [
+      "data.task=", f"data.train_file={train}", f"data.eval_file={held_out}",
+      "train.steps=2", "eval.every=2"]), str(workdir), out=lambda *a: None)
+  assert summary["data"]["train"]["report"] == {
+      "read": 106, "duplicates_exact": 5, "duplicates_normalized": 1, "ties": 0,
+      "contaminated": 10, "kept": 90}
+  assert summary["data"]["eval"]["pairs"] == 10 and "eval/accuracy" in summary["eval"]
+  # Held out == train: every pair is contaminated, and the run says so instead of training.
+  with pytest.raises(ConfigError, match=r"no training pairs are left after cleaning"):
+    rm.run(config_lib.load_config(spec, ["data.task=", f"data.train_file={held_out}",
+                                         f"data.eval_file={held_out}"]),
+           str(tmp_path / "rm2"), out=lambda *a: None)
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"prompt": "1+1=", "chosen": 2}) + "\n")
+  with pytest.raises(ConfigError, match=r"bad.jsonl.*line 2"):
+    rm.run(config_lib.load_config(spec, ["data.task=", f"data.train_file={bad}"]),
+           str(tmp_path / "rm3"), out=lambda *a: None)

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl import config as config_lib
-from jaxrl.data import ON_BAD_ROW
+from jaxrl.data import ON_BAD_ROW, prefs
 from jaxrl.data.hf_tokenizer import tokenizer_for
 from jaxrl.errors import ConfigError
 from jaxrl.models import RewardModel, last_index, reward_apply
@@ -42,8 +42,7 @@ from jaxrl.train.rundir import RunDir
 from jaxrl.train.sft import _note_config_changes
 from jaxrl.train.state import init_train_state, make_train_step, put_batch, start_from_hf
 
-BIASES = ("none", "longer")
-config_lib.CHOICES.update({"data.on_bad_row": ON_BAD_ROW, "data.bias": BIASES})
+config_lib.CHOICES.update({"data.on_bad_row": ON_BAD_ROW, "data.bias": prefs.BIASES})
 PAIR_KEYS = ("inputs", "positions", "segment_ids")
 
 
@@ -67,7 +66,7 @@ def default_config():
       train_examples=4000,  # task pairs drawn for training (before de-duplication)
       ngram=8,             # decontamination: drop train pairs sharing a word n-gram with an
                            # eval prompt
-      seq_len=24,          # tokens per row (bos + prompt + response + eos must fit)
+      seq_len=16,          # tokens per row (bos + prompt + response + eos must fit)
       batch_size=32,       # pairs per global batch (each pair is two rows)
       shards=0,            # data shards (0 = one per process)
       on_bad_row="error",  # or "skip" (counted and reported)
@@ -168,7 +167,6 @@ class PairEval:
 def _pairs(config):
   """(train records, held-out records, data info for the run dir): read or built, then
   de-duplicated and decontaminated against the held-out prompts, and fingerprinted."""
-  from jaxrl.data import prefs
   d, seed = config.data, config.seed
   if d.bias != "none" and d.train_file:
     raise ConfigError(f"data.bias={d.bias!r} shapes the task's pairs, but data.train_file is "
@@ -238,7 +236,6 @@ def init_reward_state(config, mesh, tx, *, layout: str = "learner"):
 
 def run(config, workdir: str, *, out=print) -> dict:
   """Trains (or resumes) the reward-model run in `workdir`; returns the summary."""
-  from jaxrl.data import prefs
   config_lib.validate(config)
   main = jax.process_index() == 0
   mesh = mesh_from_config(config.mesh)
@@ -256,10 +253,10 @@ def run(config, workdir: str, *, out=print) -> dict:
     with open(run_dir.path("data.json"), "w") as f:
       json.dump(info, f, indent=2, sort_keys=True)
     r = info["train"]["report"]
-    out(f"rm data: {info['train']['source']}: read {r['read']}, duplicates {r['duplicates_exact']}"
-        f" exact + {r['duplicates_normalized']} normalised, contaminated {r['contaminated']}, "
-        f"kept {r['kept']} ({info['train']['fingerprint'][:19]}...); held out "
-        f"{len(held_out)} pairs")
+    out(f"rm data: {info['train']['source']}: read {r['read']}, duplicates "
+        f"{r['duplicates_exact']} exact + {r['duplicates_normalized']} normalised, ties "
+        f"{r['ties']}, contaminated {r['contaminated']}, kept {r['kept']} "
+        f"({info['train']['fingerprint'][:19]}...); held out {len(held_out)} pairs")
   shards, mine = data_shards(d.shards)
   replicas = mesh.shape["data"] * mesh.shape["fsdp"]
   _check_batch(d.batch_size, shards, replicas, config.optim.accum_steps)
