@@ -211,7 +211,9 @@ def cmd_plan(args, overrides) -> None:
   print(f"learner: {describe(placement.learner.mesh)}")
   print(f"sampler: {describe(placement.sampler.mesh)}")
   sync_dtype = config.placement.sync_dtype if "placement" in config else ""
-  print(memory_plan(cfg, placement, config.get("plan"), sync_dtype=sync_dtype).table())
+  from jaxrl.rewards.model import plan_roles
+  print(memory_plan(cfg, placement, config.get("plan"), sync_dtype=sync_dtype,
+                    reward_models=plan_roles(config)).table())
 
 
 def cmd_bench(args, overrides) -> None:

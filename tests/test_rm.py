@@ -234,3 +234,34 @@ def test_rm_reads_a_pairs_file_cleans_it_and_names_a_bad_row(repo_root, tmp_path
   with pytest.raises(ConfigError, match=r"bad.jsonl.*line 2"):
     rm.run(config_lib.load_config(spec, ["data.task=", f"data.train_file={bad}"]),
            str(tmp_path / "rm3"), out=lambda *a: None)
+
+
+def test_plan_has_a_row_per_reward_model(repo_root, tmp_path, capsys, devices):
+  from jaxrl import cli
+  from jaxrl.models import get_preset
+  from jaxrl.parallel.plan import memory_plan
+  from jaxrl.parallel.sync import make_placement
+  # A trained RM run's config.json is all the plan reads: here a tiny-qwen3 reward model.
+  rm_dir = tmp_path / "rm_a"
+  rm_dir.mkdir()
+  rc = config_lib.load_config(os.path.join(repo_root, "configs/rm_tiny.py"),
+                              ["model.preset=tiny-qwen3"])
+  (rm_dir / "config.json").write_text(json.dumps(rc.to_dict()))
+  cli.main(["plan", "--config", os.path.join(repo_root, "configs/grpo_tiny.py"),
+            f"--config.reward_model.checkpoints={rm_dir},{tmp_path / 'rm_b'}"])
+  out = capsys.readouterr().out
+  assert "reward model 0 (rm_a) params" in out
+  assert "reward model 1 (not trained yet: policy shapes) params" in out
+  # Bytes: a reward model is its decoder without the LM head, plus a [D] head.
+  config = config_lib.load_config(os.path.join(repo_root, "configs/grpo_tiny.py"))
+  placement = make_placement(config.mesh, config.placement)
+  tiny, qwen3 = get_preset("tiny"), get_preset("tiny-qwen3")
+  plan = memory_plan(tiny, placement, reward_models=[("a", qwen3), ("b", tiny)])
+  base = memory_plan(qwen3, placement).learner["actor params"]
+  lm_head = qwen3.embed_dim * qwen3.vocab_size * 4 // 8  # untied: [D, V] over 8 devices
+  head = qwen3.embed_dim * 4 // 8
+  assert plan.learner["a params"] == base - lm_head + head
+  assert plan.learner["b params"] == plan.learner["actor params"] + head  # tied: no LM head
+  with_rms = memory_plan(tiny, placement, reward_models=[("a", qwen3)])
+  assert with_rms.learner_peak == memory_plan(tiny, placement).learner_peak + (
+      base - lm_head + head)
