@@ -265,3 +265,111 @@ def test_plan_has_a_row_per_reward_model(repo_root, tmp_path, capsys, devices):
   with_rms = memory_plan(tiny, placement, reward_models=[("a", qwen3)])
   assert with_rms.learner_peak == memory_plan(tiny, placement).learner_peak + (
       base - lm_head + head)
+
+
+# ----------------------------------------------------------------------------- RMs in GRPO
+
+
+def test_ensembles():
+  from jaxrl.rewards.model import ensemble
+  s = np.array([[1.0, 0.0, 2.0], [3.0, 0.0, -2.0]])  # 2 RMs x 3 completions
+  np.testing.assert_allclose(ensemble(s, mode="mean"), [2.0, 0.0, 0.0])
+  np.testing.assert_allclose(ensemble(s, mode="min"), [1.0, 0.0, -2.0])
+  np.testing.assert_allclose(ensemble(s, mode="mean_minus_std", k=0.5), [1.5, 0.0, -1.0])
+  np.testing.assert_allclose(ensemble(s[:1], mode="mean_minus_std", k=3.0), s[0])  # one RM
+  from jaxrl.errors import ConfigError
+  with pytest.raises(ConfigError, match="reward_model.ensemble='max' is not valid"):
+    ensemble(s, mode="max")
+
+
+def test_running_norm_matches_all_scores_seen():
+  from jaxrl.rewards.model import RunningNorm
+  rng = np.random.default_rng(0)
+  parts = [rng.normal(3.0, 2.0, size=n) for n in (5, 64, 1, 17)]
+  norm = RunningNorm()
+  for p in parts[:-1]:
+    norm.update(p)
+  restored = RunningNorm()
+  restored.set_state(json.loads(json.dumps(norm.get_state())))  # survives the checkpoint
+  z = restored.normalize(parts[-1])
+  seen = np.concatenate(parts)
+  assert restored.mean == pytest.approx(seen.mean()) and restored.std == pytest.approx(seen.std())
+  np.testing.assert_allclose(z, (parts[-1] - seen.mean()) / seen.std(), rtol=1e-5)
+
+
+def test_completion_inputs_read_the_last_response_token():
+  from jaxrl.rewards.model import completion_inputs
+  from jaxrl.sampler import Rollout
+  # Row 0 stopped at eos (2): the eos is not read. Row 1 ran out of tokens: all of it is.
+  ro = Rollout(prompt_ids=np.array([[1, 10, 11], [1, 12, 0]]), prompt_lengths=np.array([3, 2]),
+               completion_ids=np.array([[20, 2, 0], [21, 22, 23]]),
+               completion_mask=np.array([[1, 1, 0], [1, 1, 1]]), logprobs=np.zeros((2, 3)),
+               lengths=np.array([2, 3]), finish_reasons=["stop", "length"],
+               prompt_index=np.arange(2), stats={})
+  tokens, positions, last = completion_inputs(ro, length=7, pad_id=0, eos_id=2)
+  assert tokens.tolist() == [[1, 10, 11, 20, 0, 0, 0], [1, 12, 21, 22, 23, 0, 0]]
+  assert last.tolist() == [3, 4] and positions[1].tolist() == list(range(7))
+
+
+def test_grpo_pulse_with_reward_models(repo_root, tmp_path, devices):
+  from jaxrl.rl import grpo
+  from jaxrl.train.rundir import read_metrics
+  rm_dir = str(tmp_path / "rm")
+  rm.run(config_lib.load_config(os.path.join(repo_root, "configs/rm_tiny.py:runlocal"),
+                                ["train.steps=2", "eval.every=0"]), rm_dir, out=lambda *a: None)
+  spec = os.path.join(repo_root, "configs/grpo_tiny.py:runlocal")
+  # Two RMs (the same run twice), min-ensembled, normalised, mixed at weight 2 with a task
+  # reward of weight 0 (logged as accuracy, adds nothing).
+  workdir = str(tmp_path / "grpo")
+  summary = grpo.run(config_lib.load_config(spec, [
+      f"reward_model.checkpoints={rm_dir},{rm_dir}", "reward_model.ensemble=min",
+      "reward_model.normalize=True", "reward_model.weight=2.0", "rewards=task:0"]), workdir,
+      out=lambda *a: None)
+  assert summary["status"] == "completed"
+  rows = [r for r in read_metrics(workdir) if "reward/rm_mean" in r]
+  assert len(rows) == 2
+  for r in rows:
+    assert r["reward/rm_0"] == pytest.approx(r["reward/rm_1"])  # the same RM twice
+    assert r["reward/rm_mean"] == pytest.approx(r["reward/rm_0"], rel=1e-5)  # min of equals
+    assert 0.0 <= r["accuracy"] <= 1.0 and r["timing_s/reward_model"] > 0
+    assert r["timing_s/score"] >= r["timing_s/reward_model"]
+  # Step 1 normalises by its own batch: the mixed reward is 2 x a z-score, mean 0, std 2.
+  assert rows[0]["reward/mean"] == pytest.approx(0.0, abs=1e-4)
+  assert rows[0]["reward/std"] == pytest.approx(2.0, rel=1e-3)
+  # The normaliser's running state is checkpointed with the prompt stream.
+  data = json.load(open(os.path.join(workdir, "checkpoints", "2", "data",
+                                     "process_0-of-1.json")))
+  assert data["rm_norm"]["count"] == 2 * 16
+  # Unnormalised and RM-only: the reward is weight x the raw score.
+  workdir = str(tmp_path / "grpo2")
+  grpo.run(config_lib.load_config(spec, [f"reward_model.checkpoints={rm_dir}", "rewards=none",
+                                         "reward_model.weight=0.5"]), workdir,
+           out=lambda *a: None)
+  for r in [r for r in read_metrics(workdir) if "reward/rm_mean" in r]:
+    assert r["reward/mean"] == pytest.approx(0.5 * r["reward/rm_mean"], rel=1e-4, abs=1e-6)
+    assert 0.0 <= r["accuracy"] <= 1.0  # the task's checker still measures train accuracy
+
+
+@pytest.mark.parametrize("override, pattern", [
+    ("rewards=none", r"rewards='none' and reward_model.checkpoints is empty"),
+    ("reward_model.checkpoints=/nonexistent/rm", r"holds no config.json"),
+    ("reward_model.ensemble=max", r"reward_model.ensemble='max' is not valid"),
+])
+def test_bad_reward_model_config_is_one_sentence(repo_root, tmp_path, override, pattern,
+                                                 devices):
+  from jaxrl.errors import ConfigError
+  from jaxrl.rl import grpo
+  with pytest.raises(ConfigError, match=pattern):
+    grpo.run(config_lib.load_config(os.path.join(repo_root, "configs/grpo_tiny.py:runlocal"),
+                                    [override]), str(tmp_path / "g"), out=lambda *a: None)
+
+
+def test_an_sft_run_is_not_a_reward_model(repo_root, tmp_path, devices):
+  from jaxrl.errors import ConfigError
+  from jaxrl.rewards.model import RewardModels
+  d = tmp_path / "sft"
+  d.mkdir()
+  c = config_lib.load_config(os.path.join(repo_root, "configs/sft_tiny.py"))
+  (d / "config.json").write_text(json.dumps(c.to_dict()))
+  with pytest.raises(ConfigError, match="is not a reward-model run"):
+    RewardModels.load([str(d)], make_mesh(), None)
