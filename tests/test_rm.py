@@ -285,16 +285,20 @@ def test_ensembles():
 def test_running_norm_matches_all_scores_seen():
   from jaxrl.rewards.model import RunningNorm
   rng = np.random.default_rng(0)
-  parts = [rng.normal(3.0, 2.0, size=n) for n in (5, 64, 1, 17)]
-  norm = RunningNorm()
+  # Two RMs of different scales, normalised each by its own running statistics.
+  parts = [np.stack([rng.normal(3.0, 2.0, size=n), rng.normal(-50, 10, size=n)])
+           for n in (5, 64, 1, 17)]
+  norm = RunningNorm(2)
   for p in parts[:-1]:
     norm.update(p)
-  restored = RunningNorm()
+  restored = RunningNorm(2)
   restored.set_state(json.loads(json.dumps(norm.get_state())))  # survives the checkpoint
   z = restored.normalize(parts[-1])
-  seen = np.concatenate(parts)
-  assert restored.mean == pytest.approx(seen.mean()) and restored.std == pytest.approx(seen.std())
-  np.testing.assert_allclose(z, (parts[-1] - seen.mean()) / seen.std(), rtol=1e-5)
+  seen = np.concatenate(parts, axis=1)
+  np.testing.assert_allclose(restored.mean, seen.mean(1))
+  np.testing.assert_allclose(restored.std, seen.std(1))
+  np.testing.assert_allclose(z, (parts[-1] - seen.mean(1, keepdims=True)) /
+                             seen.std(1, keepdims=True), rtol=1e-5)
 
 
 def test_completion_inputs_read_the_last_response_token():
@@ -333,7 +337,8 @@ def test_grpo_pulse_with_reward_models(repo_root, tmp_path, devices):
     assert r["reward/rm_mean"] == pytest.approx(r["reward/rm_0"], rel=1e-5)  # min of equals
     assert 0.0 <= r["accuracy"] <= 1.0 and r["timing_s/reward_model"] > 0
     assert r["timing_s/score"] >= r["timing_s/reward_model"]
-  # Step 1 normalises by its own batch: the mixed reward is 2 x a z-score, mean 0, std 2.
+  # Step 1 normalises by its own batch: the mixed reward is 2 x a z-score, mean 0, std 2
+  # (the min of two equal z-scores is that z-score).
   assert rows[0]["reward/mean"] == pytest.approx(0.0, abs=1e-4)
   assert rows[0]["reward/std"] == pytest.approx(2.0, rel=1e-3)
   # The normaliser's running state is checkpointed with the prompt stream.
@@ -373,3 +378,21 @@ def test_an_sft_run_is_not_a_reward_model(repo_root, tmp_path, devices):
   (d / "config.json").write_text(json.dumps(c.to_dict()))
   with pytest.raises(ConfigError, match="is not a reward-model run"):
     RewardModels.load([str(d)], make_mesh(), None)
+
+
+def test_alarm_watches_the_raw_reward_model_score():
+  from jaxrl.rl import grpo
+  said = []
+  alarms = grpo.Alarms(kl_threshold=0.1, window=3, out=said.append,
+                       reward_key="reward/rm_mean")
+  # The baseline eval comes before any reward: nothing to compare with, whatever follows.
+  assert alarms.on_eval(0, 0.5)["alarm/reward_hacking"] == 0.0
+  for step, rm_score in ((1, -5.0), (2, -4.5), (3, -4.0)):
+    alarms.on_step(step, {"reward/mean": 0.0, "reward/rm_mean": rm_score, "kl": 0.0})
+  assert alarms.on_eval(3, 0.40)["alarm/reward_hacking"] == 0.0
+  # The normalised reward stays flat (mean 0) while the raw RM score climbs: the alarm reads
+  # the raw score, so it still sees the proxy rising while held-out accuracy falls.
+  for step, rm_score in ((4, -3.0), (5, -2.0), (6, -1.0)):
+    alarms.on_step(step, {"reward/mean": 0.0, "reward/rm_mean": rm_score, "kl": 0.0})
+  assert alarms.on_eval(6, 0.30)["alarm/reward_hacking"] == 1.0
+  assert any("-4.500 -> -2.000" in s and "0.400 -> 0.300" in s for s in said)

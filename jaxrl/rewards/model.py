@@ -35,7 +35,8 @@ def reward_model_section() -> ml_collections.ConfigDict:
       checkpoints="",    # comma-separated `jaxrl rm` run dirs; each scores every completion
       ensemble="mean",   # combines the RMs' scores: mean | min | mean_minus_std
       k=1.0,             # mean_minus_std: mean - k * std over the RMs
-      normalize=False,   # z-score the combined score by its running mean and std (all steps)
+      normalize=False,   # z-score each RM's scores by its running mean and std (over all
+                         # steps so far) before the ensemble combines them
       weight=1.0,        # reward = verifiable rewards (`rewards`) + weight * RM score
   ))
 
@@ -57,40 +58,49 @@ def ensemble(scores_mn, *, mode: str = "mean", k: float = 1.0):
 
 
 class RunningNorm:
-  """Mean and std of every score seen so far (Chan et al.'s parallel update, in float64), so
-  an RM's scale never depends on one batch. normalize(x) updates with x, then z-scores it.
+  """Per-model mean and std of every score seen so far (Chan et al.'s parallel update, in
+  float64), so an RM's scale never depends on one batch. normalize(x [M, N]) updates with x,
+  then z-scores each model's row by its own statistics.
 
-  Under GRPO's own per-group std normalisation an affine change of the only reward does not
-  change the advantages; it matters when RM scores are mixed with verifiable rewards, and for
-  estimators that do not divide by the group std (dr_grpo, rloo)."""
+  Normalising each model before the ensemble puts RMs of different scales on one footing
+  (otherwise `min` is decided by whichever RM has the widest range). Under GRPO's per-group
+  std normalisation an affine change of the only reward does not change the advantages; it
+  matters when RM scores are mixed with verifiable rewards, for ensembles, and for estimators
+  that do not divide by the group std (dr_grpo, rloo)."""
 
-  def __init__(self, eps: float = 1e-6):
-    self.count, self.mean, self.m2, self.eps = 0, 0.0, 0.0, eps
+  def __init__(self, models: int = 1, eps: float = 1e-6):
+    self.count, self.eps = 0, eps
+    self.mean, self.m2 = np.zeros(models), np.zeros(models)
 
-  def update(self, x) -> None:
-    x = np.asarray(x, np.float64).reshape(-1)
-    if not x.size:
+  def update(self, x_mn) -> None:
+    x = np.asarray(x_mn, np.float64).reshape(len(self.mean), -1)
+    n = x.shape[1]
+    if not n:
       return
-    n, mean, m2 = x.size, float(x.mean()), float(((x - x.mean()) ** 2).sum())
+    mean = x.mean(1)
+    m2 = ((x - mean[:, None]) ** 2).sum(1)
     total = self.count + n
     delta = mean - self.mean
-    self.mean += delta * n / total
-    self.m2 += m2 + delta ** 2 * self.count * n / total
+    self.mean = self.mean + delta * n / total
+    self.m2 = self.m2 + m2 + delta ** 2 * self.count * n / total
     self.count = total
 
   @property
-  def std(self) -> float:
-    return float(np.sqrt(self.m2 / self.count)) if self.count else 1.0
+  def std(self) -> np.ndarray:
+    return np.sqrt(self.m2 / self.count) if self.count else np.ones_like(self.mean)
 
-  def normalize(self, x) -> np.ndarray:
-    self.update(x)
-    return ((np.asarray(x, np.float64) - self.mean) / (self.std + self.eps)).astype(np.float32)
+  def normalize(self, x_mn) -> np.ndarray:
+    self.update(x_mn)
+    x = np.asarray(x_mn, np.float64).reshape(len(self.mean), -1)
+    return ((x - self.mean[:, None]) / (self.std[:, None] + self.eps)).astype(np.float32)
 
   def get_state(self) -> dict:
-    return {"count": self.count, "mean": self.mean, "m2": self.m2}
+    return {"count": self.count, "mean": self.mean.tolist(), "m2": self.m2.tolist()}
 
   def set_state(self, state: dict) -> None:
-    self.count, self.mean, self.m2 = int(state["count"]), float(state["mean"]), float(state["m2"])
+    self.count = int(state["count"])
+    self.mean, self.m2 = np.asarray(state["mean"], np.float64), np.asarray(state["m2"],
+                                                                           np.float64)
 
 
 # ----------------------------------------------------------------------------- loading

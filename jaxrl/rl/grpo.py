@@ -308,7 +308,9 @@ class Alarms:
     return {"alarm/kl": 0.0}
 
   def on_eval(self, step: int, accuracy: float) -> dict:
-    reward = float(np.mean(self.rewards)) if self.rewards else 0.0
+    # Before any step (the baseline eval) there is no reward to compare with: NaN, never 0.0,
+    # which a negative reward-model score would "rise" from by construction.
+    reward = float(np.mean(self.rewards)) if self.rewards else float("nan")
     self.evals.append((step, reward, accuracy))
     if len(self.evals) >= 2:
       (_, r0, a0), (_, r1, a1) = self.evals[-2], self.evals[-1]
@@ -382,7 +384,8 @@ def run(config, workdir: str, *, out=print) -> dict:
   reference = jax.tree.map(jnp.copy, state.params)
   # Reward models: frozen `jaxrl rm` runs in the learner layout, beside the reference.
   rms = rm_lib.RewardModels.load(rm_paths, mesh, tokenizer) if rm_paths else None
-  rm_norm = rm_lib.RunningNorm() if rms is not None and rm_cfg.normalize else None
+  rm_norm = (rm_lib.RunningNorm(len(rm_paths)) if rms is not None and rm_cfg.normalize
+             else None)
 
   # Sampler: the engine on the sampler mesh, fed by a timed weight sync every step.
   sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
@@ -423,15 +426,17 @@ def run(config, workdir: str, *, out=print) -> dict:
     return put_batch(rows, shd)
 
   def rm_rewards(rollout):
-    """weight x the reward models' combined (and maybe normalised) score [N], and stats; the
-    raw combined score is logged as reward/rm_mean, the proxy the alarm watches."""
+    """weight x the reward models' combined score [N] (each RM normalised first, when asked),
+    and stats; the combined raw score is logged as reward/rm_mean, the proxy the alarm
+    watches."""
     tokens, positions, last = rm_lib.completion_inputs(
         rollout, length=length, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id)
     dev = put({"tokens": tokens, "positions": positions})
     scores_mn = rms.score(dev["tokens"], dev["positions"],
                           put_batch({"last": last}, batch_sharding(mesh, 1, "learner"))["last"])
     raw = np.asarray(rm_lib.ensemble(scores_mn, mode=rm_cfg.ensemble, k=rm_cfg.k))
-    value = rm_norm.normalize(raw) if rm_norm is not None else raw
+    value = raw if rm_norm is None else np.asarray(rm_lib.ensemble(
+        rm_norm.normalize(scores_mn), mode=rm_cfg.ensemble, k=rm_cfg.k))
     stats = {"reward/rm_mean": float(raw.mean()), "reward/rm_std": float(raw.std())}
     if len(scores_mn) > 1:
       stats.update({f"reward/rm_{i}": float(x.mean()) for i, x in enumerate(scores_mn)})
