@@ -23,11 +23,15 @@ def get_config(arg=None):
   c = default_config()
   c.model.preset = "tiny"
   c.data.update(task="addition", train_examples=4000, seq_len=16, batch_size=32)
-  c.optim.update(lr=1e-3, warmup_steps=20, schedule="cosine", clip_norm=1.0)
-  c.train.update(steps=300, log_every=25, save_every=100)
+  # lr 3e-4: 1e-3 and above wrecked the SFT features (held-out accuracy stuck near 0.5).
+  c.optim.update(lr=3e-4, warmup_steps=20, schedule="cosine", clip_norm=1.0)
+  c.train.update(steps=400, log_every=25, save_every=100)
   c.eval.update(every=100, examples=512, batch_size=64)
   if arg == "biased":
+    # The labeller's bias is easy to learn: held-out agreement 1.0 by step 100.
     c.data.update(bias="longer", bias_rate=1.0)
+    c.optim.lr = 1e-3
+    c.train.steps = 200
   elif arg == "runlocal":
     c.data.train_examples = 256
     c.train.update(steps=10, log_every=5, save_every=10)
