@@ -404,14 +404,15 @@ def test_alarm_watches_the_raw_reward_model_score():
 @pytest.mark.slow
 def test_reward_models_learn_their_labellers(reward_models):
   """From the SFT policy: the honest RM ranks the correct sum above a near miss on held-out
-  pairs well above chance (measured 0.62 on 512 pairs; a 2-layer model must redo the sum at
-  the last token to tell 46 from 47); the biased RM learns its labeller's taste at once."""
+  pairs above chance (measured here 0.498 -> 0.582 on 512 pairs, and 0.617 from the README's
+  SFT run; a 2-layer model must redo the sum at the last token to tell 46 from 47); the
+  biased RM learns its labeller's taste at once (1.0 by step 100)."""
   from jaxrl.train.rundir import read_metrics
   honest = json.load(open(os.path.join(reward_models["honest"], "summary.json")))
   start = read_metrics(reward_models["honest"])[0]["eval/accuracy"]
   assert honest["status"] == "completed"
-  assert honest["eval"]["eval/accuracy"] >= 0.56, (start, honest["eval"])
-  assert honest["eval"]["eval/accuracy"] >= start + 0.04
+  assert honest["eval"]["eval/accuracy"] >= 0.55, (start, honest["eval"])
+  assert honest["eval"]["eval/accuracy"] >= start + 0.05
   assert honest["eval"]["eval/margin"] > 0
   assert honest["data"]["train"]["fingerprint"].startswith("sha256:")
   biased = json.load(open(os.path.join(reward_models["biased"], "summary.json")))
