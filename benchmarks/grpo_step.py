@@ -8,7 +8,12 @@ Two shapes, each run for --steps steps after one warm-up step (compiles) that is
           generations, exactly 64 completion tokens (eos ignored), beta 0.04 with a reference
           model, fp32. TRL 1.16's GRPOTrainer took 2.23-2.33 s per step on this shape on this
           machine kind (generation 0.8-1.0 s, scoring + reference 0.35 s, update 1.1 s).
-Prints the median step time, perf/gen_fraction and the median of each timing_s/* phase.
+  anchor-disagg / anchor-async
+          the anchor shape on disaggregated placement (half the devices learn, half sample),
+          synchronous and with async generation (step k+1's rollout overlaps step k's update).
+          They need at least 2 devices: run them with --xla_force_host_platform_device_count=2.
+Prints the median step time, perf/gen_fraction and the median of each timing_s/* phase (gen is
+the rollout's own time; with async generation the learner waits only timing_s/gen_wait).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ SHAPES = {
                "rollout.max_new_tokens=64", "rollout.ignore_eos=True", "rollout.slots=64",
                "rollout.steps_per_call=16", "algo.beta=0.04"],
 }
+SHAPES["anchor-disagg"] = SHAPES["anchor"] + ["placement.mode=disaggregated"]
+SHAPES["anchor-async"] = SHAPES["anchor-disagg"] + ["rollout.async_generation=True"]
 PHASES = ("gen", "score", "ref", "update", "sync")
 
 
@@ -41,7 +48,7 @@ def main():
   args = p.parse_args()
   print(f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} devices, "
         f"load average {os.getloadavg()[0]:.1f}")
-  print(f"{'shape':8s} {'s/step':>7s} {'gen frac':>9s} " +
+  print(f"{'shape':13s} {'s/step':>7s} {'gen frac':>9s} {'gen wait':>9s} " +
         " ".join(f"{k + ' s':>9s}" for k in PHASES) + f" {'TRL s/step':>11s} {'vs TRL':>7s}")
   for shape in args.shapes.split(","):
     overrides = SHAPES[shape] + [f"train.steps={args.steps + 1}", "train.log_every=1",
@@ -54,9 +61,12 @@ def main():
     med = {k: statistics.median(r[f"timing_s/{k}"] for r in rows) for k in PHASES}
     step = statistics.median(r["timing_s/step"] for r in rows)
     frac = statistics.median(r["perf/gen_fraction"] for r in rows)
-    trl = "2.23-2.33" if shape == "anchor" else "-"
-    ratio = f"{2.28 / step:6.2f}x" if shape == "anchor" else f"{'-':>7s}"
-    print(f"{shape:8s} {step:7.2f} {frac:9.2f} " + " ".join(f"{med[k]:9.3f}" for k in PHASES) +
+    wait = statistics.median(r["timing_s/gen_wait"] for r in rows)
+    anchor = shape.startswith("anchor")
+    trl = "2.23-2.33" if anchor else "-"
+    ratio = f"{2.28 / step:6.2f}x" if anchor else f"{'-':>7s}"
+    print(f"{shape:13s} {step:7.2f} {frac:9.2f} {wait:9.3f} " +
+          " ".join(f"{med[k]:9.3f}" for k in PHASES) +
           f" {trl:>11s} {ratio}", flush=True)
 
 

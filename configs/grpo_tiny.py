@@ -10,7 +10,8 @@ Your own data (no code changes): a JSONL of {"prompt", "answer"} plus a named re
     --config.rewards=exact_match --config.init.checkpoint=runs/my_sft
 
 arg: "" (the measured run), "runlocal" (2 steps), "dapo" (clip-higher, token-mean, dynamic
-sampling, no KL), "dr_grpo", "gspo", "rloo".
+sampling, no KL), "dr_grpo", "gspo", "rloo", "async" (disaggregated placement, 4 learner + 4
+sampler devices; generation for step k+1 overlaps step k's update; truncated IS at 2).
 """
 
 from jaxrl.rl.grpo import default_config
@@ -32,6 +33,10 @@ def get_config(arg=None):
                   aggregation="seq-mean-token-mean")
   elif arg == "rloo":
     c.algo.update(advantage="rloo")
+  elif arg == "async":
+    c.placement.update(mode="disaggregated", learner_devices=-1)
+    c.rollout.async_generation = True
+    c.algo.tis_cap = 2.0
   elif arg not in (None, ""):
-    raise ValueError(f"unknown arg {arg!r}: use '', runlocal, dapo, dr_grpo, gspo or rloo")
+    raise ValueError(f"unknown arg {arg!r}: use '', runlocal, dapo, dr_grpo, gspo, rloo or async")
   return c

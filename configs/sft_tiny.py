@@ -7,6 +7,7 @@ Measured (2026-11-29, 2-core CPU, 1 device, seed 0): held-out exact match of gre
     jaxrl sft --config configs/sft_tiny.py --workdir runs/sft_tiny
     jaxrl sft --config configs/sft_tiny.py:runlocal --workdir /tmp/sft     # a pulse: seconds
     jaxrl sft --config configs/sft_tiny.py --config.data.task=sort --workdir runs/sft_sort
+    jaxrl launch --config configs/sft_tiny.py --sweep --parallel 2 --workdir runs/sft_lr  # sweep()
 
 Re-running on the same workdir resumes from its latest checkpoint. Every field, with what it
 means, is in jaxrl/train/sft.py:default_config().
@@ -31,3 +32,9 @@ def get_config(arg=None):
   elif arg not in (None, ""):
     raise ValueError(f"unknown arg {arg!r}: use '' or 'runlocal'")
   return c
+
+
+def sweep():
+  """Learning rate: the measured 3e-3 against 1e-3 (2 runs)."""
+  for lr in (3e-3, 1e-3):
+    yield {"optim.lr": lr}

@@ -54,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
                      "jaxrl's format) or jaxrl-to-hf (back to config.json + safetensors)")
   s.add_argument("direction", choices=["hf-to-jaxrl", "jaxrl-to-hf"])
   s.add_argument("--src", metavar="DIR", help="hf-to-jaxrl: the Hugging Face checkpoint")
-  s.add_argument("--checkpoint", metavar="DIR", help="jaxrl-to-hf: the jaxrl checkpoint")
+  s.add_argument("--checkpoint", metavar="DIR", help="jaxrl-to-hf: the jaxrl checkpoint, or a "
+                 "jaxrl sft / grpo run directory (its latest params)")
   s.add_argument("--out", metavar="DIR", required=True, help="directory to write")
   s.add_argument("--param-dtype", choices=["float32", "bfloat16"],
                  help="hf-to-jaxrl: parameter dtype (default: the checkpoint's own)")
@@ -78,7 +79,46 @@ def _parser() -> argparse.ArgumentParser:
   s = sub.add_parser("grpo", help="GRPO-family RL (generate, score, update); re-running on a "
                      "workdir resumes it")
   _common(s, config_required=True)
+  _launch_parser(sub)
+  s = sub.add_parser("compare", help="final metrics of runs side by side, and a PNG of chosen "
+                     "metrics over steps")
+  s.add_argument("dirs", nargs="+", metavar="DIR", help="run directories, or experiment roots "
+                 "written by `jaxrl launch`")
+  s.add_argument("--metrics", help="comma list of metrics (default: loss, reward/mean, kl, "
+                 "accuracy, eval/accuracy, those logged)")
+  s.add_argument("--out", default="compare.png", metavar="FILE.png",
+                 help="plot to write (default compare.png)")
+  s = sub.add_parser("plot", help="the standard panels of a run (reward, accuracy, KL, "
+                     "entropy, lengths, loss, timing split) as PNGs in DIR/plots")
+  s.add_argument("dir", metavar="DIR", help="a run directory (holds metrics.jsonl)")
+  s.add_argument("--out", metavar="OUT_DIR", help="where to write (default DIR/plots)")
   return p
+
+
+def _launch_parser(sub) -> None:
+  s = sub.add_parser("launch", help="an experiment: the config's sweep() as runs, each in "
+                     "ROOT/<run name>, here (N at a time) or on a TPU VM")
+  _common(s, config_required=True)
+  s.add_argument("--sweep", action="store_true", help="expand the config file's sweep() "
+                 "(without it: one run of the config as it is)")
+  s.add_argument("--command", dest="run_command", choices=("sft", "grpo"),
+                 help="trainer each run executes (default: grpo when the config has a "
+                 "rollout section, else sft)")
+  s.add_argument("--parallel", type=int, default=1, metavar="N",
+                 help="local runs at a time (default 1: one after another)")
+  s.add_argument("--dry-run", action="store_true", help="print the runs and commands (with "
+                 "--tpu: the exact gcloud commands); run and write nothing")
+  t = s.add_argument_group("TPU VM (tpu/*.sh; create the VM first with tpu/create.sh)")
+  t.add_argument("--tpu", metavar="NAME", help="run on this TPU VM, one run after another")
+  t.add_argument("--zone")
+  t.add_argument("--project", default="")
+  t.add_argument("--accelerator-type", default="", metavar="TYPE", help="e.g. v5litepod-8")
+  t.add_argument("--workers", type=int, default=0, help="hosts in the slice (instead of "
+                 "--accelerator-type)")
+  t.add_argument("--log-dir", default="runs/tpu-logs", help="where each worker's log comes "
+                 "back to (default runs/tpu-logs)")
+  t.add_argument("--no-setup", action="store_true", help="skip tpu/setup.sh (code already "
+                 "on the workers)")
 
 
 def _data_parser(sub) -> None:
@@ -323,10 +363,74 @@ def cmd_sample(args, overrides) -> None:
               checkpoint=args.checkpoint)
 
 
+def cmd_launch(args, overrides) -> None:
+  from jaxrl import config as config_lib
+  from jaxrl import launch
+  from jaxrl.plot import compare_table
+  spec = args.config
+  command = args.run_command or ("grpo" if "rollout" in config_lib.load_config(spec) else "sft")
+  root = args.workdir or os.path.join("runs", os.path.splitext(os.path.basename(
+      config_lib.split_spec(spec)[0]))[0])
+  runs = launch.expand(spec, command=command, root=root, overrides=overrides, sweep=args.sweep)
+  experiment = os.path.basename(root.rstrip("/"))
+  print(f"experiment {experiment!r}: {len(runs)} run(s) of `jaxrl {command}` under {root}")
+  launch.describe(runs)
+  if args.tpu:
+    if not args.zone:
+      raise ConfigError("jaxrl launch --tpu needs --zone (the TPU VM's zone).")
+    cmds = launch.tpu_commands(runs, spec, name=args.tpu, zone=args.zone, experiment=experiment,
+                               accelerator_type=args.accelerator_type, workers=args.workers,
+                               project=args.project, log_dir=args.log_dir,
+                               setup=not args.no_setup, dry_run=args.dry_run)
+    if args.dry_run:
+      print("dry run: the TPU scripts print their gcloud commands and call nothing")
+    raise SystemExit(launch.run_tpu(cmds))
+  if "://" in root:
+    raise ConfigError(f"--workdir {root}: local runs need a local directory (gs:// workdirs "
+                      "are for --tpu, where setup.sh mounts the bucket).")
+  if args.dry_run:
+    print(f"{len(runs)} run(s) (dry run: nothing launched, nothing written)")
+    return
+  launch.write_experiment(runs, root, spec)
+  results = launch.run_local(runs, parallel=args.parallel)
+  failed = [r for r in results if r.returncode]
+  print(f"\n{len(results) - len(failed)} of {len(runs)} run(s) finished ok")
+  done = [r.workdir for r in runs if os.path.isfile(os.path.join(r.workdir, "metrics.jsonl"))]
+  if done:
+    print(compare_table(done)[0])
+  if failed or len(results) < len(runs):
+    raise SystemExit(1)
+
+
+def cmd_compare(args, overrides) -> None:
+  from jaxrl.plot import compare_table, plot_compare, run_dirs
+  if overrides:
+    raise ConfigError(f"jaxrl compare takes no --config overrides, got {overrides[0]!r}.")
+  dirs = run_dirs(args.dirs)
+  metrics = [m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics else None
+  table, names = compare_table(dirs, metrics)
+  print(table)
+  if names:
+    print(f"plot: {plot_compare(dirs, names, args.out)}")
+
+
+def cmd_plot(args, overrides) -> None:
+  from jaxrl.plot import plot_standard
+  if overrides:
+    raise ConfigError(f"jaxrl plot takes no --config overrides, got {overrides[0]!r}.")
+  if not os.path.isfile(os.path.join(args.dir, "metrics.jsonl")):
+    raise ConfigError(f"{args.dir} holds no metrics.jsonl: give a run directory (the --workdir "
+                      "of jaxrl sft / grpo).")
+  written = plot_standard(args.dir, args.out)
+  for panel, path in written.items():
+    print(f"{panel:<9} {path}")
+  print(f"TensorBoard: tensorboard --logdir {os.path.join(args.dir, 'tb')}")
+
+
 COMMANDS = {"info": cmd_info, "model": cmd_model, "sweep": cmd_sweep, "plan": cmd_plan,
             "bench": cmd_bench, "convert": cmd_convert, "demo": cmd_demo, "data": cmd_data,
             "sft": cmd_sft, "rm": cmd_rm, "grpo": cmd_grpo,
-            "sample": cmd_sample}
+            "sample": cmd_sample, "launch": cmd_launch, "compare": cmd_compare, "plot": cmd_plot}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,9 +1,12 @@
-"""PNG plots of a run's metrics.jsonl: reward, KL and held-out accuracy over steps."""
+"""PNG plots of runs' metrics.jsonl: the demo's row of panels, the standard panels of
+`jaxrl plot DIR`, and the side-by-side runs of `jaxrl compare DIR...`."""
 
 from __future__ import annotations
 
 import math
+import os
 
+from jaxrl.errors import ConfigError
 from jaxrl.train.rundir import read_metrics
 
 PANELS = (("reward/mean", "reward (train batch)"), ("kl", "KL to reference"),
@@ -36,6 +39,163 @@ def plot_run(workdir: str, out_png: str, *, title: str = "", panels=PANELS,
   if title:
     fig.suptitle(title)
   fig.tight_layout()
+  fig.savefig(out_png, dpi=100)
+  plt.close(fig)
+  return out_png
+
+
+# ----------------------------------------------------------------------------- jaxrl plot
+
+# The standard panels of `jaxrl plot DIR`: one PNG each, a line per metric over steps.
+STANDARD = {
+    "reward": (("reward/mean", "reward mean"), ("reward/std", "reward std")),
+    "accuracy": (("accuracy", "train batch accuracy"), ("eval/accuracy", "held-out accuracy")),
+    "kl": (("kl", "KL to reference"),),
+    "entropy": (("entropy", "policy entropy"),),
+    "lengths": (("response_length/mean", "mean response length"),
+                ("response_length/clip_ratio", "fraction cut at max length")),
+    "loss": (("loss", "loss"), ("grad_norm", "grad norm")),
+}
+# The timing split: seconds per step by phase (the rest of the step is host work).
+TIMING = ("gen", "score", "ref", "update", "sync")
+
+
+def _points(rows, key):
+  return [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))
+          and math.isfinite(r[key])]
+
+
+def _plt():
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  return plt
+
+
+def plot_standard(workdir: str, out_dir: str | None = None) -> dict[str, str]:
+  """Writes DIR/plots/<panel>.png for each standard panel the run logged (reward, accuracy,
+  KL, entropy, lengths, loss, timing); returns {panel: path}. An SFT run has no reward, KL or
+  timing split: those panels are left out, not drawn empty."""
+  plt = _plt()
+  rows = read_metrics(workdir)
+  out_dir = out_dir or os.path.join(workdir, "plots")
+  os.makedirs(out_dir, exist_ok=True)
+  written = {}
+  for panel, metrics in STANDARD.items():
+    series = [(label, _points(rows, key)) for key, label in metrics]
+    series = [(label, pts) for label, pts in series if pts]
+    if not series:
+      continue
+    fig, axes = plt.subplots(1, len(series), figsize=(4.5 * len(series), 3.2), squeeze=False)
+    for ax, (label, pts) in zip(axes[0], series):
+      xs, ys = zip(*pts)
+      ax.plot(xs, ys, marker="o" if len(pts) < 20 else None, linewidth=1.5)
+      ax.set_title(label)
+      ax.set_xlabel("step")
+      ax.grid(alpha=0.3)
+    fig.tight_layout()
+    written[panel] = os.path.join(out_dir, f"{panel}.png")
+    fig.savefig(written[panel], dpi=100)
+    plt.close(fig)
+  steps = [r for r in rows if all(isinstance(r.get(f"timing_s/{k}"), (int, float))
+                                  for k in TIMING)]
+  if steps:
+    xs = [r["step"] for r in steps]
+    parts = [[r[f"timing_s/{k}"] for r in steps] for k in TIMING]
+    total = [r.get("timing_s/step_wall", r.get("timing_s/step", 0.0)) for r in steps]
+    other = [max(t - sum(p[i] for p in parts), 0.0) for i, t in enumerate(total)]
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    ax.stackplot(xs, *parts, other, labels=[*TIMING, "other (host)"], alpha=0.85)
+    ax.set_title("time per step by phase")
+    ax.set_xlabel("step")
+    ax.set_ylabel("seconds")
+    ax.legend(fontsize=7, loc="upper left", ncols=3)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    written["timing"] = os.path.join(out_dir, "timing.png")
+    fig.savefig(written["timing"], dpi=100)
+    plt.close(fig)
+  return written
+
+
+# ----------------------------------------------------------------------------- jaxrl compare
+
+COMPARE_DEFAULT = ("loss", "reward/mean", "kl", "accuracy", "eval/accuracy")
+
+
+def run_dirs(paths) -> list[str]:
+  """Each path that is a run (holds metrics.jsonl), or the runs one level inside it (an
+  experiment root written by `jaxrl launch`), in order."""
+  out = []
+  for p in paths:
+    if os.path.isfile(os.path.join(p, "metrics.jsonl")):
+      out.append(p)
+      continue
+    inner = sorted(os.path.join(p, d) for d in os.listdir(p)) if os.path.isdir(p) else []
+    inner = [d for d in inner if os.path.isfile(os.path.join(d, "metrics.jsonl"))]
+    if not inner:
+      raise ConfigError(f"{p} holds no metrics.jsonl, nor do its subdirectories: give run "
+                        "directories (or an experiment root from `jaxrl launch`).")
+    out += inner
+  return out
+
+
+def final_metrics(workdir: str) -> dict:
+  """The last logged value of each metric (an eval metric is logged only at eval steps)."""
+  last = {}
+  for row in read_metrics(workdir):
+    for k, v in row.items():
+      if isinstance(v, (int, float)) and math.isfinite(v):
+        last[k] = v
+  return last
+
+
+def compare_table(dirs: list[str], metrics=None) -> tuple[str, list[str]]:
+  """A text table of each run's final metrics; returns it and the metric names it shows."""
+  finals = {d: final_metrics(d) for d in dirs}
+  names = list(metrics or [m for m in COMPARE_DEFAULT if any(m in f for f in finals.values())])
+  unknown = [m for m in names if not any(m in f for f in finals.values())]
+  if unknown:
+    logged = sorted({k for f in finals.values() for k in f})
+    raise ConfigError(f"--metrics {unknown[0]!r} is in none of the runs: logged metrics are "
+                      f"{', '.join(logged)}.")
+  label = _labels(dirs)
+  w = max(len("run"), *(len(label[d]) for d in dirs))
+  head = f"{'run':<{w}}  {'step':>6}" + "".join(f"  {m:>14}" for m in names)
+  lines = [head, "-" * len(head)]
+  for d in dirs:
+    f = finals[d]
+    cells = "".join(f"  {f[m]:>14.4g}" if m in f else f"  {'-':>14}" for m in names)
+    lines.append(f"{label[d]:<{w}}  {int(f.get('step', 0)):>6}{cells}")
+  return "\n".join(lines), names
+
+
+def _labels(dirs):
+  """Short run labels: the paths without their common prefix."""
+  if len(dirs) == 1:
+    return {dirs[0]: os.path.basename(os.path.normpath(dirs[0]))}
+  common = os.path.commonpath([os.path.abspath(d) for d in dirs])
+  return {d: os.path.relpath(os.path.abspath(d), common) for d in dirs}
+
+
+def plot_compare(dirs: list[str], metrics, out_png: str) -> str:
+  """One panel per metric, a line per run over steps."""
+  plt = _plt()
+  label = _labels(dirs)
+  rows = {d: read_metrics(d) for d in dirs}
+  fig, axes = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), 3.4), squeeze=False)
+  for ax, key in zip(axes[0], metrics):
+    for d in dirs:
+      pts = _points(rows[d], key)
+      if pts:
+        xs, ys = zip(*pts)
+        ax.plot(xs, ys, marker="o" if len(pts) < 20 else None, linewidth=1.3, label=label[d])
+    ax.set_title(key)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+  axes[0][0].legend(fontsize=7)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
   fig.savefig(out_png, dpi=100)
   plt.close(fig)
   return out_png

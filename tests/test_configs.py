@@ -12,7 +12,7 @@ from jaxrl.models import PRESETS
 ARGS = {"tiny.py": [None, "tp", "sampler"], "model.py": [None, *PRESETS],
         "sync_tiny.py": [None, "disaggregated", "qwen3-8b"],
         "sft_tiny.py": [None, "runlocal"], "rm_tiny.py": [None, "biased", "runlocal"],
-        "grpo_tiny.py": [None, "runlocal", "dapo", "dr_grpo", "gspo", "rloo"],
+        "grpo_tiny.py": [None, "runlocal", "dapo", "dr_grpo", "gspo", "rloo", "async"],
         **{f: [None, "grpo", "sft", "fixture"] for f in ("qwen3_0p6b.py", "qwen2p5_1p5b.py",
                                                          "llama3p2_1b.py")}}
 

@@ -10,6 +10,7 @@ import pytest
 from jaxrl import config as config_lib
 from jaxrl.models import get_preset
 from jaxrl.parallel import batch_sharding, make_mesh
+from jaxrl.errors import ConfigError
 from jaxrl.rl import grpo
 from jaxrl.sampler import Rollout
 from jaxrl.train.optim import make_optimizer, optim_section
@@ -185,3 +186,31 @@ def test_demo_grpo_raises_heldout_accuracy_above_sft(tmp_path, repo_root):
   assert os.path.getsize(result["plot"]) > 10_000  # a real PNG with three panels
   assert result["grpo"]["steps"] == 80 and set(result["grpo"]["time_split"]) == {
       "gen", "score", "ref", "update", "sync"}
+
+
+def test_async_generation_is_one_step_stale_and_otherwise_the_same(repo_root, tmp_path, devices):
+  """Async mode generates step k+1's rollout during step k's update, with step k's weights.
+  With the weights frozen (lr 1e-30) that changes nothing: the same prompts, seeds and params give
+  the same rewards as the synchronous run, step by step; only the staleness differs."""
+  spec = os.path.join(repo_root, "configs/grpo_tiny.py:runlocal")
+  common = ["train.steps=3", "optim.lr=1e-30", "eval.every=0", "placement.mode=disaggregated"]
+  rows = {}
+  for name, extra in (("sync", []), ("async", ["rollout.async_generation=True"])):
+    workdir = str(tmp_path / name)
+    grpo.run(config_lib.load_config(spec, common + extra), workdir, out=lambda *a: None)
+    rows[name] = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))
+                  if "reward/mean" in line]
+  assert [r["staleness/mean"] for r in rows["sync"]] == [0.0, 0.0, 0.0]
+  assert [r["staleness/mean"] for r in rows["async"]] == [0.0, 1.0, 1.0]
+  for s, a in zip(rows["sync"], rows["async"]):
+    for key in ("reward/mean", "response_length/mean", "loss"):
+      assert a[key] == pytest.approx(s[key], rel=1e-5), key
+    assert a["timing_s/gen_wait"] >= 0.0 and a["timing_s/gen"] > 0.0
+
+
+def test_async_generation_needs_disaggregated_placement(repo_root, tmp_path):
+  spec = os.path.join(repo_root, "configs/grpo_tiny.py:runlocal")
+  with pytest.raises(ConfigError, match=r"rollout.async_generation=True needs "
+                     r"placement.mode=disaggregated"):
+    grpo.run(config_lib.load_config(spec, ["rollout.async_generation=True"]),
+             str(tmp_path / "x"), out=lambda *a: None)

@@ -45,7 +45,7 @@ def test_cached_decode_matches_full_forward(mesh, preset):
     np.testing.assert_allclose(np.asarray(logits)[b, :lengths[b]], full[b, :lengths[b]],
                                atol=2e-5, rtol=1e-5)
   # Full-sequence mode hands back the prefix KV that a cached prefill writes.
-  np.testing.assert_allclose(np.asarray(cache[0])[:, 0, :5], np.asarray(prefix_kv[0])[:, 0, :5],
+  np.testing.assert_allclose(np.asarray(cache[0])[:, 0, :, :5], np.asarray(prefix_kv[0])[:, 0, :, :5],
                              atol=1e-6)
   for i in range(T - lengths.max()):
     p = lengths + i

@@ -467,18 +467,46 @@ def hf_to_jaxrl(src: str, out: str, mesh: Mesh, *, param_dtype: str | None = Non
 def jaxrl_to_hf(checkpoint: str, out: str, mesh: Mesh, *,
                 max_shard_bytes: int = 2 << 30) -> list[str]:
   """jaxrl checkpoint -> HF directory: config.json, safetensors shards (+ index), and the
-  tokenizer files the import carried."""
+  tokenizer files the import carried. `checkpoint` is a jaxrl checkpoint (hf-to-jaxrl's
+  output) or a training run directory (the --workdir of jaxrl sft / grpo: its latest params,
+  with the config and tokenizer of the model.hf_path it started from)."""
   from jaxrl.models.checkpoint import load_params
-  cfg, _, params = load_params(checkpoint, mesh, "learner")
-  carried = os.path.join(checkpoint, "hf")
+  if os.path.isdir(os.path.join(checkpoint, "checkpoints")):
+    cfg, params, carried = _run_params(checkpoint, mesh)
+  else:
+    cfg, _, params = load_params(checkpoint, mesh, "learner")
+    carried = os.path.join(checkpoint, "hf")
   extra = None
-  if os.path.isfile(os.path.join(carried, "config.json")):
+  if carried and os.path.isfile(os.path.join(carried, "config.json")):
     with open(os.path.join(carried, "config.json")) as f:
       extra = json.load(f)
   files = save_hf(out, cfg, params, max_shard_bytes=max_shard_bytes, extra_config=extra)
   if jax.process_index() == 0 and os.path.isdir(carried):
     files += _carry(carried, out)
   return files
+
+
+def _run_params(run_dir: str, mesh: Mesh):
+  """(cfg, params, hf_dir) of a training run: the model its config.json names, the latest
+  checkpoint's params, and the HF directory it started from ("" for a preset)."""
+  import ml_collections
+
+  from jaxrl import config as config_lib
+  from jaxrl.models.llama import abstract_model
+  from jaxrl.parallel.layouts import tree_shardings
+  from jaxrl.train.checkpoint import restore_params
+  file = os.path.join(run_dir, "config.json")
+  if not os.path.isfile(file):
+    raise ConfigError(f"{run_dir!r} holds checkpoints/ but no config.json: give the run "
+                      "directory a jaxrl trainer wrote.")
+  with open(file) as f:
+    config = ml_collections.ConfigDict(json.load(f))
+  cfg = config_lib.model_config(config)
+  _, shapes, axes = abstract_model(cfg)
+  target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        shapes, tree_shardings(shapes, axes, mesh, "learner"))
+  params = restore_params(run_dir, target, key="--checkpoint")
+  return cfg, params, config.model.get("hf_path") or ""
 
 
 def params_from_config(config, mesh: Mesh, layout: str = "learner"):

@@ -10,7 +10,9 @@ anything touches a device, so commands call it first.
 
 With none of these set, the environment still asks when JAX_COORDINATOR_ADDRESS is set, or on a
 TPU pod slice (TPU_WORKER_HOSTNAMES names more than one worker, or MEGASCALE_COORDINATOR_ADDRESS
-is set); then JAX reads the rest from the environment.
+is set), or when JAXRL_DISTRIBUTED=auto (tpu/run.sh sets it on slices of more than one worker,
+where the TPU VM's ssh environment names no peers); then JAX reads the rest from the
+environment or the TPU metadata.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def distributed_section():
 def environment_asks() -> bool:
   hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
   return bool(os.environ.get("JAX_COORDINATOR_ADDRESS") or "," in hosts
+              or os.environ.get("JAXRL_DISTRIBUTED") == "auto"
               or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"))
 
 

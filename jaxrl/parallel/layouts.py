@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxrl.errors import ConfigError, check_choice
-from jaxrl.models import CACHE_AXES, ModelConfig, Transformer, abstract_model
+from jaxrl.models import CACHE_AXES, ModelConfig, Transformer, abstract_model, cache_shape
 
 Rule = str | tuple[str, ...] | None
 
@@ -105,9 +105,9 @@ def init_params(cfg: ModelConfig, mesh: Mesh, layout: str = "learner", *, seed: 
 
 def cache_sharding(mesh: Mesh, cfg: ModelConfig, slots: int, max_len: int,
                    layout: str = "sampler") -> NamedSharding:
-  """Sharding of one layer's [2, B, S, K, H] KV-cache array: slots over data x fsdp, KV heads
+  """Sharding of one layer's [2, B, K, S, H] KV-cache array: slots over data x fsdp, KV heads
   over tensor (replicated when the KV-head count is smaller than the tensor size)."""
-  shape = (2, slots, max_len, cfg.num_kv_heads, cfg.head_dim)
+  shape = cache_shape(cfg, slots, max_len)
   spec, _ = logical_spec(CACHE_AXES, shape, get_rules(layout), mesh, name="kv_cache")
   return NamedSharding(mesh, spec)
 

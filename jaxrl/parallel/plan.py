@@ -22,7 +22,8 @@ import ml_collections
 import numpy as np
 
 from jaxrl.errors import ConfigError
-from jaxrl.models import CACHE_AXES, ModelConfig, RewardModel, abstract_model, get_preset
+from jaxrl.models import (CACHE_AXES, ModelConfig, RewardModel, abstract_model, cache_shape,
+                          get_preset)
 from jaxrl.parallel.layouts import get_rules, logical_spec
 from jaxrl.parallel.sync import Layout, Placement
 
@@ -76,7 +77,7 @@ def tree_bytes_per_device(shapes, axes, layout: Layout, dtype_bytes: int | None 
 
 
 def kv_cache_bytes_per_device(cfg: ModelConfig, layout: Layout, slots: int, max_len: int) -> int:
-  shape = (2, slots, max_len, cfg.num_kv_heads, cfg.head_dim)
+  shape = cache_shape(cfg, slots, max_len)
   spec, _ = logical_spec(CACHE_AXES, shape, get_rules(layout.rules), layout.mesh,
                          name="kv_cache")
   ways = 1

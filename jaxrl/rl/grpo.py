@@ -41,7 +41,7 @@ from jaxrl.data.hf_tokenizer import tokenizer_for
 from jaxrl.errors import ConfigError
 from jaxrl.models import apply, token_logprobs
 from jaxrl.parallel import batch_sharding
-from jaxrl.parallel.sync import SamplerCopy, WeightSync, make_placement
+from jaxrl.parallel.sync import Overlap, SamplerCopy, WeightSync, make_placement
 from jaxrl.rewards import RewardSpec, parse_specs, register, score
 from jaxrl.rewards import model as rm_lib
 from jaxrl.rl import advantages as adv_lib
@@ -106,7 +106,11 @@ def default_config():
   c.rollout = ml_collections.ConfigDict(dict(
       prompts_per_step=16, group_size=8, max_new_tokens=8, temperature=1.0, top_k=0,
       top_p=1.0, slots=64, steps_per_call=8,
-      ignore_eos=False))  # True: every completion runs to max_new_tokens (benchmarks)
+      ignore_eos=False,  # True: every completion runs to max_new_tokens (benchmarks)
+      # True: generation for step k+1 runs on the sampler devices while step k updates on the
+      # learner's (one-step off-policy: staleness 1, corrected by algo.tis_cap when > 0).
+      # Needs placement.mode="disaggregated".
+      async_generation=False))
   c.algo = algo_section()
   c.rewards = "task"  # "task" = the task's checker; else e.g. "exact_match:1.0,format:0.1";
                       # "none" (or "task:0", which still logs `accuracy`) with a reward model
@@ -161,6 +165,15 @@ class PromptStream:
       if self.pos >= len(self.records):
         self.epoch, self.pos = self.epoch + 1, 0
     return out
+
+  def peek(self) -> list[dict]:
+    """The batch the next `next()` returns, without advancing (async generation starts on it
+    one step early). Only the position is rewound; the extras are not touched."""
+    epoch, pos = self.epoch, self.pos
+    try:
+      return next(self)
+    finally:
+      self.epoch, self.pos = epoch, pos
 
   def get_state(self) -> dict:
     return {"epoch": self.epoch, "pos": self.pos,
@@ -359,6 +372,13 @@ def run(config, workdir: str, *, out=print) -> dict:
   if config.data.task:
     from jaxrl.tasks import get_task
     task = get_task(config.data.task)
+  if r.async_generation and config.placement.mode != "disaggregated":
+    raise ConfigError("rollout.async_generation=True needs placement.mode=disaggregated (the "
+                      "sampler overlaps the update on its own devices): set both, or turn "
+                      "async_generation off.")
+  if r.async_generation and a.filter_zero_std:
+    raise ConfigError("rollout.async_generation=True cannot refill groups "
+                      "(algo.filter_zero_std=True) yet: turn one of them off.")
   train_records, held_out = _records(config, task)
   specs = reward_specs(config.rewards, task, config.get("reward_kwargs"))
   rm_cfg = config.reward_model
@@ -468,12 +488,8 @@ def run(config, workdir: str, *, out=print) -> dict:
     reward_stats["timing_s/reward"] = time.perf_counter() - t0
     return rollout, rewards, reward_stats
 
-  def step_fn(state, prompts):
-    t_step = time.perf_counter()
-    step = int(jax.device_get(state.step)) // (a.num_iterations * a.minibatches)
-    # 1. sync
-    params_s = sampler_copy.refresh(state.params)
-    # 2-3. sample and score, refilling zero-variance groups when asked
+  def generate_and_score(params_s, prompts, step):
+    """Steps 2-3: sample and score, refilling zero-variance groups when asked."""
     t0 = time.perf_counter()
     rollout, rewards, reward_stats = sample(params_s, prompts, step, 0)
     rewards_bg = rewards.reshape(-1, r.group_size)
@@ -484,7 +500,37 @@ def run(config, workdir: str, *, out=print) -> dict:
       rollout, rewards_bg = _refill(rollout, rewards_bg, zero, lambda p, i: sample(
           params_s, p, step, i), stream, a.max_refill_rounds, r.group_size)
     t_gen = time.perf_counter() - t0 - reward_stats["timing_s/reward"]
-    sampler_copy.before_update()  # colocated: its memory goes to the update
+    return rollout, rewards_bg, reward_stats, gen_stats, frac_zero, t_gen
+
+  # Async generation: the rollout for the next step's prompts, started during this step's
+  # update on the sampler's own devices with this step's pre-update weights.
+  overlap = Overlap() if r.async_generation else None
+  pending = {}  # {"prompts", "future"}
+
+  def step_fn(state, prompts):
+    t_step = time.perf_counter()
+    step = int(jax.device_get(state.step)) // (a.num_iterations * a.minibatches)
+    params_s = None
+    if pending and pending["prompts"] == prompts:
+      # 1-3 ran in the background during the previous step's update (params one step old).
+      t0 = time.perf_counter()
+      version, generated = pending.pop("future").result()
+      t_wait = time.perf_counter() - t0
+    else:  # synchronous, or the first step of an async run (or after a resume)
+      pending.clear()
+      params_s = sampler_copy.refresh(state.params)  # 1
+      generated = generate_and_score(params_s, prompts, step)  # 2-3
+      version, t_wait = step, generated[-1]
+    rollout, rewards_bg, reward_stats, gen_stats, frac_zero, t_gen = generated
+    if overlap is not None:
+      # Start the next step's generation now, so that it overlaps this step's update.
+      next_prompts = stream.peek()
+      if params_s is None:
+        params_s = sampler_copy.refresh(state.params)
+      pending.update(prompts=next_prompts, future=overlap.submit(
+          generate_and_score, params_s, next_prompts, step + 1, version=step))
+    else:
+      sampler_copy.before_update()  # colocated: its memory goes to the update
     # 4. reference and old log-probs
     batch = learner_batch(rollout, length=length, pad_id=tokenizer.pad_id)
     if a.mask_truncated:
@@ -547,16 +593,19 @@ def run(config, workdir: str, *, out=print) -> dict:
         if task is not None else float("nan"),
         "frac_zero_std_groups": frac_zero,
         "is_ratio/mean": float((np.exp(log_ratio) * mask).sum() / n_tok),
-        "staleness/mean": 0.0,
+        "staleness/mean": float(step - version),
         "kl/beta": beta[0],
-        "timing_s/gen": t_gen, "timing_s/score": t_score + reward_stats["timing_s/reward"],
+        # gen: the rollout's own wall time; gen_wait: what the learner waited for it (less
+        # than gen when generation overlapped the previous update).
+        "timing_s/gen": t_gen, "timing_s/gen_wait": t_wait,
+        "timing_s/score": t_score + reward_stats["timing_s/reward"],
         "timing_s/ref": t_ref, "timing_s/update": t_update,
         "timing_s/sync": weight_sync.last.ms / 1e3,
         **weight_sync.last.metrics(), **gen_stats, **reward_stats,
     }
     step_s = time.perf_counter() - t_step
     metrics["timing_s/step_wall"] = step_s
-    metrics["perf/gen_fraction"] = t_gen / step_s
+    metrics["perf/gen_fraction"] = t_wait / step_s
     metrics.update(alarms.on_step(step + 1, metrics))
     return state, metrics
 
@@ -579,6 +628,8 @@ def run(config, workdir: str, *, out=print) -> dict:
         save_every=config.train.save_every, eval_every=config.eval.every, eval_fn=evaluate,
         out=out, updates_per_step=a.num_iterations * a.minibatches)
   finally:
+    if overlap is not None:
+      overlap.close()
     ckpt.close()
     run_dir.close()
   summary["alarms"] = dict(alarms.raised)

@@ -10,7 +10,7 @@
 
 Every phase is one jit of a pure function over nnx.split state. Params are an argument, so a
 weight swap (same shapes and shardings) never recompiles; `engine.traces` counts traces so tests
-can show it. The decode state is one pytree whose KV cache is one [2, B, S, K, H] array per layer
+can show it. The decode state is one pytree whose KV cache is one [2, B, K, S, H] array per layer
 (B slots, S = max_len), sharded for the sampler layout (slots over data x fsdp, KV heads over
 tensor) and donated to every call that updates it, so it is updated in place.
 
@@ -39,8 +39,8 @@ from jaxrl.models.llama import init_cache
 from jaxrl.parallel import batch_sharding, cache_sharding
 from jaxrl.sampler.sampling import SamplingParams, is_stop, sample_logits, token_keys
 
-DecodeState = dict  # {"cache": [per-layer [2,B,S,K,H]], "tokens"|"pos"|"ngen"|"sample": [B] i32, "live": [B] bool}
-Prefix = dict  # {"kv": [per-layer [2,P,T,K,H]], "logits": [P,V], "length": [P], "tokens", "logprobs": [P], "key"}
+DecodeState = dict  # {"cache": [per-layer [2,B,K,S,H]], "tokens"|"pos"|"ngen"|"sample": [B] i32, "live": [B] bool}
+Prefix = dict  # {"kv": [per-layer [2,P,K,T,H]], "logits": [P,V], "length": [P], "tokens", "logprobs": [P], "key"}
 
 
 class Engine:
@@ -77,7 +77,7 @@ class Engine:
   def _constrain(self, state: DecodeState) -> DecodeState:
     # Pin the state's layout inside each jit so the donated output keeps the input's shardings
     # (otherwise propagation may pick another layout and the next call recompiles).
-    slots, max_len = state["cache"][0].shape[1:3]
+    slots, max_len = state["cache"][0].shape[1], state["cache"][0].shape[3]
     return jax.lax.with_sharding_constraint(state, self._state_shardings(slots, max_len))
 
   # --------------------------------------------------------------------------- prefill
@@ -147,9 +147,9 @@ class Engine:
   def _insert_fn(self, state, prefix, rows_m, slots_m, samples_m):
     self.traces["insert"] += 1
     sp = self.sampling
-    max_len = state["cache"][0].shape[2]
-    T = prefix["kv"][0].shape[2]
-    cache = [c.at[:, slots_m, :T].set(kv[:, rows_m].astype(c.dtype), mode="drop")
+    max_len = state["cache"][0].shape[3]
+    T = prefix["kv"][0].shape[3]
+    cache = [c.at[:, slots_m, :, :T].set(kv[:, rows_m].astype(c.dtype), mode="drop")
              for c, kv in zip(state["cache"], prefix["kv"])]
     # Positions T.. of a reused slot keep the previous occupant's KV: harmless, since a query
     # only attends to positions <= its own and each step writes its position before reading.
@@ -184,7 +184,7 @@ class Engine:
     self.traces["generate"] += 1
     sp = self.sampling
     model = nnx.merge(self.graphdef, params)
-    max_len = state["cache"][0].shape[2]
+    max_len = state["cache"][0].shape[3]
 
     def step(state, _):
       live_b = state["live"]
