@@ -295,7 +295,7 @@ def run(config, workdir: str, *, out=print) -> dict:
                             center_coef=float(config.loss.center_coef))
 
   if main and start == 0:
-    out(f"rm: {cfg.num_params:,} backbone parameters + a {cfg.embed_dim}-wide head, "
+    out(f"rm: the {cfg.num_params:,}-parameter decoder + a {cfg.embed_dim}-wide head, "
         f"{len(train)} train pairs, global batch {d.batch_size} pairs x 2 x {d.seq_len}, "
         f"{total} steps; backbone from {config.init.checkpoint or 'the preset init'}")
   try:
