@@ -313,6 +313,10 @@ class Alarms:
 
   def on_step(self, step: int, metrics: dict) -> dict:
     self.rewards.append(metrics[self.reward_key])
+    if self.evals and self.evals[-1][1] is None:
+      # The baseline eval came before any step; step 1's rollouts come from that same starting
+      # policy, so its reward is the baseline's.
+      self.evals[-1] = (self.evals[-1][0], metrics[self.reward_key], self.evals[-1][2])
     if metrics.get("kl", 0.0) > self.kl_threshold:
       self.raised["kl"] += 1
       self.out(f"ALARM step {step}: kl={metrics['kl']:.4f} > {self.kl_threshold} (the policy is "
@@ -321,11 +325,11 @@ class Alarms:
     return {"alarm/kl": 0.0}
 
   def on_eval(self, step: int, accuracy: float) -> dict:
-    # Before any step (the baseline eval) there is no reward to compare with: NaN, never 0.0,
-    # which a negative reward-model score would "rise" from by construction.
-    reward = float(np.mean(self.rewards)) if self.rewards else float("nan")
+    # Before any step (the baseline eval) the reward is not known yet: the next on_step fills
+    # it in (never 0.0, which a negative reward-model score would "rise" from by construction).
+    reward = float(np.mean(self.rewards)) if self.rewards else None
     self.evals.append((step, reward, accuracy))
-    if len(self.evals) >= 2:
+    if len(self.evals) >= 2 and self.evals[-2][1] is not None:
       (_, r0, a0), (_, r1, a1) = self.evals[-2], self.evals[-1]
       if r1 > r0 and a1 < a0 - self.min_drop:
         self.raised["reward_hacking"] += 1
