@@ -404,3 +404,50 @@ def test_alarm_watches_the_raw_reward_model_score():
   for step in (1, 2, 3):
     quiet.on_step(step, {"reward/rm_mean": -5.0 - step, "kl": 0.0})
   assert quiet.on_eval(3, 0.1)["alarm/reward_hacking"] == 0.0
+
+
+# ----------------------------------------------------------------------------- learning (slow)
+
+
+@pytest.mark.slow
+def test_reward_models_learn_their_labellers(reward_models):
+  """From the SFT policy: the honest RM ranks the correct sum above a near miss on held-out
+  pairs above chance (measured here 0.498 -> 0.582 on 512 pairs, and 0.617 from the README's
+  SFT run; a 2-layer model must redo the sum at the last token to tell 46 from 47); the
+  biased RM learns its labeller's taste at once (1.0 by step 100)."""
+  from jaxrl.train.rundir import read_metrics
+  honest = json.load(open(os.path.join(reward_models["honest"], "summary.json")))
+  start = read_metrics(reward_models["honest"])[0]["eval/accuracy"]
+  assert honest["status"] == "completed"
+  assert honest["eval"]["eval/accuracy"] >= 0.55, (start, honest["eval"])
+  assert honest["eval"]["eval/accuracy"] >= start + 0.05
+  assert honest["eval"]["eval/margin"] > 0
+  assert honest["data"]["train"]["fingerprint"].startswith("sha256:")
+  biased = json.load(open(os.path.join(reward_models["biased"], "summary.json")))
+  assert biased["eval"]["eval/accuracy"] >= 0.95, biased["eval"]
+
+
+@pytest.mark.slow
+def test_grpo_against_a_biased_reward_model_fires_the_alarm(reward_models, sft_addition,
+                                                             repo_root, tmp_path):
+  """Reward hacking, end to end: GRPO from the SFT policy with the biased RM as the only
+  reward (the task's checker at weight 0 still logs accuracy). The proxy rises, held-out
+  verifiable accuracy falls, and the reward-hacking alarm fires and is logged."""
+  from jaxrl.rl import grpo
+  from jaxrl.train.rundir import read_metrics
+  workdir = str(tmp_path / "grpo")
+  config = config_lib.load_config(os.path.join(repo_root, "configs/grpo_tiny.py"), [
+      f"init.checkpoint={sft_addition}", f"reward_model.checkpoints={reward_models['biased']}",
+      "rewards=task:0", "train.steps=40", "train.log_every=5", "train.save_every=40",
+      "eval.every=10"])
+  said = []
+  summary = grpo.run(config, workdir, out=said.append)
+  rows = read_metrics(workdir)
+  evals = [r for r in rows if "eval/accuracy" in r]
+  steps = [r for r in rows if "reward/rm_mean" in r]
+  assert evals[-1]["eval/accuracy"] < evals[0]["eval/accuracy"] - 0.05, evals
+  assert np.mean([r["reward/rm_mean"] for r in steps[-2:]]) > np.mean(
+      [r["reward/rm_mean"] for r in steps[:2]])
+  assert any(r.get("alarm/reward_hacking") == 1.0 for r in evals)
+  assert summary["alarms"]["reward_hacking"] >= 1
+  assert any("reward hacking" in s for s in said)
