@@ -79,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
   s = sub.add_parser("grpo", help="GRPO-family RL (generate, score, update); re-running on a "
                      "workdir resumes it")
   _common(s, config_required=True)
+  s = sub.add_parser("dpo", help="offline preference optimisation (loss=dpo|ipo|kto|orpo|"
+                     "simpo) on preference pairs; re-running on a workdir resumes it")
+  _common(s, config_required=True)
   _launch_parser(sub)
   s = sub.add_parser("compare", help="final metrics of runs side by side, and a PNG of chosen "
                      "metrics over steps")
@@ -357,6 +360,12 @@ def cmd_grpo(args, overrides) -> None:
   run_trainer(grpo.run, args, overrides, _load)
 
 
+def cmd_dpo(args, overrides) -> None:
+  from jaxrl.rl import dpo
+  from jaxrl.train import run_trainer
+  run_trainer(dpo.run, args, overrides, _load)
+
+
 def cmd_sample(args, overrides) -> None:
   from jaxrl.sampler import command
   command.run(_load(args, overrides), prompts_path=args.prompts, workdir=args.workdir, n=args.n,
@@ -429,7 +438,7 @@ def cmd_plot(args, overrides) -> None:
 
 COMMANDS = {"info": cmd_info, "model": cmd_model, "sweep": cmd_sweep, "plan": cmd_plan,
             "bench": cmd_bench, "convert": cmd_convert, "demo": cmd_demo, "data": cmd_data,
-            "sft": cmd_sft, "rm": cmd_rm, "grpo": cmd_grpo,
+            "sft": cmd_sft, "rm": cmd_rm, "grpo": cmd_grpo, "dpo": cmd_dpo,
             "sample": cmd_sample, "launch": cmd_launch, "compare": cmd_compare, "plot": cmd_plot}
 
 
