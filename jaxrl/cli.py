@@ -73,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
   _data_parser(sub)
   s = sub.add_parser("sft", help="supervised fine-tuning; re-running on a workdir resumes it")
   _common(s, config_required=True)
+  s = sub.add_parser("rm", help="reward-model training on preference pairs (Bradley-Terry); "
+                     "re-running on a workdir resumes it")
+  _common(s, config_required=True)
   s = sub.add_parser("grpo", help="GRPO-family RL (generate, score, update); re-running on a "
                      "workdir resumes it")
   _common(s, config_required=True)
@@ -251,7 +254,9 @@ def cmd_plan(args, overrides) -> None:
   print(f"learner: {describe(placement.learner.mesh)}")
   print(f"sampler: {describe(placement.sampler.mesh)}")
   sync_dtype = config.placement.sync_dtype if "placement" in config else ""
-  print(memory_plan(cfg, placement, config.get("plan"), sync_dtype=sync_dtype).table())
+  from jaxrl.rewards.model import plan_roles
+  print(memory_plan(cfg, placement, config.get("plan"), sync_dtype=sync_dtype,
+                    reward_models=plan_roles(config)).table())
 
 
 def cmd_bench(args, overrides) -> None:
@@ -344,6 +349,11 @@ def cmd_sft(args, overrides) -> None:
   run_trainer(sft.run, args, overrides, _load)
 
 
+def cmd_rm(args, overrides) -> None:
+  from jaxrl.train import rm, run_trainer
+  run_trainer(rm.run, args, overrides, _load)
+
+
 def cmd_grpo(args, overrides) -> None:
   from jaxrl.rl import grpo
   from jaxrl.train import run_trainer
@@ -428,7 +438,7 @@ def cmd_plot(args, overrides) -> None:
 
 COMMANDS = {"info": cmd_info, "model": cmd_model, "sweep": cmd_sweep, "plan": cmd_plan,
             "bench": cmd_bench, "convert": cmd_convert, "demo": cmd_demo, "data": cmd_data,
-            "sft": cmd_sft, "grpo": cmd_grpo, "dpo": cmd_dpo,
+            "sft": cmd_sft, "rm": cmd_rm, "grpo": cmd_grpo, "dpo": cmd_dpo,
             "sample": cmd_sample, "launch": cmd_launch, "compare": cmd_compare, "plot": cmd_plot}
 
 

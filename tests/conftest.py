@@ -55,3 +55,28 @@ def sft_addition(tmp_path_factory):
                                           "eval.every": 600})
       sft.run(config, str(workdir), out=lambda *_: None)
   return str(workdir)
+
+
+@pytest.fixture(scope="session")
+def reward_models(sft_addition, tmp_path_factory):
+  """Run dirs of two reward models trained from the sft_addition policy, once per session
+  and shared by the xdist workers (file-locked like sft_addition): "honest" (configs/rm_tiny.py:
+  chosen = the correct sum) and "biased" (:biased, a labeller preferring longer answers).
+  Tests must only read them."""
+  import fcntl
+  from jaxrl import config as config_lib
+  from jaxrl.train import rm
+  shared = tmp_path_factory.getbasetemp().parent
+  dirs = {"honest": shared / "rm_honest", "biased": shared / "rm_biased"}
+  with open(shared / "reward_models.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    for name, workdir in dirs.items():
+      if not (workdir / "summary.json").exists():
+        arg = "" if name == "honest" else ":biased"
+        config = config_lib.load_config(os.path.join(ROOT, "configs", f"rm_tiny.py{arg}"))
+        config_lib.apply_overrides(config, {"init.checkpoint": sft_addition,
+                                            "train.log_every": 100})
+        if name == "biased":  # its labeller's taste is learnt by step 100 (measured: 1.0)
+          config_lib.apply_overrides(config, {"train.steps": 100, "train.save_every": 100})
+        rm.run(config, str(workdir), out=lambda *_: None)
+  return {k: str(v) for k, v in dirs.items()}

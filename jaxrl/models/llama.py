@@ -313,10 +313,12 @@ def _nest(pairs):
   return out
 
 
-def abstract_model(cfg: ModelConfig):
+def abstract_model(cfg: ModelConfig, model=None):
   """(graphdef, shapes, axes) without allocating: shapes is a nested dict of ShapeDtypeStruct,
-  axes the same tree holding each parameter's tuple of logical axis names."""
-  model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  axes the same tree holding each parameter's tuple of logical axis names. `model` is the
+  module class built from (cfg, rngs=...): the Transformer by default, or e.g. RewardModel."""
+  build = Transformer if model is None else model
+  model = nnx.eval_shape(lambda: build(cfg, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(model)
   flat = list(nnx.to_flat_state(state))
   shapes = _nest((p, v.get_value()) for p, v in flat)

@@ -1,7 +1,8 @@
 """The memory plan: bytes per device for each model role, computed before launch.
 
-Roles: the actor (params, gradients, optimizer state), the frozen reference, an optional frozen
-reward model, the critic (PPO only), the sampler's weight copy and its KV cache, plus an
+Roles: the actor (params, gradients, optimizer state), the frozen reference, frozen reward
+models (one row each: the RL config's reward_model.checkpoints, or plan.reward_model), the
+critic (PPO only), the sampler's weight copy and its KV cache, plus an
 activation estimate. Colocated, one device holds the learner roles and the sampler side; the
 plan takes the larger of the training and the generation phase. Disaggregated, the learner and
 sampler devices are planned separately.
@@ -21,7 +22,8 @@ import ml_collections
 import numpy as np
 
 from jaxrl.errors import ConfigError
-from jaxrl.models import CACHE_AXES, ModelConfig, abstract_model, cache_shape, get_preset
+from jaxrl.models import (CACHE_AXES, ModelConfig, RewardModel, abstract_model, cache_shape,
+                          get_preset)
 from jaxrl.parallel.layouts import get_rules, logical_spec
 from jaxrl.parallel.sync import Layout, Placement
 
@@ -147,8 +149,10 @@ def _gib(n: float) -> str:
 
 
 def memory_plan(cfg: ModelConfig, placement: Placement, section=None, *,
-                sync_dtype: str = "") -> MemoryPlan:
-  """Bytes per device for every role, the peak per phase, and whether it fits."""
+                sync_dtype: str = "", reward_models=()) -> MemoryPlan:
+  """Bytes per device for every role, the peak per phase, and whether it fits.
+  `reward_models` is a list of (label, ModelConfig), one learner row each (frozen: params
+  only, in the learner layout where they score)."""
   p = plan_config() if section is None else section
   _, shapes, axes = abstract_model(cfg)
   L, S = placement.learner, placement.sampler
@@ -157,10 +161,12 @@ def memory_plan(cfg: ModelConfig, placement: Placement, section=None, *,
              "actor optimizer state": int(p["optimizer_states"]) * params}
   if p["reference"]:
     learner["reference params"] = params
+  roles = list(reward_models)
   if p["reward_model"]:
-    rm_cfg = get_preset(p["reward_model"])
-    _, rs, ra = abstract_model(rm_cfg)
-    learner["reward model params"] = tree_bytes_per_device(rs, ra, L)
+    roles.append(("reward model", get_preset(p["reward_model"])))
+  for label, rm_cfg in roles:
+    _, rs, ra = abstract_model(rm_cfg, RewardModel)
+    learner[f"{label} params"] = tree_bytes_per_device(rs, ra, L)
   if p["critic"]:
     learner.update({"critic params": params, "critic gradients": params,
                     "critic optimizer state": int(p["optimizer_states"]) * params})

@@ -7,7 +7,9 @@ Reads top to bottom. Each step:
   2. sample B prompts x G completions with the engine (continuous batching, one prefill per
      group); with dynamic sampling, groups whose G rewards are all equal are dropped and more
      prompts are sampled to refill the batch;
-  3. score the completions with the configured reward functions (host Python, timed);
+  3. score the completions with the configured reward functions (host Python) and, when
+     reward_model.checkpoints names any, with frozen reward models on the learner mesh (one
+     jitted forward; combined by an ensemble rule, optionally normalised, mixed by weight);
   4. compute the reference's and the pre-update policy's log-probs of the sampled tokens in
      jitted forwards (the "old" log-probs are the policy's own before this step's updates,
      never a copy of the current ones);
@@ -41,6 +43,7 @@ from jaxrl.models import apply, token_logprobs
 from jaxrl.parallel import batch_sharding
 from jaxrl.parallel.sync import Overlap, SamplerCopy, WeightSync, make_placement
 from jaxrl.rewards import RewardSpec, parse_specs, register, score
+from jaxrl.rewards import model as rm_lib
 from jaxrl.rl import advantages as adv_lib
 from jaxrl.rl import losses
 from jaxrl.sampler import Engine, SamplingParams, bucket, generate
@@ -58,6 +61,7 @@ config_lib.CHOICES.update({
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.kl_in": ("loss", "reward"),
     "algo.ratio_level": ("token", "sequence"),
+    "reward_model.ensemble": rm_lib.ENSEMBLES,
 })
 
 
@@ -108,7 +112,9 @@ def default_config():
       # Needs placement.mode="disaggregated".
       async_generation=False))
   c.algo = algo_section()
-  c.rewards = "task"  # "task" = the task's checker; else e.g. "exact_match:1.0,format:0.1"
+  c.rewards = "task"  # "task" = the task's checker; else e.g. "exact_match:1.0,format:0.1";
+                      # "none" (or "task:0", which still logs `accuracy`) with a reward model
+  c.reward_model = rm_lib.reward_model_section()
   c.reward_kwargs = {}  # per reward, e.g. {"format": {"pattern": r"^\d+$"}}
   c.normalize_rewards = False
   # Measured on the tiny preset after 600 SFT steps: lr 5e-5 raised held-out accuracy
@@ -118,8 +124,9 @@ def default_config():
   c.train = ml_collections.ConfigDict(dict(
       steps=80, log_every=5, save_every=20, keep_checkpoints=2, async_checkpoints=True))
   c.eval = ml_collections.ConfigDict(dict(every=20, examples=256, batch_size=128))
-  # Alarms: KL above kl_threshold; reward (mean over the last `window` steps) rising between two
-  # evals while held-out accuracy falls by more than min_accuracy_drop.
+  # Alarms: KL above kl_threshold; reward (mean over the last `window` steps; the raw reward-model
+  # score when there is one) rising between two evals while held-out accuracy falls by more
+  # than min_accuracy_drop.
   c.alarm = ml_collections.ConfigDict(dict(kl_threshold=0.1, window=20, min_accuracy_drop=0.03))
   c.placement = placement_config()
   c.distributed = distributed_section()
@@ -133,11 +140,14 @@ class PromptStream:
   """B prompt records per step from a list, reshuffled each epoch from (seed, epoch); its
   position is checkpointed beside the train state, so a resumed run sees the same prompts."""
 
-  def __init__(self, records: list[dict], batch: int, seed: int):
+  def __init__(self, records: list[dict], batch: int, seed: int, extras: dict | None = None):
     if not records:
       raise ConfigError("the RL prompt set is empty: set data.task or data.train_file.")
     self.records, self.batch, self.seed = records, batch, seed
     self.epoch, self.pos = 0, 0
+    # Host-side state that must resume with the prompts (e.g. the reward models' running
+    # normaliser): objects with get_state()/set_state(), checkpointed under their names.
+    self.extras = dict(extras or {})
 
   def _order(self):
     return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.records))
@@ -158,18 +168,22 @@ class PromptStream:
 
   def peek(self) -> list[dict]:
     """The batch the next `next()` returns, without advancing (async generation starts on it
-    one step early)."""
-    state = self.get_state()
+    one step early). Only the position is rewound; the extras are not touched."""
+    epoch, pos = self.epoch, self.pos
     try:
       return next(self)
     finally:
-      self.set_state(state)
+      self.epoch, self.pos = epoch, pos
 
   def get_state(self) -> dict:
-    return {"epoch": self.epoch, "pos": self.pos}
+    return {"epoch": self.epoch, "pos": self.pos,
+            **{k: v.get_state() for k, v in self.extras.items()}}
 
   def set_state(self, state: dict) -> None:
     self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+    for k, v in self.extras.items():
+      if k in state:
+        v.set_state(state[k])
 
 
 # ----------------------------------------------------------------------------- the batch
@@ -254,8 +268,10 @@ def task_reward(task):
 
 def reward_specs(text: str, task, kwargs=None) -> list[RewardSpec]:
   """Parses `rewards` ("task", "exact_match:1.0,format:0.1", ...); "task" is the task's own
-  checker. `kwargs` maps a reward name to its keyword arguments (config `reward_kwargs`, e.g.
-  {"format": {"pattern": "^\\d+$"}})."""
+  checker; "none" is no verifiable reward. `kwargs` maps a reward name to its keyword arguments
+  (config `reward_kwargs`, e.g. {"format": {"pattern": "^\\d+$"}})."""
+  if text.strip() in ("none", ""):
+    return []  # a reward model alone (run() checks that one is configured)
   parts = []
   for part in filter(None, (p.strip() for p in text.split(","))):
     name, sep, weight = part.partition(":")
@@ -282,8 +298,12 @@ def reward_specs(text: str, task, kwargs=None) -> list[RewardSpec]:
 class Alarms:
   """KL past a threshold, and reward rising while held-out accuracy falls (reward hacking)."""
 
-  def __init__(self, *, kl_threshold: float, window: int, out, min_drop: float = 0.03):
+  def __init__(self, *, kl_threshold: float, window: int, out, min_drop: float = 0.03,
+               reward_key: str = "reward/mean"):
     self.kl_threshold, self.window, self.out = kl_threshold, window, out
+    # The proxy being optimised: reward/mean, or the raw reward-model score (reward/rm_mean),
+    # which a running normalisation would otherwise hide.
+    self.reward_key = reward_key
     # Held-out accuracy on a few hundred prompts moves by a point or two between evals by chance;
     # only a larger fall while the reward rises counts as hacking.
     self.min_drop = min_drop
@@ -292,7 +312,11 @@ class Alarms:
     self.raised = {"kl": 0, "reward_hacking": 0}
 
   def on_step(self, step: int, metrics: dict) -> dict:
-    self.rewards.append(metrics["reward/mean"])
+    self.rewards.append(metrics[self.reward_key])
+    if self.evals and self.evals[-1][1] is None:
+      # The baseline eval came before any step; step 1's rollouts come from that same starting
+      # policy, so its reward is the baseline's.
+      self.evals[-1] = (self.evals[-1][0], metrics[self.reward_key], self.evals[-1][2])
     if metrics.get("kl", 0.0) > self.kl_threshold:
       self.raised["kl"] += 1
       self.out(f"ALARM step {step}: kl={metrics['kl']:.4f} > {self.kl_threshold} (the policy is "
@@ -301,9 +325,11 @@ class Alarms:
     return {"alarm/kl": 0.0}
 
   def on_eval(self, step: int, accuracy: float) -> dict:
-    reward = float(np.mean(self.rewards)) if self.rewards else 0.0
+    # Before any step (the baseline eval) the reward is not known yet: the next on_step fills
+    # it in (never 0.0, which a negative reward-model score would "rise" from by construction).
+    reward = float(np.mean(self.rewards)) if self.rewards else None
     self.evals.append((step, reward, accuracy))
-    if len(self.evals) >= 2:
+    if len(self.evals) >= 2 and self.evals[-2][1] is not None:
       (_, r0, a0), (_, r1, a1) = self.evals[-2], self.evals[-1]
       if r1 > r0 and a1 < a0 - self.min_drop:
         self.raised["reward_hacking"] += 1
@@ -359,6 +385,15 @@ def run(config, workdir: str, *, out=print) -> dict:
                       "(algo.filter_zero_std=True) yet: turn one of them off.")
   train_records, held_out = _records(config, task)
   specs = reward_specs(config.rewards, task, config.get("reward_kwargs"))
+  rm_cfg = config.reward_model
+  rm_paths = rm_lib.checkpoint_list(rm_cfg)
+  if not specs and not rm_paths:
+    raise ConfigError(f"rewards={config.rewards!r} and reward_model.checkpoints is empty: "
+                      "nothing rewards the policy; name a reward (e.g. task) or a `jaxrl rm` "
+                      "run dir.")
+  if rm_cfg.k < 0:
+    raise ConfigError(f"reward_model.k={rm_cfg.k} is negative: mean_minus_std subtracts k "
+                      "standard deviations; use k >= 0.")
 
   # Models: the policy (trained) and its frozen reference, both in the learner layout.
   tx, schedule = make_optimizer(config.optim, config.train.steps * a.num_iterations *
@@ -371,6 +406,10 @@ def run(config, workdir: str, *, out=print) -> dict:
     state = state.replace(params=restore_params(config.init.checkpoint, abstract))
   # The reference is the starting policy, rebuilt from the same source on resume (never saved).
   reference = jax.tree.map(jnp.copy, state.params)
+  # Reward models: frozen `jaxrl rm` runs in the learner layout, beside the reference.
+  rms = rm_lib.RewardModels.load(rm_paths, mesh, tokenizer) if rm_paths else None
+  rm_norm = (rm_lib.RunningNorm(len(rm_paths)) if rms is not None and rm_cfg.normalize
+             else None)
 
   # Sampler: the engine on the sampler mesh, fed by a timed weight sync every step.
   sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
@@ -394,19 +433,38 @@ def run(config, workdir: str, *, out=print) -> dict:
   update = make_train_step(loss_fn, tx, schedule, shardings, shd, mesh=mesh,
                            accum_steps=config.optim.accum_steps)
   beta = [float(a.beta)]
-  stream = PromptStream(train_records, r.prompts_per_step, config.seed)
+  stream = PromptStream(train_records, r.prompts_per_step, config.seed,
+                        extras={"rm_norm": rm_norm} if rm_norm is not None else None)
   ckpt = Checkpointer(run_dir.checkpoints, keep=config.train.keep_checkpoints,
                       async_save=config.train.async_checkpoints)
   state, start = resume(ckpt, state, shardings, stream, run_dir, out=out,
                         updates_per_step=a.num_iterations * a.minibatches)
   alarms = Alarms(kl_threshold=config.alarm.kl_threshold, window=config.alarm.window, out=out,
-                  min_drop=config.alarm.min_accuracy_drop)
+                  min_drop=config.alarm.min_accuracy_drop,
+                  reward_key="reward/rm_mean" if rms is not None else "reward/mean")
   exact = (ExactMatch(graphdef, cfg, mesh, tokenizer, held_out, task.check,
                       batch=config.eval.batch_size, max_new=r.max_new_tokens)
            if held_out and task is not None else None)
 
   def put(rows):
     return put_batch(rows, shd)
+
+  def rm_rewards(rollout):
+    """weight x the reward models' combined score [N] (each RM normalised first, when asked),
+    and stats; the combined raw score is logged as reward/rm_mean, the proxy the alarm
+    watches."""
+    tokens, positions, last = rm_lib.completion_inputs(
+        rollout, length=length, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id)
+    dev = put({"tokens": tokens, "positions": positions})
+    scores_mn = rms.score(dev["tokens"], dev["positions"],
+                          put_batch({"last": last}, batch_sharding(mesh, 1, "learner"))["last"])
+    raw = np.asarray(rm_lib.ensemble(scores_mn, mode=rm_cfg.ensemble, k=rm_cfg.k))
+    value = raw if rm_norm is None else np.asarray(rm_lib.ensemble(
+        rm_norm.normalize(scores_mn), mode=rm_cfg.ensemble, k=rm_cfg.k))
+    stats = {"reward/rm_mean": float(raw.mean()), "reward/rm_std": float(raw.std())}
+    if len(scores_mn) > 1:
+      stats.update({f"reward/rm_{i}": float(x.mean()) for i, x in enumerate(scores_mn)})
+    return float(rm_cfg.weight) * value, stats
 
   def sample(params, prompts, step, round_):
     ids = [tokenizer.encode(x["prompt"], bos=True) for x in prompts]
@@ -422,6 +480,15 @@ def run(config, workdir: str, *, out=print) -> dict:
     fields["completion_length"] = [int(n) for n in rollout.lengths]
     t0 = time.perf_counter()
     rewards, reward_stats = score(specs, texts, fields, normalize=config.normalize_rewards)
+    if task is not None and f"reward/task_{task.name}" not in reward_stats:
+      # The task's checker is not a reward here, but train accuracy is still worth logging.
+      reward_stats["accuracy"] = float(np.mean([task.check(c, a) for c, a in
+                                                zip(texts, fields["answer"])]))
+    if rms is not None:
+      t1 = time.perf_counter()
+      rm_values, rm_stats = rm_rewards(rollout)
+      rewards = rewards + rm_values
+      reward_stats.update(rm_stats, **{"timing_s/reward_model": time.perf_counter() - t1})
     reward_stats["timing_s/reward"] = time.perf_counter() - t0
     return rollout, rewards, reward_stats
 
@@ -525,8 +592,9 @@ def run(config, workdir: str, *, out=print) -> dict:
         "clipfrac/low": float(np.mean([u["clipfrac/low"] for u in upd])),
         "clipfrac/high": float(np.mean([u["clipfrac/high"] for u in upd])),
         "reward/mean": float(rewards_bg.mean()), "reward/std": float(rewards_bg.std()),
-        "accuracy": reward_stats.get(f"reward/task_{task.name}", float("nan")) if task
-        is not None else float("nan"),
+        "accuracy": reward_stats.get(f"reward/task_{task.name}",
+                                     reward_stats.get("accuracy", float("nan")))
+        if task is not None else float("nan"),
         "frac_zero_std_groups": frac_zero,
         "is_ratio/mean": float((np.exp(log_ratio) * mask).sum() / n_tok),
         "staleness/mean": float(step - version),

@@ -1,5 +1,5 @@
 """The shared training machinery: optimizer, train state and step, checkpoints, run directory,
-the loop (guards, progress, interrupts), evaluation; and the trainers built on it (sft)."""
+the loop (guards, progress, interrupts), evaluation; and the trainers built on it (sft, rm)."""
 
 from __future__ import annotations
 

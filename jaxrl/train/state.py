@@ -48,15 +48,19 @@ def state_shardings(abstract: TrainState, param_shd, tx, mesh: Mesh) -> TrainSta
   return TrainState(params=param_shd, opt_state=opt_shd, step=replicated, rng=replicated)
 
 
-def init_train_state(cfg: ModelConfig, mesh: Mesh, tx, *, seed: int, layout: str = "learner"):
+def init_train_state(cfg: ModelConfig, mesh: Mesh, tx, *, seed: int, layout: str = "learner",
+                     model=None):
   """(graphdef, state, shardings): the state is born sharded (eval_shape, then a jitted init
-  with out_shardings), so no device ever holds a full unsharded copy. The parameters equal
-  jaxrl.parallel.init_params(cfg, mesh, seed=seed)."""
-  graphdef, shapes, axes = abstract_model(cfg)
+  with out_shardings), so no device ever holds a full unsharded copy. `model` is the module
+  class to train, built as model(cfg, rngs=...): the Transformer (a policy) by default, whose
+  parameters then equal jaxrl.parallel.init_params(cfg, mesh, seed=seed); RewardModel for a
+  reward model."""
+  build = Transformer if model is None else model
+  graphdef, shapes, axes = abstract_model(cfg, build)
   param_shd = tree_shardings(shapes, axes, mesh, layout)
 
   def init(key):
-    params = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(params=key))))
+    params = nnx.to_pure_dict(nnx.state(build(cfg, rngs=nnx.Rngs(params=key))))
     rng = jax.random.key_data(jax.random.fold_in(key, 1))  # a stream apart from the init's
     return TrainState(params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32),
                       rng=rng)
@@ -126,11 +130,17 @@ def put_batch(batch: dict, sharding: NamedSharding) -> dict:
 
 
 
-def start_from_hf(config, state: TrainState, mesh: Mesh, layout: str = "learner") -> TrainState:
+def start_from_hf(config, state: TrainState, mesh: Mesh, layout: str = "learner", *,
+                  into: str | None = None) -> TrainState:
   """The state with the params of model.hf_path, when the config names one (the optimizer state
-  of a fresh run is zeros either way, so only the params change)."""
+  of a fresh run is zeros either way, so only the params change). `into` names the sub-tree
+  the decoder's params go to (a reward model's "backbone"); its other params keep their init,
+  and checkpoint tensors it has no place for (an untied lm_head) are dropped."""
   if not (config.model.get("hf_path") or ""):
     return state
   from jaxrl.models.hf import params_from_config
   _, _, params = params_from_config(config, mesh, layout)
-  return state.replace(params=params)
+  if into is None:
+    return state.replace(params=params)
+  target = state.params[into]
+  return state.replace(params={**state.params, into: {k: params[k] for k in target}})

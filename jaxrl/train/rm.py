@@ -1,0 +1,313 @@
+"""Reward-model training on preference pairs: the Bradley-Terry loss over a scalar head.
+
+    jaxrl rm --config configs/rm_tiny.py --config.init.checkpoint=runs/sft_tiny --workdir DIR
+
+Reads top to bottom, like jaxrl/train/sft.py: config -> mesh -> data -> state -> loss -> eval ->
+loop (the same loop, checkpoints, resume and metrics). A batch is [B, 2, S] (axis 1: chosen,
+rejected); the two rows of a pair sit on one device, and one forward of [2B, S] scores both.
+
+The loss per pair is -log sigmoid(r_c - r_r - margin) (Bradley & Terry 1952; InstructGPT's
+reward loss), averaged over the global batch's pairs. Departures, both optional and off by
+default: a constant `loss.margin` (Llama 2 uses a per-pair margin from the labeller's rating
+gap; the records here carry no rating, so it is one number), and TRL's reward centering,
+`loss.center_coef * mean((r_c + r_r)^2)` (Eisenstein et al. 2023), which pins the scores'
+mean near zero without changing which response wins.
+
+Eval reports held-out pairwise accuracy (`eval/accuracy`: the share of pairs with r_c > r_r)
+and the mean and std of the chosen and rejected rewards and of their margin.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxrl import config as config_lib
+from jaxrl.data import ON_BAD_ROW, prefs
+from jaxrl.data.hf_tokenizer import tokenizer_for
+from jaxrl.errors import ConfigError
+from jaxrl.models import RewardModel, last_index, reward_apply
+from jaxrl.parallel import batch_sharding, mesh_from_config
+from jaxrl.train.checkpoint import Checkpointer, restore_params
+from jaxrl.train.data import ShardedBatches, data_shards
+from jaxrl.train.evaluation import global_array
+from jaxrl.train.loop import resume, train_loop
+from jaxrl.train.optim import make_optimizer
+from jaxrl.train.rundir import RunDir
+from jaxrl.train.sft import _note_config_changes
+from jaxrl.train.state import init_train_state, make_train_step, put_batch, start_from_hf
+
+config_lib.CHOICES.update({"data.on_bad_row": ON_BAD_ROW, "data.bias": prefs.BIASES})
+PAIR_KEYS = ("inputs", "positions", "segment_ids")
+
+
+def default_config():
+  """Every field a reward-model run reads, with the defaults configs/rm_tiny.py starts from."""
+  from jaxrl.parallel.distributed import distributed_section
+  from jaxrl.train.optim import optim_section
+  c = config_lib.base_config()
+  # An SFT run dir (its latest checkpoint's params start the backbone; the head is new). Empty:
+  # the preset's random init, or model.hf_path's weights.
+  c.init = ml_collections.ConfigDict(dict(checkpoint=""))
+  c.data = ml_collections.ConfigDict(dict(
+      task="addition",     # built-in task: pairs from jaxrl.data.prefs.task_prefs (chosen: the
+                           # correct answer, rejected: a wrong one)
+      bias="none",         # task pairs: "longer" = a labeller preferring the longer answer
+                           # regardless of correctness (the reward-hacking demonstration)
+      bias_rate=1.0,       # the fraction of task pairs the biased labeller decides
+      train_file="",       # JSONL of {"prompt","chosen","rejected"} (or chat-message variants):
+                           # replaces the task's pairs
+      eval_file="",        # JSONL of held-out pairs (default: the task's test split, same bias)
+      train_examples=4000,  # task pairs drawn for training (before de-duplication)
+      ngram=8,             # decontamination: drop train pairs sharing a word n-gram with an
+                           # eval prompt
+      seq_len=16,          # tokens per row (bos + prompt + response + eos must fit)
+      batch_size=32,       # pairs per global batch (each pair is two rows)
+      shards=0,            # data shards (0 = one per process)
+      on_bad_row="error",  # or "skip" (counted and reported)
+  ))
+  c.loss = ml_collections.ConfigDict(dict(
+      margin=0.0,          # -log sigmoid(r_c - r_r - margin): demand a gap of at least this
+      center_coef=0.0,     # + center_coef * mean((r_c + r_r)^2), TRL's center_rewards_coefficient
+  ))
+  c.optim = optim_section(lr=1e-3, warmup_steps=20)
+  c.train = ml_collections.ConfigDict(dict(
+      steps=300, log_every=25, save_every=100, keep_checkpoints=2, async_checkpoints=True))
+  c.eval = ml_collections.ConfigDict(dict(every=100, examples=512, batch_size=64))
+  c.distributed = distributed_section()
+  return c
+
+
+# ----------------------------------------------------------------------------- the loss
+
+
+def bradley_terry_loss(*, chosen_b, rejected_b, margin=0.0):
+  """-log sigmoid(r_c - r_r - margin) per pair [B]; ln 2 when the scores are equal and the
+  margin is zero."""
+  return -jax.nn.log_sigmoid(chosen_b - rejected_b - margin)
+
+
+def center_penalty(*, chosen_b, rejected_b):
+  """(r_c + r_r)^2 per pair [B]: zero when a pair's scores are centred on zero. The caller
+  averages it and multiplies by the coefficient (TRL: center_rewards_coefficient)."""
+  return (chosen_b + rejected_b) ** 2
+
+
+def pair_scores(graphdef, params, batch):
+  """Scores [B, 2] (chosen, rejected) of a [B, 2, S] pair batch, in one forward of [2B, S]."""
+  B, _, S = batch["inputs"].shape
+  # [B, 2, S] -> [2B, S]: pair b's chosen row is 2b, its rejected row 2b + 1, so a device's
+  # pairs stay on it.
+  flat = {k: batch[k].reshape(2 * B, S) for k in PAIR_KEYS}
+  scores = reward_apply(graphdef, params, flat["inputs"], flat["positions"],
+                        last_index(flat["segment_ids"]), segment_ids_bt=flat["segment_ids"])
+  return scores.reshape(B, 2)
+
+
+def rm_loss(graphdef, *, margin: float = 0.0, center_coef: float = 0.0):
+  """loss_fn(params, batch, key) -> (sum over pairs, (pair count, metric sums)); the train step
+  divides by the pair count over the whole batch."""
+  def loss_fn(params, batch, key):
+    del key  # no dropout in these models
+    s = pair_scores(graphdef, params, batch)
+    c, r = s[:, 0], s[:, 1]
+    bt = bradley_terry_loss(chosen_b=c, rejected_b=r, margin=margin)
+    center = center_penalty(chosen_b=c, rejected_b=r)
+    per_pair = bt + center_coef * center
+    sums = {"loss/bt": bt.sum(), "loss/center": center.sum(),
+            "accuracy": (c > r).astype(jnp.float32).sum(), "reward_chosen": c.sum(),
+            "reward_rejected": r.sum(), "margin": (c - r).sum()}
+    return per_pair.sum(), (jnp.asarray(c.shape[0], jnp.float32), sums)
+  return loss_fn
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def pair_stats(scores_b2: np.ndarray) -> dict[str, float]:
+  """Held-out accuracy and reward statistics of scores [B, 2] (chosen, rejected)."""
+  c, r = scores_b2[:, 0].astype(np.float64), scores_b2[:, 1].astype(np.float64)
+  m = c - r
+  return {"eval/accuracy": float(np.mean(c > r)),
+          "eval/reward_chosen": float(c.mean()), "eval/reward_chosen_std": float(c.std()),
+          "eval/reward_rejected": float(r.mean()), "eval/reward_rejected_std": float(r.std()),
+          "eval/margin": float(m.mean()), "eval/margin_std": float(m.std())}
+
+
+class PairEval:
+  """Scores fixed held-out pair batches with one jitted forward: pair_stats, and eval/loss
+  (the training objective on the held-out pairs)."""
+
+  def __init__(self, graphdef, mesh, batches, n_pairs: int, *, margin: float,
+               center_coef: float):
+    self.batches, self.n = batches, n_pairs
+    self.margin, self.center_coef = margin, center_coef
+    replicated = NamedSharding(mesh, P())
+    self.scores = jax.jit(lambda p, b: pair_scores(graphdef, p, b), out_shardings=replicated)
+
+  def __call__(self, params) -> dict[str, float]:
+    if not self.batches:
+      return {}
+    # The last batch repeats leading pairs to fill it; [:n] drops the repeats.
+    s = np.concatenate([np.asarray(self.scores(params, b)) for b in self.batches])[:self.n]
+    c, r = s[:, 0], s[:, 1]
+    loss = (bradley_terry_loss(chosen_b=c, rejected_b=r, margin=self.margin) +
+            self.center_coef * center_penalty(chosen_b=c, rejected_b=r))
+    return {**pair_stats(s), "eval/loss": float(np.mean(np.asarray(loss)))}
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def _pairs(config):
+  """(train records, held-out records, data info for the run dir): read or built, then
+  de-duplicated and decontaminated against the held-out prompts, and fingerprinted."""
+  d, seed = config.data, config.seed
+  if d.bias != "none" and d.train_file:
+    raise ConfigError(f"data.bias={d.bias!r} shapes the task's pairs, but data.train_file is "
+                      "set: drop one of them.")
+  if not 0.0 <= float(d.bias_rate) <= 1.0:
+    raise ConfigError(f"data.bias_rate={d.bias_rate!r} is not a fraction: give a value in "
+                      "[0, 1].")
+  info = {}
+  if d.eval_file:
+    held_out, skipped = prefs.read_prefs(d.eval_file, on_bad_row=d.on_bad_row)
+    info["eval"] = {"source": d.eval_file, "skipped": skipped}
+  elif d.task:
+    held_out = prefs.task_prefs(d.task, "test", config.eval.examples, seed + 1, bias=d.bias,
+                                bias_rate=d.bias_rate)
+    info["eval"] = {"source": f"task {d.task} test (bias {d.bias}, rate {d.bias_rate})"}
+  else:
+    held_out = []
+    info["eval"] = {"source": "none"}
+  if d.train_file:
+    train, skipped = prefs.read_prefs(d.train_file, on_bad_row=d.on_bad_row)
+    info["train"] = {"source": d.train_file, "skipped": skipped}
+  elif d.task:
+    train = prefs.task_prefs(d.task, "train", d.train_examples, seed, bias=d.bias,
+                             bias_rate=d.bias_rate)
+    info["train"] = {"source": f"task {d.task} train (bias {d.bias}, rate {d.bias_rate})"}
+  else:
+    raise ConfigError("data.task and data.train_file are both empty: set data.task to a "
+                      "built-in task (e.g. addition) or data.train_file to a JSONL of "
+                      "{prompt, chosen, rejected}.")
+  train, report = prefs.clean_prefs(train, eval_prompts=[x["prompt"] for x in held_out],
+                                    ngram=d.ngram)
+  if not train:
+    raise ConfigError(f"no training pairs are left after cleaning ({report}): give more data.")
+  info["train"].update(report=report, fingerprint=prefs.fingerprint(train), pairs=len(train))
+  info["eval"].update(fingerprint=prefs.fingerprint(held_out), pairs=len(held_out))
+  return train, held_out, info
+
+
+def _check_batch(batch_size: int, shards: int, replicas: int, accum: int) -> None:
+  for what, n in ((f"data.shards={shards}", shards),
+                  (f"the {replicas} batch shards of the mesh (data x fsdp)", replicas),
+                  (f"optim.accum_steps={accum} x {replicas} batch shards", accum * replicas)):
+    if n < 1 or batch_size % n:
+      raise ConfigError(f"data.batch_size={batch_size} is not divisible by {what}: choose a "
+                        f"batch size that is a multiple of {max(n, 1)}.")
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+def init_reward_state(config, mesh, tx, *, layout: str = "learner"):
+  """(graphdef, state, shardings) of a reward model, born sharded: the backbone from
+  init.checkpoint (an SFT run) or model.hf_path when given, else the preset's init; the head
+  always new."""
+  cfg = config_lib.model_config(config)
+  graphdef, state, shardings = init_train_state(cfg, mesh, tx, seed=config.seed, layout=layout,
+                                                model=RewardModel)
+  state = start_from_hf(config, state, mesh, layout, into="backbone")
+  if config.init.checkpoint:
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                           sharding=x.sharding),
+                            state.params["backbone"])
+    backbone = restore_params(config.init.checkpoint, abstract)
+    state = state.replace(params={**state.params, "backbone": backbone})
+  return graphdef, state, shardings
+
+
+def run(config, workdir: str, *, out=print) -> dict:
+  """Trains (or resumes) the reward-model run in `workdir`; returns the summary."""
+  config_lib.validate(config)
+  main = jax.process_index() == 0
+  mesh = mesh_from_config(config.mesh)
+  cfg = config_lib.model_config(config)
+  run_dir = RunDir(workdir, write=main)
+  _note_config_changes(run_dir, config, out if main else (lambda *_: None))
+  run_dir.write_config(config)
+  tokenizer = tokenizer_for(config)
+
+  # Data: pairs, cleaned and fingerprinted; the fingerprint and cleaning report go to
+  # DIR/data.json now (beside config.json) and to summary.json at the end.
+  d = config.data
+  train, held_out, info = _pairs(config)
+  if main:
+    with open(run_dir.path("data.json"), "w") as f:
+      json.dump(info, f, indent=2, sort_keys=True)
+    r = info["train"]["report"]
+    out(f"rm data: {info['train']['source']}: read {r['read']}, duplicates "
+        f"{r['duplicates_exact']} exact + {r['duplicates_normalized']} normalised, ties "
+        f"{r['ties']}, contaminated {r['contaminated']}, kept {r['kept']} "
+        f"({info['train']['fingerprint'][:19]}...); held out {len(held_out)} pairs")
+  shards, mine = data_shards(d.shards)
+  replicas = mesh.shape["data"] * mesh.shape["fsdp"]
+  _check_batch(d.batch_size, shards, replicas, config.optim.accum_steps)
+  batches = ShardedBatches([
+      prefs.prefs_batches(train, tokenizer, seq_len=d.seq_len, batch_size=d.batch_size // shards,
+                          seed=config.seed, shard_index=i, shard_count=shards,
+                          on_bad_row=d.on_bad_row) for i in mine])
+  shd = batch_sharding(mesh, 3, config.layout)
+
+  def put(batch):
+    return put_batch({k: batch[k] for k in PAIR_KEYS}, shd)
+
+  # State: the backbone from the SFT run (or preset), a new head; then DIR's latest checkpoint.
+  total = config.train.steps
+  tx, schedule = make_optimizer(config.optim, total)
+  graphdef, state, shardings = init_reward_state(config, mesh, tx, layout=config.layout)
+  loss_fn = rm_loss(graphdef, margin=float(config.loss.margin),
+                    center_coef=float(config.loss.center_coef))
+  step_fn = make_train_step(loss_fn, tx, schedule, shardings, shd, mesh=mesh,
+                            accum_steps=config.optim.accum_steps)
+  ckpt = Checkpointer(run_dir.checkpoints, keep=config.train.keep_checkpoints,
+                      async_save=config.train.async_checkpoints)
+  state, start = resume(ckpt, state, shardings, batches, run_dir, out=out)
+
+  # Eval: fixed held-out pair batches, every process holding them in full (see sft.py).
+  eval_batches = []
+  if held_out:
+    eval_bs = -(-min(config.eval.batch_size, len(held_out)) // replicas) * replicas
+    rows = list(held_out) + list(held_out[:(-len(held_out)) % eval_bs])  # whole batches
+    eval_batches = [{k: global_array(v, shd) for k, v in b.items() if k in PAIR_KEYS}
+                    for b in prefs.prefs_batches(
+                        rows, tokenizer, seq_len=d.seq_len, batch_size=eval_bs, seed=0,
+                        shuffle=False, num_epochs=1, on_bad_row=d.on_bad_row)]
+  evaluate_pairs = PairEval(graphdef, mesh, eval_batches, len(held_out),
+                            margin=float(config.loss.margin),
+                            center_coef=float(config.loss.center_coef))
+
+  if main and start == 0:
+    out(f"rm: the {cfg.num_params:,}-parameter decoder + a {cfg.embed_dim}-wide head, "
+        f"{len(train)} train pairs, global batch {d.batch_size} pairs x 2 x {d.seq_len}, "
+        f"{total} steps; backbone from {config.init.checkpoint or 'the preset init'}")
+  try:
+    summary = train_loop(
+        state=state, step_fn=step_fn, batches=batches, put=put, total_steps=total,
+        run=run_dir, ckpt=ckpt, log_every=config.train.log_every,
+        save_every=config.train.save_every, eval_every=config.eval.every,
+        eval_fn=lambda params, step: evaluate_pairs(params),
+        tokens_fn=lambda b: int(np.count_nonzero(b["segment_ids"])), out=out)
+  finally:
+    ckpt.close()
+    run_dir.close()
+  summary["data"] = info
+  run_dir.write_summary({k: v for k, v in summary.items() if k != "state"})
+  return summary
