@@ -32,6 +32,14 @@ def repo_root():
   return ROOT
 
 
+def _session_dir(tmp_path_factory):
+  """A folder of this pytest session that every xdist worker shares: the workers' base temp
+  dirs are children of the session's, so their parent; without xdist, the base temp itself
+  (its parent outlives the session, and stale runs there could pass for fresh ones)."""
+  base = tmp_path_factory.getbasetemp()
+  return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def sft_addition(tmp_path_factory):
   """The run dir of one tiny SFT policy on addition, trained once per test session.
@@ -44,7 +52,7 @@ def sft_addition(tmp_path_factory):
   import fcntl
   from jaxrl import config as config_lib
   from jaxrl.train import sft
-  shared = tmp_path_factory.getbasetemp().parent  # common to every xdist worker
+  shared = _session_dir(tmp_path_factory)
   workdir = shared / "sft_addition"
   with open(shared / "sft_addition.lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
@@ -66,7 +74,7 @@ def reward_models(sft_addition, tmp_path_factory):
   import fcntl
   from jaxrl import config as config_lib
   from jaxrl.train import rm
-  shared = tmp_path_factory.getbasetemp().parent
+  shared = _session_dir(tmp_path_factory)
   dirs = {"honest": shared / "rm_honest", "biased": shared / "rm_biased"}
   with open(shared / "reward_models.lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
