@@ -14,7 +14,7 @@ NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
 
 def test_notebooks_are_there_clean_and_install_first():
   names = [os.path.basename(p) for p in NOTEBOOKS]
-  assert {"quickstart.ipynb", "own_checkpoint.ipynb"} <= set(names)
+  assert {"quickstart.ipynb", "own_checkpoint.ipynb", "reward_hacking.ipynb"} <= set(names)
   for path in NOTEBOOKS:
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
