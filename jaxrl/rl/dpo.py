@@ -51,7 +51,7 @@ from jaxrl.models import apply, token_logprobs
 from jaxrl.parallel import batch_sharding, mesh_from_config
 from jaxrl.rl import preference_losses as pl
 from jaxrl.train.checkpoint import Checkpointer, restore_params
-from jaxrl.train.data import ShardedBatches, data_shards
+from jaxrl.train.data import ShardedBatches, check_batch_size, data_shards
 from jaxrl.train.evaluation import ExactMatch, global_array
 from jaxrl.train.loop import resume, train_loop
 from jaxrl.train.optim import make_optimizer
@@ -431,12 +431,7 @@ def run(config, workdir: str, *, out=print) -> dict:
   shards, mine = data_shards(d.shards)
   replicas = mesh.shape["data"] * mesh.shape["fsdp"]
   accum = config.optim.accum_steps
-  for what, n in ((f"data.shards={shards}", shards),
-                  (f"the {replicas} batch shards of the mesh (data x fsdp)", replicas),
-                  (f"optim.accum_steps={accum} x {replicas} batch shards", accum * replicas)):
-    if n < 1 or d.batch_size % n:
-      raise ConfigError(f"data.batch_size={d.batch_size} is not divisible by {what}: choose a "
-                        f"batch size that is a multiple of {max(n, 1)}.")
+  check_batch_size(d.batch_size, shards, replicas, accum)
   make_batches = prefs.prefs_batches if paired else prefs.kto_batches
   batches = ShardedBatches([
       make_batches(train, tokenizer, seq_len=d.seq_len, batch_size=d.batch_size // shards,

@@ -24,6 +24,17 @@ def data_shards(shards: int = 0) -> tuple[int, list[int]]:
   return shards, list(range(p * per, (p + 1) * per))
 
 
+def check_batch_size(batch_size: int, shards: int, replicas: int, accum: int) -> None:
+  """The global batch must split evenly into the data shards, the mesh's batch shards
+  (data x fsdp = `replicas`) and, within those, the accumulation micro-batches."""
+  for what, n in ((f"data.shards={shards}", shards),
+                  (f"the {replicas} batch shards of the mesh (data x fsdp)", replicas),
+                  (f"optim.accum_steps={accum} x {replicas} batch shards", accum * replicas)):
+    if n < 1 or batch_size % n:
+      raise ConfigError(f"data.batch_size={batch_size} is not divisible by {what}: choose a "
+                        f"batch size that is a multiple of {max(n, 1)}.")
+
+
 class ShardedBatches:
   """Concatenates the batches of several shard iterators; checkpointable like each of them."""
 

@@ -34,7 +34,7 @@ from jaxrl.errors import ConfigError
 from jaxrl.models import RewardModel, last_index, reward_apply
 from jaxrl.parallel import batch_sharding, mesh_from_config
 from jaxrl.train.checkpoint import Checkpointer, restore_params
-from jaxrl.train.data import ShardedBatches, data_shards
+from jaxrl.train.data import ShardedBatches, check_batch_size, data_shards
 from jaxrl.train.evaluation import global_array
 from jaxrl.train.loop import resume, train_loop
 from jaxrl.train.optim import make_optimizer
@@ -205,15 +205,6 @@ def _pairs(config):
   return train, held_out, info
 
 
-def _check_batch(batch_size: int, shards: int, replicas: int, accum: int) -> None:
-  for what, n in ((f"data.shards={shards}", shards),
-                  (f"the {replicas} batch shards of the mesh (data x fsdp)", replicas),
-                  (f"optim.accum_steps={accum} x {replicas} batch shards", accum * replicas)):
-    if n < 1 or batch_size % n:
-      raise ConfigError(f"data.batch_size={batch_size} is not divisible by {what}: choose a "
-                        f"batch size that is a multiple of {max(n, 1)}.")
-
-
 # ----------------------------------------------------------------------------- the trainer
 
 
@@ -259,7 +250,7 @@ def run(config, workdir: str, *, out=print) -> dict:
         f"({info['train']['fingerprint'][:19]}...); held out {len(held_out)} pairs")
   shards, mine = data_shards(d.shards)
   replicas = mesh.shape["data"] * mesh.shape["fsdp"]
-  _check_batch(d.batch_size, shards, replicas, config.optim.accum_steps)
+  check_batch_size(d.batch_size, shards, replicas, config.optim.accum_steps)
   batches = ShardedBatches([
       prefs.prefs_batches(train, tokenizer, seq_len=d.seq_len, batch_size=d.batch_size // shards,
                           seed=config.seed, shard_index=i, shard_count=shards,

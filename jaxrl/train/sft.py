@@ -23,7 +23,7 @@ from jaxrl.errors import ConfigError
 from jaxrl.models import apply, token_logprobs
 from jaxrl.parallel import batch_sharding, mesh_from_config
 from jaxrl.train.checkpoint import Checkpointer
-from jaxrl.train.data import ShardedBatches, data_shards
+from jaxrl.train.data import ShardedBatches, check_batch_size, data_shards
 from jaxrl.train.evaluation import ExactMatch, global_array, make_eval_loss
 from jaxrl.train.loop import resume, train_loop
 from jaxrl.train.optim import make_optimizer
@@ -140,12 +140,7 @@ def run(config, workdir: str, *, out=print) -> dict:
   shards, mine = data_shards(d.shards)
   replicas = mesh.shape["data"] * mesh.shape["fsdp"]
   accum = config.optim.accum_steps
-  for what, n in ((f"data.shards={shards}", shards),
-                  (f"the {replicas} batch shards of the mesh (data x fsdp)", replicas),
-                  (f"optim.accum_steps={accum} x {replicas} batch shards", accum * replicas)):
-    if n < 1 or d.batch_size % n:
-      raise ConfigError(f"data.batch_size={d.batch_size} is not divisible by {what}: choose a "
-                        f"batch size that is a multiple of {max(n, 1)}.")
+  check_batch_size(d.batch_size, shards, replicas, accum)
   batches = ShardedBatches([
       sft_batches(train, tokenizer, seq_len=d.seq_len, batch_size=d.batch_size // shards,
                   seed=config.seed, packing=d.packing, shard_index=i, shard_count=shards,
