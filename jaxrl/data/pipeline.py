@@ -18,7 +18,7 @@ grain.checkpoint) resume it exactly where it stopped.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import grain
 import numpy as np
@@ -68,29 +68,28 @@ def example(prompt: list[int], completion: list[int]) -> dict[str, np.ndarray]:
   return {"inputs": seq[:-1], "targets": seq[1:], "loss_mask": loss_mask}
 
 
-def prepare_sft(records: Sequence[dict], tokenizer: Tokenizer, *, seq_len: int,
-                on_bad_row: str = "error", indices: Sequence[int] | None = None
-                ) -> tuple[list[dict[str, np.ndarray]], int]:
-  """(tokenised examples, skipped) of `records` (only `indices` of them, when given).
+def check_length(ex: dict[str, np.ndarray], seq_len: int, at: str, field: str) -> None:
+  """BadRow naming `field` (or the prompt, when the prompt alone is too long) for an example
+  longer than seq_len."""
+  n = len(ex["inputs"])
+  if n > seq_len:
+    n_prompt = n - int(ex["loss_mask"].sum()) + 1
+    field = "prompt" if n_prompt >= seq_len else field
+    raise BadRow(f"{at}: field {field!r} makes the row {n} tokens long, over "
+                 f"seq_len={seq_len}: raise seq_len or shorten the row.")
 
-  Each record is validated again (records built in code never went through a reader), chat
-  records are normalised, and a row longer than seq_len is an error naming its file, line
-  and field, or a counted skip with on_bad_row="skip".
-  """
+
+def prepare(records: Sequence[dict], indices: Iterable[int], *, kind: str, encode,
+            on_bad_row: str) -> tuple[list, int]:
+  """(encoded examples, skipped): each record validated again as `kind` (records built in
+  code never went through a reader), then `encode(record, at)`d. A BadRow from either is an
+  error naming the file, line and field, or a counted skip with on_bad_row="skip"."""
   check_choice("on_bad_row", on_bad_row, ON_BAD_ROW)
   examples, skipped, first = [], 0, None
-  for i in (range(len(records)) if indices is None else indices):
-    record = records[i]
-    at = where(record, i)
+  for i in indices:
+    at = where(records[i], i)
     try:
-      rec = check_record(record, "sft", at)
-      ex = tokenize_sft(rec, tokenizer)
-      n = len(ex["inputs"])
-      if n > seq_len:
-        n_prompt = n - int(ex["loss_mask"].sum()) + 1
-        field = "prompt" if n_prompt >= seq_len else "completion"
-        raise BadRow(f"{at}: field {field!r} makes the row {n} tokens long, over "
-                     f"seq_len={seq_len}: raise seq_len or shorten the row.")
+      ex = encode(check_record(records[i], kind, at), at)
     except BadRow as e:
       if on_bad_row == "error":
         raise ConfigError(f"{str(e).rstrip('.')} (or set on_bad_row=skip).") from None
@@ -98,9 +97,26 @@ def prepare_sft(records: Sequence[dict], tokenizer: Tokenizer, *, seq_len: int,
       continue
     examples.append(ex)
   if skipped:
-    log.warning("sft_batches: skipped %d bad row(s) of %d; the first: %s", skipped,
+    log.warning("%s batches: skipped %d bad row(s) of %d; the first: %s", kind, skipped,
                 skipped + len(examples), first)
   return examples, skipped
+
+
+def prepare_sft(records: Sequence[dict], tokenizer: Tokenizer, *, seq_len: int,
+                on_bad_row: str = "error", indices: Sequence[int] | None = None
+                ) -> tuple[list[dict[str, np.ndarray]], int]:
+  """(tokenised examples, skipped) of `records` (only `indices` of them, when given).
+
+  Chat records are normalised, and a row longer than seq_len is an error naming its file,
+  line and field, or a counted skip with on_bad_row="skip".
+  """
+  def encode(rec, at):
+    ex = tokenize_sft(rec, tokenizer)
+    check_length(ex, seq_len, at, "completion")
+    return ex
+
+  return prepare(records, range(len(records)) if indices is None else indices, kind="sft",
+                 encode=encode, on_bad_row=on_bad_row)
 
 
 def pad_to(seq_len: int):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import re
 import zlib
 from collections.abc import Iterable, Sequence
@@ -25,13 +24,11 @@ from collections.abc import Iterable, Sequence
 import grain
 import numpy as np
 
-from jaxrl.data.pipeline import encode_turn, epochs, example, pad_to, shard_indices
-from jaxrl.data.records import (BadRow, ON_BAD_ROW, check_choice, check_record, read_records,
-                                where)
+from jaxrl.data.pipeline import (check_length, encode_turn, epochs, example, pad_to, prepare,
+                                 shard_indices)
+from jaxrl.data.records import check_choice, read_records
 from jaxrl.data.tokenizer import Tokenizer
 from jaxrl.errors import ConfigError
-
-log = logging.getLogger(__name__)
 
 BIASES = ("none", "longer")
 SIDES = ("chosen", "rejected")
@@ -171,34 +168,6 @@ def tokenize_pair(record: dict, tokenizer: Tokenizer) -> dict[str, np.ndarray]:
           for side in SIDES}
 
 
-def _prepare(records: Sequence[dict], indices: Sequence[int], kind: str, seq_len: int,
-             on_bad_row: str, encode) -> tuple[list, int]:
-  """(examples, skipped): each record validated, encoded, and checked against seq_len."""
-  check_choice("on_bad_row", on_bad_row, ON_BAD_ROW)
-  out, skipped, first = [], 0, None
-  for i in indices:
-    record = records[i]
-    at = where(record, i)
-    try:
-      rec = check_record(record, kind, at)
-      ex = encode(rec)
-      for field, e in (ex.items() if kind == "prefs" else [("completion", ex)]):
-        n = len(e["inputs"])
-        if n > seq_len:
-          raise BadRow(f"{at}: field {field!r} makes the row {n} tokens long, over "
-                       f"seq_len={seq_len}: raise seq_len or shorten the row.")
-    except BadRow as e:
-      if on_bad_row == "error":
-        raise ConfigError(f"{str(e).rstrip('.')} (or set on_bad_row=skip).") from None
-      skipped, first = skipped + 1, first or str(e)
-      continue
-    out.append(ex)
-  if skipped:
-    log.warning("%s batches: skipped %d bad row(s) of %d; the first: %s", kind, skipped,
-                skipped + len(out), first)
-  return out, skipped
-
-
 def _iterator(examples: list, skipped: int, pad, *, kind: str, batch_size: int, seed: int,
               shuffle: bool, num_epochs: int | None, shard_index: int,
               shard_count: int, read: int) -> grain.DatasetIterator:
@@ -225,8 +194,14 @@ def prefs_batches(records: Sequence[dict], tokenizer: Tokenizer, *, seq_len: int
   indices = shard_indices(len(records), seq_len=seq_len, batch_size=batch_size,
                           num_epochs=num_epochs, shard_index=shard_index,
                           shard_count=shard_count)
-  examples, skipped = _prepare(records, indices, "prefs", seq_len, on_bad_row,
-                               lambda r: tokenize_pair(r, tokenizer))
+  def encode(r, at):
+    ex = tokenize_pair(r, tokenizer)
+    for side in SIDES:
+      check_length(ex[side], seq_len, at, side)
+    return ex
+
+  examples, skipped = prepare(records, indices, kind="prefs", encode=encode,
+                              on_bad_row=on_bad_row)
   pad = pad_to(seq_len)
 
   def pad_pair(ex):
@@ -248,12 +223,14 @@ def kto_batches(records: Sequence[dict], tokenizer: Tokenizer, *, seq_len: int,
                           num_epochs=num_epochs, shard_index=shard_index,
                           shard_count=shard_count)
 
-  def encode(r):
+  def encode(r, at):
     ex = example(*encode_turn(r["prompt"], r["completion"], tokenizer, r.get("messages")))
+    check_length(ex, seq_len, at, "completion")
     ex["label"] = np.float32(r["label"])
     return ex
 
-  examples, skipped = _prepare(records, indices, "kto", seq_len, on_bad_row, encode)
+  examples, skipped = prepare(records, indices, kind="kto", encode=encode,
+                              on_bad_row=on_bad_row)
   pad = pad_to(seq_len)
 
   def pad_one(ex):
