@@ -158,6 +158,7 @@ def test_pulse_run_logs_every_metric_and_resumes(repo_root, tmp_path, devices):
   lines = []
   summary = grpo.run(config_lib.load_config(spec, ["train.steps=3"]), workdir, out=lines.append)
   assert summary["step"] == 3 and any("resuming" in s for s in lines)
+  assert any("train.steps: 2 -> 3" in s for s in lines)  # a changed config is never silent
   rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
   assert [r["step"] for r in rows] == [0, 1, 2, 3]
 

@@ -397,15 +397,13 @@ def _init_policy(config, state, mesh):
 def run(config, workdir: str, *, out=print) -> dict:
   """Trains (or resumes) the preference run in `workdir`; returns the summary."""
   config_lib.validate(config)
-  from jaxrl.train.sft import _note_config_changes
   a, d = config.algo, config.data
   main = jax.process_index() == 0
   say = out if main else (lambda *_: None)
   mesh = mesh_from_config(config.mesh)
   cfg = config_lib.model_config(config)
   run_dir = RunDir(workdir, write=main)
-  _note_config_changes(run_dir, config, say)
-  run_dir.write_config(config)
+  run_dir.write_config(config, out=say if main else None)
   tokenizer = tokenizer_for(config)
   prefs = _prefs()
   kto, paired = a.loss == "kto", d.format == "prefs"

@@ -368,7 +368,7 @@ def run(config, workdir: str, *, out=print) -> dict:
   placement = make_placement(config.mesh, config.placement)
   mesh = placement.learner.mesh
   run_dir = RunDir(workdir, write=main)
-  run_dir.write_config(config)
+  run_dir.write_config(config, out=out if main else None)
   tokenizer = tokenizer_for(config)
   a, r = config.algo, config.rollout
 

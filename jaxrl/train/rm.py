@@ -39,7 +39,6 @@ from jaxrl.train.evaluation import global_array
 from jaxrl.train.loop import resume, train_loop
 from jaxrl.train.optim import make_optimizer
 from jaxrl.train.rundir import RunDir
-from jaxrl.train.sft import _note_config_changes
 from jaxrl.train.state import init_train_state, make_train_step, put_batch, start_from_hf
 
 config_lib.CHOICES.update({"data.on_bad_row": ON_BAD_ROW, "data.bias": prefs.BIASES})
@@ -232,8 +231,7 @@ def run(config, workdir: str, *, out=print) -> dict:
   mesh = mesh_from_config(config.mesh)
   cfg = config_lib.model_config(config)
   run_dir = RunDir(workdir, write=main)
-  _note_config_changes(run_dir, config, out if main else (lambda *_: None))
-  run_dir.write_config(config)
+  run_dir.write_config(config, out=out if main else None)
   tokenizer = tokenizer_for(config)
 
   # Data: pairs, cleaned and fingerprinted; the fingerprint and cleaning report go to

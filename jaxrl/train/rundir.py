@@ -37,7 +37,19 @@ class RunDir:
   def path(self, name: str) -> str:
     return os.path.join(self.workdir, name)
 
-  def write_config(self, config) -> None:
+  def write_config(self, config, *, out=None) -> None:
+    """Writes config.json. Resuming with a changed config is allowed (e.g. more steps), but
+    never silent: with `out`, the keys that differ from the existing config.json are said."""
+    old = self.read_config() if out is not None else None
+    if old is not None:
+      # Through JSON, as config.json was written, so a tuple and its list compare equal.
+      flat_old = _flatten(old)
+      flat_new = _flatten(json.loads(json.dumps(config.to_dict(), default=str)))
+      changed = [k for k in sorted(set(flat_old) | set(flat_new))
+                 if flat_old.get(k) != flat_new.get(k)]
+      if changed:
+        out("note: the config differs from the one in config.json: " + ", ".join(
+            f"{k}: {flat_old.get(k)!r} -> {flat_new.get(k)!r}" for k in changed))
     if self.write:
       _write_json(self.path("config.json"), config.to_dict())
 
@@ -82,6 +94,13 @@ class RunDir:
 def read_metrics(workdir: str) -> list[dict]:
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [json.loads(line) for line in f if line.strip()]
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+  return out
 
 
 def _num(v):

@@ -11,8 +11,6 @@ decoding (`eval/accuracy`).
 
 from __future__ import annotations
 
-import json
-
 import jax
 import numpy as np
 
@@ -100,28 +98,6 @@ def _records(config):
   return train, held_out, answers, (task.check if task is not None else None)
 
 
-def _note_config_changes(run_dir: RunDir, config, out) -> None:
-  """Resuming with a changed config is allowed (e.g. more steps), but never silent."""
-  old = run_dir.read_config()
-  if old is None:
-    return
-  # Through JSON, as config.json was written, so a tuple and its list compare equal.
-  flat_old = _flatten(old)
-  flat_new = _flatten(json.loads(json.dumps(config.to_dict(), default=str)))
-  changed = [k for k in sorted(set(flat_old) | set(flat_new))
-             if flat_old.get(k) != flat_new.get(k)]
-  if changed:
-    out("note: the config differs from the one in config.json: " + ", ".join(
-        f"{k}: {flat_old.get(k)!r} -> {flat_new.get(k)!r}" for k in changed))
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-  out = {}
-  for k, v in d.items():
-    out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
-  return out
-
-
 def run(config, workdir: str, *, out=print) -> dict:
   """Trains (or resumes) the SFT run in `workdir`; returns the summary."""
   config_lib.validate(config)
@@ -129,8 +105,7 @@ def run(config, workdir: str, *, out=print) -> dict:
   mesh = mesh_from_config(config.mesh)
   cfg = config_lib.model_config(config)
   run_dir = RunDir(workdir, write=main)
-  _note_config_changes(run_dir, config, out if main else (lambda *_: None))
-  run_dir.write_config(config)
+  run_dir.write_config(config, out=out if main else None)
   tokenizer = tokenizer_for(config)
 
   # Data: the global batch is the concatenation of `shards` shard batches, and each process
