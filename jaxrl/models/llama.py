@@ -204,10 +204,15 @@ class MLP(nnx.Module):
     self.down = nnx.Param(_normal(rngs, (f, d), f, pd), axes=("mlp", "embed"))
 
   def __call__(self, x_btd):
+    # As 2-D matmuls over the B*T rows (a free reshape). Written as [B, T, D] einsums, XLA:CPU
+    # fused silu into a batched dot whose backward ran at half speed: measured on the bench
+    # shape (5120 rows), one MLP's forward + backward took 188 ms as einsums, 94 ms as this.
     dt = x_btd.dtype
-    g = jnp.einsum("BTD,DF->BTF", x_btd, self.gate[...].astype(dt))
-    u = jnp.einsum("BTD,DF->BTF", x_btd, self.up[...].astype(dt))
-    return jnp.einsum("BTF,FD->BTD", jax.nn.silu(g) * u, self.down[...].astype(dt))
+    x_md = x_btd.reshape(-1, x_btd.shape[-1])
+    g_mf = x_md @ self.gate[...].astype(dt)
+    u_mf = x_md @ self.up[...].astype(dt)
+    out_md = (jax.nn.silu(g_mf) * u_mf) @ self.down[...].astype(dt)
+    return out_md.reshape(x_btd.shape)
 
 
 class Block(nnx.Module):
