@@ -81,6 +81,53 @@ def test_update_raises_logp_of_positive_advantages(devices):
   assert np.all(delta[adv > 0] > 0) and np.all(delta[adv < 0] < 0), delta
 
 
+def test_old_logp_from_the_update_forward_equals_a_separate_forward(devices):
+  """One update per step: taking the old log-probs (and the truncated-IS weights) from the
+  update's own forward under stop_gradient gives the same update as a separate forward."""
+  cfg = get_preset("tiny")
+  mesh = make_mesh()
+  tx, sched = make_optimizer(optim_section(lr=1e-3, warmup_steps=0, weight_decay=0.0), 10)
+  N, L = 8, 6
+  rng = np.random.default_rng(1)
+  seq = rng.integers(3, 200, size=(N, L + 1)).astype(np.int32)
+  mask = np.zeros((N, L), np.float32)
+  mask[:, 2:] = 1
+  mask[0, 4:] = 0
+  pos = np.broadcast_to(np.arange(L, dtype=np.int32), (N, L)).copy()
+  adv = np.repeat(rng.normal(size=(N, 1)).astype(np.float32), L, 1)
+  a = grpo.algo_section(beta=0.04, tis_cap=1.5)
+  bs = batch_sharding(mesh, 2, "learner")
+  out = {}
+  for fused in (False, True):
+    graphdef, state, shd = init_train_state(cfg, mesh, tx, seed=0)
+    logprobs = grpo.make_logprobs_fn(graphdef, 1.0)
+    old = np.asarray(logprobs(state.params, seq[:, :-1], seq[:, 1:], pos)[0])
+    sampler = (old + rng.normal(scale=0.3, size=old.shape) * mask).astype(np.float32) \
+        if not out else out["sampler"]
+    batch = dict(inputs=seq[:, :-1], targets=seq[:, 1:], positions=pos, mask=mask,
+                 ref_logp=old - 0.5 * mask, adv=adv, beta=np.full((N, L), 0.04, np.float32))
+    if fused:
+      batch["sampler_logp"] = sampler
+    else:
+      batch["old_logp"] = old
+      batch["tis"] = np.minimum(np.exp((old - sampler) * mask), 1.5).astype(np.float32)
+    step = make_train_step(grpo.grpo_loss(graphdef, a, temperature=1.0, norm_len=L), tx, sched,
+                           shd, bs, mesh=mesh)
+    state, metrics = step(state, put_batch(batch, bs))
+    out.update(sampler=sampler, old=old)
+    out[fused] = (jax.device_get(state.params), jax.device_get(metrics))
+  (p0, m0), (p1, m1) = out[False], out[True]
+  for key in ("loss", "kl", "grad_norm", "clipfrac/low", "clipfrac/high"):
+    assert float(m1[key]) == pytest.approx(float(m0[key]), rel=1e-5, abs=1e-7), key
+  assert float(m0["grad_norm"]) > 0
+  for x, y in zip(jax.tree.leaves(p0), jax.tree.leaves(p1)):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)  # Adam steps are ~1e-3
+  # is_ratio/mean: the token mean of pi_old / pi_sampler, from the fused forward's own sums.
+  expect = float((np.exp((out["old"] - out["sampler"]) * mask) * mask).sum() / mask.sum())
+  assert float(m1["is_ratio_tokens"] / m1["tokens"]) == pytest.approx(expect, rel=1e-5)
+  assert expect != pytest.approx(1.0, abs=1e-2)  # the sampler log-probs were perturbed
+
+
 def test_dynamic_sampling_refills_zero_variance_groups():
   G = 2
   first = _rollout([[1, 5]] * 4, [[7, 2], [7, 2], [8, 2], [9, 2]])

@@ -12,7 +12,9 @@ Reads top to bottom. Each step:
      jitted forward; combined by an ensemble rule, optionally normalised, mixed by weight);
   4. compute the reference's and the pre-update policy's log-probs of the sampled tokens in
      jitted forwards (the "old" log-probs are the policy's own before this step's updates,
-     never a copy of the current ones);
+     never a copy of the current ones). With one update per step (num_iterations =
+     minibatches = 1, KL in the loss) the old log-probs are those of the update's own forward,
+     under stop_gradient: the same values, one forward fewer (TRL does the same);
   5. compute advantages with the named estimator (grpo, dr_grpo, rloo, reinforce_pp, ...);
   6. run num_iterations x minibatches updates of the clipped surrogate (+ beta * KL, - entropy
      bonus), through the shared jitted train step.
@@ -88,6 +90,9 @@ def algo_section(**overrides) -> ml_collections.ConfigDict:
       max_refill_rounds=3,
       mask_truncated=False,      # completions cut at max_new_tokens carry no loss
       tis_cap=0.0,               # > 0: truncated IS correction of sampler/learner mismatch
+      # With one update per step and KL in the loss, take the old log-probs from the update's
+      # own forward (stop_gradient) instead of a separate forward; False always runs one.
+      old_logp_from_update=True,
   ))
   c.update(overrides)
   return c
@@ -224,17 +229,33 @@ def make_logprobs_fn(graphdef, temperature: float):
 def grpo_loss(graphdef, a, *, temperature: float, norm_len: int):
   """loss_fn for the shared train step: (sum, (weight, metric sums)) of the per-token loss
   pg + beta * KL - entropy_coef * entropy, aggregated by `a.aggregation`. Metrics (KL,
-  entropy, clip fractions) are aggregated the same way as the loss."""
+  entropy, clip fractions) are aggregated the same way as the loss.
+
+  Without batch["old_logp"] (one update per step), the old log-probs are this forward's own
+  under stop_gradient, and the truncated-IS weights and the sampler/learner ratio are computed
+  here from batch["sampler_logp"]: the sums "is_ratio_tokens" and "entropy_tokens" over
+  "tokens" give is_ratio/mean and the entropy as token means whatever the aggregation."""
   def loss_fn(params, batch, key):
     del key
     logits, _ = apply(graphdef, params, batch["inputs"], batch["positions"])
     logp, entropy = token_logprobs(logits, batch["targets"], temperature=temperature)
     mask = batch["mask"]
+    extra = {}
+    if "old_logp" in batch:
+      old_logp, tis = batch["old_logp"], batch["tis"]
+    else:
+      old_logp = jax.lax.stop_gradient(logp)
+      log_ratio = jnp.where(mask > 0, old_logp - batch["sampler_logp"], 0.0)
+      tis = (jnp.minimum(jnp.exp(log_ratio), a.tis_cap) if a.tis_cap > 0
+             else jnp.ones_like(log_ratio))
+      extra = {"is_ratio_tokens": jnp.sum(jnp.exp(log_ratio) * mask),
+               "entropy_tokens": jnp.sum(jax.lax.stop_gradient(entropy) * mask),
+               "tokens": jnp.sum(mask)}
     pg, low, high = losses.clipped_pg_loss(
-        logp=logp, old_logp=batch["old_logp"], adv=batch["adv"], mask=mask,
+        logp=logp, old_logp=old_logp, adv=batch["adv"], mask=mask,
         eps_low=a.eps_low, eps_high=a.eps_high,
         dual_clip_c=a.dual_clip_c if a.dual_clip_c > 1 else None, ratio_level=a.ratio_level)
-    per_token = pg * batch["tis"]
+    per_token = pg * tis
     kl = losses.kl_penalty(logp=logp, ref_logp=batch["ref_logp"], estimator=a.kl_estimator,
                            clamp=a.kl_clamp or None)
     if a.kl_in == "loss":
@@ -247,7 +268,7 @@ def grpo_loss(graphdef, a, *, temperature: float, norm_len: int):
     loss_sum, weight = agg(per_token)
     sums = {"kl": agg(kl)[0], "entropy": agg(entropy)[0],
             "clipfrac/low": agg(low.astype(jnp.float32))[0],
-            "clipfrac/high": agg(high.astype(jnp.float32))[0]}
+            "clipfrac/high": agg(high.astype(jnp.float32))[0], **extra}
     return loss_sum, (weight, sums)
   return loss_fn
 
@@ -430,6 +451,9 @@ def run(config, workdir: str, *, out=print) -> dict:
   shd = batch_sharding(mesh, 2, "learner")
   logprobs_fn = make_logprobs_fn(graphdef, r.temperature)
   loss_fn = grpo_loss(graphdef, a, temperature=r.temperature, norm_len=r.max_new_tokens)
+  # One update per step with KL in the loss: the update's forward gives the old log-probs.
+  fused_old = (a.old_logp_from_update and a.num_iterations * a.minibatches == 1
+               and a.kl_in == "loss")
   update = make_train_step(loss_fn, tx, schedule, shardings, shd, mesh=mesh,
                            accum_steps=config.optim.accum_steps)
   beta = [float(a.beta)]
@@ -541,32 +565,40 @@ def run(config, workdir: str, *, out=print) -> dict:
       truncated = np.array([x == "length" for x in rollout.finish_reasons])
       batch["mask"][truncated] = 0.0
     dev = put({k: batch[k] for k in ("inputs", "targets", "positions")})
-    t0 = time.perf_counter()
-    old_logp, entropy = jax.block_until_ready(
-        logprobs_fn(state.params, dev["inputs"], dev["targets"], dev["positions"]))
-    t_score = time.perf_counter() - t0
+    t_score, old = 0.0, {}
+    if not fused_old:
+      t0 = time.perf_counter()
+      old_logp, entropy = jax.block_until_ready(
+          logprobs_fn(state.params, dev["inputs"], dev["targets"], dev["positions"]))
+      t_score = time.perf_counter() - t0
+      old_np = np.asarray(old_logp)
     t0 = time.perf_counter()
     ref_logp, _ = jax.block_until_ready(
         logprobs_fn(reference, dev["inputs"], dev["targets"], dev["positions"]))
     t_ref = time.perf_counter() - t0
-    old_np, ref_np = np.asarray(old_logp), np.asarray(ref_logp)
+    ref_np = np.asarray(ref_logp)
     mask = batch["mask"]
-    kl_tok = np.asarray(losses.kl_penalty(logp=old_np, ref_logp=ref_np,
-                                          estimator=a.kl_estimator, clamp=a.kl_clamp or None))
     # 5. advantages (KL in the reward shapes them when kl_in == "reward")
     seq_rewards = rewards_bg.reshape(-1)
     if a.kl_in == "reward":
+      kl_tok = np.asarray(losses.kl_penalty(logp=old_np, ref_logp=ref_np,
+                                            estimator=a.kl_estimator,
+                                            clamp=a.kl_clamp or None))
       seq_rewards = np.asarray(losses.kl_in_reward(rewards_b=seq_rewards, kl_bt=kl_tok,
                                                    mask_bt=mask, beta=beta[0]))
     adv = np.asarray(adv_lib.compute(a.advantage, rewards_bg=seq_rewards.reshape(
         -1, r.group_size), clip=a.adv_clip or None)).reshape(-1)
-    log_ratio = np.where(mask > 0, old_np - batch["sampler_logp"], 0.0)
-    tis = (np.minimum(np.exp(log_ratio), a.tis_cap) if a.tis_cap > 0
-           else np.ones_like(log_ratio)).astype(np.float32)
-    full = {**{k: batch[k] for k in ("inputs", "targets", "positions", "mask")},
-            "old_logp": old_np.astype(np.float32), "ref_logp": ref_np.astype(np.float32),
+    if fused_old:  # the update's own forward computes them (see grpo_loss)
+      old = {"sampler_logp": batch["sampler_logp"]}
+    else:
+      log_ratio = np.where(mask > 0, old_np - batch["sampler_logp"], 0.0)
+      tis = (np.minimum(np.exp(log_ratio), a.tis_cap) if a.tis_cap > 0
+             else np.ones_like(log_ratio)).astype(np.float32)
+      old = {"old_logp": old_np.astype(np.float32), "tis": tis}
+    full = {**{k: batch[k] for k in ("inputs", "targets", "positions", "mask")}, **old,
+            "ref_logp": ref_np.astype(np.float32),
             "adv": np.broadcast_to(adv[:, None], mask.shape).astype(np.float32),
-            "tis": tis, "beta": np.full(mask.shape, beta[0], np.float32)}
+            "beta": np.full(mask.shape, beta[0], np.float32)}
     # 6. num_iterations x minibatches updates
     t0 = time.perf_counter()
     rng = np.random.default_rng([config.seed, step])
@@ -588,7 +620,8 @@ def run(config, workdir: str, *, out=print) -> dict:
         "grad_norm": float(np.mean([u["grad_norm"] for u in upd])),
         "lr": float(upd[-1]["lr"]),
         "kl": float(np.mean([u["kl"] for u in upd])),
-        "entropy": float((np.asarray(entropy) * mask).sum() / n_tok),
+        "entropy": (float(upd[0]["entropy_tokens"] / max(upd[0]["tokens"], 1e-9)) if fused_old
+                    else float((np.asarray(entropy) * mask).sum() / n_tok)),
         "clipfrac/low": float(np.mean([u["clipfrac/low"] for u in upd])),
         "clipfrac/high": float(np.mean([u["clipfrac/high"] for u in upd])),
         "reward/mean": float(rewards_bg.mean()), "reward/std": float(rewards_bg.std()),
@@ -596,7 +629,8 @@ def run(config, workdir: str, *, out=print) -> dict:
                                      reward_stats.get("accuracy", float("nan")))
         if task is not None else float("nan"),
         "frac_zero_std_groups": frac_zero,
-        "is_ratio/mean": float((np.exp(log_ratio) * mask).sum() / n_tok),
+        "is_ratio/mean": (float(upd[0]["is_ratio_tokens"] / max(upd[0]["tokens"], 1e-9))
+                          if fused_old else float((np.exp(log_ratio) * mask).sum() / n_tok)),
         "staleness/mean": float(step - version),
         "kl/beta": beta[0],
         # gen: the rollout's own wall time; gen_wait: what the learner waited for it (less
