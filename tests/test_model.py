@@ -45,8 +45,8 @@ def test_cached_decode_matches_full_forward(mesh, preset):
     np.testing.assert_allclose(np.asarray(logits)[b, :lengths[b]], full[b, :lengths[b]],
                                atol=2e-5, rtol=1e-5)
   # Full-sequence mode hands back the prefix KV that a cached prefill writes.
-  np.testing.assert_allclose(np.asarray(cache[0])[:, 0, :, :5], np.asarray(prefix_kv[0])[:, 0, :, :5],
-                             atol=1e-6)
+  for c, x in zip(cache[0], prefix_kv[0]):  # keys, then values
+    np.testing.assert_allclose(np.asarray(c)[0, :, :5], np.asarray(x)[0, :, :5], atol=1e-6)
   for i in range(T - lengths.max()):
     p = lengths + i
     tok = np.asarray(seq)[np.arange(B), p][:, None]
@@ -54,7 +54,7 @@ def test_cached_decode_matches_full_forward(mesh, preset):
                         cache=cache)
     np.testing.assert_allclose(np.asarray(logits)[:, 0], full[np.arange(B), p], atol=2e-5,
                                rtol=1e-5)
-  assert cache[0].sharding.is_equivalent_to(cache_sharding(mesh, cfg, B, S), 5)
+  assert cache[0][0].sharding.is_equivalent_to(cache_sharding(mesh, cfg, B, S), 4)
 
 
 def test_packed_segments_match_separate_sequences(mesh):

@@ -27,9 +27,12 @@ from flax import nnx
 
 from jaxrl.models.config import ModelConfig, RopeScaling
 
-# A KV cache is one array per layer, [2, B, K, S, H] (k then v). One array per layer, donated,
-# never restacked: restacking a cache every step made decoding up to 3x slower at batch 64.
-KVCache = list[jax.Array]
+# A KV cache is a (keys, values) pair of [B, K, S, H] arrays per layer, donated and updated in
+# place, never restacked (restacking a cache every step made decoding up to 3x slower at batch
+# 64). Keys and values are separate arrays because XLA:CPU copies a slice of a stacked
+# [2, B, K, S, H] array before each attention dot: at batch 64 on the bench shape, one
+# layer's decode attention took 0.81 ms with the stacked array, 0.24 ms with the pair.
+KVCache = list[tuple[jax.Array, jax.Array]]
 
 
 def _dtype(name: str):
@@ -122,8 +125,10 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(h, cfg.norm_eps, pd, axes=("head_dim",))
       self.k_norm = RMSNorm(h, cfg.norm_eps, pd, axes=("head_dim",))
 
-  def __call__(self, x_btd, positions_bt, rope, *, segment_ids_bt=None, cache_2bksh=None):
-    """rope: (cos, sin) of positions_bt, from rope_angles."""
+  def __call__(self, x_btd, positions_bt, rope, *, segment_ids_bt=None, cache=None):
+    """rope: (cos, sin) of positions_bt, from rope_angles; cache: this layer's (keys, values),
+    each [B, K, S, H]. Returns (out [B, T, D], kv): the updated cache, or without one the
+    sequence's own (keys, values) [B, K, T, H] (a prefix for the sampler)."""
     cfg = self.cfg
     dt = x_btd.dtype
     B, T = positions_bt.shape
@@ -142,38 +147,34 @@ class Attention(nnx.Module):
     q = rotate(q, rope)
     k = rotate(k, rope)
 
-    if cache_2bksh is None:
-      # Full sequence: keys are this sequence's own, causal by index (and by segment). The KV
-      # handed back (a prefix for the sampler) is in the cache's [2, B, K, T, H] layout; under
-      # jit a training forward never materialises it.
-      new_kv = jnp.stack([k, v]).transpose(0, 1, 3, 2, 4)
-      keys, values = k, v
+    if cache is None:
+      # Full sequence: keys are this sequence's own, causal by index (and by segment), handed
+      # back in the cache's layout.
+      keys_bksh, values_bksh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+      new_kv = (keys_bksh, values_bksh)
       idx = jnp.arange(T)
       mask_bts = jnp.broadcast_to(idx[None, :, None] >= idx[None, None, :], (B, T, T))
       if segment_ids_bt is not None:
         mask_bts &= segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
     elif T == 1:
-      return self._decode_one(q, k, v, positions_bt[:, 0], cache_2bksh)
+      return self._decode_one(q, k, v, positions_bt[:, 0], cache)
     else:
       # Cached: write at each slot's own start position, then attend to entries <= position.
-      kv_new = jnp.stack([k, v]).transpose(0, 1, 3, 2, 4).astype(cache_2bksh.dtype)
       start_b = positions_bt[:, 0]
-      # vmapped over B, each slot's [2, K, S, H] takes its [2, K, T, H] at sequence offset s.
-      write = jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=2),
-                       in_axes=(1, 1, 0), out_axes=1)
-      new_kv = write(cache_2bksh, kv_new, start_b)
-      keys = new_kv[0].astype(dt).transpose(0, 2, 1, 3)  # [B, S, K, H], as the full path's
-      values = new_kv[1].astype(dt).transpose(0, 2, 1, 3)
-      S = keys.shape[1]
+      # vmapped over B, each slot's [K, S, H] takes its [K, T, H] at sequence offset s.
+      write = jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=1))
+      new_kv = tuple(write(c, x.transpose(0, 2, 1, 3).astype(c.dtype), start_b)
+                     for c, x in zip(cache, (k, v)))
+      keys_bksh, values_bksh = (c.astype(dt) for c in new_kv)
+      S = keys_bksh.shape[2]
       mask_bts = jnp.arange(S)[None, None, :] <= positions_bt[:, :, None]
 
     # Grouped-query attention as batched matmuls over (B, K): the G query heads that share a KV
     # head are stacked into G*T rows against that head's S keys. (As one 5-D einsum over
     # [B, T, K, G, H], XLA:CPU transposed around every dot: on the bench shape one layer's
     # attention forward + backward took 29 ms, 16 ms as this.)
-    G, S = n // kh, keys.shape[1]
+    G, S = n // kh, keys_bksh.shape[2]
     q_bkmh = q.reshape(B, T, kh, G, hd).transpose(0, 2, 3, 1, 4).reshape(B, kh, G * T, hd)
-    keys_bksh, values_bksh = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
     logits = jnp.einsum("BKMH,BKSH->BKMS", q_bkmh, keys_bksh, preferred_element_type=jnp.float32)
     logits = logits * hd**-0.5
     mask_bms = jnp.broadcast_to(mask_bts[:, None], (B, G, T, S)).reshape(B, G * T, S)
@@ -184,23 +185,24 @@ class Attention(nnx.Module):
     o_fd = self.o[...].astype(dt).reshape(n * hd, -1)
     return (out_mf @ o_fd).reshape(B, T, -1), new_kv
 
-  def _decode_one(self, q_b1nh, k_b1kh, v_b1kh, pos_b, cache_2bksh):
+  def _decode_one(self, q_b1nh, k_b1kh, v_b1kh, pos_b, cache):
     """One new token per slot (the sampler's decode step), same result as the general path.
 
-    Written for XLA:CPU, where the cache traffic dominates a decode step. The write is one
-    scatter of B rows, in place on the donated cache. The cache is [2, B, K, S, H], so each
-    (slot, KV head) pair's keys are one contiguous [S, H] matrix, and both attention products
-    are batched matmuls over (B, K) that read the cache in its stored layout. (With the older
+    Written for XLA:CPU, where the cache traffic dominates a decode step. Each write is one
+    scatter of B rows, in place on the donated cache. Keys and values are [B, K, S, H], so
+    each (slot, KV head) pair's keys are one contiguous [S, H] matrix, and both attention
+    products are batched matmuls over (B, K) that read the cache as stored. (With a
     [2, B, S, K, H] layout the dots first transposed the cache; measured at batch 64 on the
     bench shape, attention took 1.6x longer.)
     """
     cfg = self.cfg
     dt = q_b1nh.dtype
     B = q_b1nh.shape[0]
-    kv_new = jnp.stack([k_b1kh[:, 0], v_b1kh[:, 0]], axis=1).astype(cache_2bksh.dtype)
-    # Advanced indices on axes 1 and 3 put their broadcast dim first: values are [B, 2, K, H].
-    new_kv = cache_2bksh.at[:, jnp.arange(B), :, pos_b].set(kv_new, mode="promise_in_bounds")
-    keys_bksh, values_bksh = new_kv[0].astype(dt), new_kv[1].astype(dt)
+    # Advanced indices on axes 0 and 2 put their broadcast dim first: values are [B, K, H].
+    new_kv = tuple(c.at[jnp.arange(B), :, pos_b].set(x[:, 0].astype(c.dtype),
+                                                     mode="promise_in_bounds")
+                   for c, x in zip(cache, (k_b1kh, v_b1kh)))
+    keys_bksh, values_bksh = (c.astype(dt) for c in new_kv)
     n, kh = cfg.num_heads, cfg.num_kv_heads
     S = keys_bksh.shape[2]
     q_bkgh = q_b1nh.reshape(B, kh, n // kh, cfg.head_dim)
@@ -249,7 +251,7 @@ class Block(nnx.Module):
 
   def __call__(self, x, positions, rope, *, segment_ids=None, cache=None):
     h, kv = self.attn(self.attn_norm(x), positions, rope, segment_ids_bt=segment_ids,
-                      cache_2bksh=cache)
+                      cache=cache)
     x = x + h
     return x + self.mlp(self.mlp_norm(x)), kv
 
@@ -299,17 +301,19 @@ class Transformer(nnx.Module):
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
-  """An empty KV cache: one [2, B, K, S, H] array per layer (unsharded; see parallel)."""
+  """An empty KV cache: a (keys, values) pair of [B, K, S, H] arrays per layer (unsharded;
+  see parallel.cache_sharding)."""
   dt = _dtype(cfg.dtype) if dtype is None else dtype
-  return [jnp.zeros(cache_shape(cfg, batch, max_len), dt) for _ in range(cfg.num_layers)]
+  shape = cache_shape(cfg, batch, max_len)
+  return [(jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(cfg.num_layers)]
 
 
 def cache_shape(cfg: ModelConfig, batch: int, max_len: int) -> tuple[int, ...]:
-  """One layer's KV cache: (keys, values) x B slots x K heads x S positions x H."""
-  return (2, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+  """One of a layer's two KV-cache arrays: B slots x K heads x S positions x H."""
+  return (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
 
 
-CACHE_AXES = (None, "cache_batch", "kv_heads", "cache_seq", "head_dim")
+CACHE_AXES = ("cache_batch", "kv_heads", "cache_seq", "head_dim")
 
 
 def token_logprobs(logits_btv, targets_bt, *, temperature: float = 1.0):

@@ -105,8 +105,9 @@ def init_params(cfg: ModelConfig, mesh: Mesh, layout: str = "learner", *, seed: 
 
 def cache_sharding(mesh: Mesh, cfg: ModelConfig, slots: int, max_len: int,
                    layout: str = "sampler") -> NamedSharding:
-  """Sharding of one layer's [2, B, K, S, H] KV-cache array: slots over data x fsdp, KV heads
-  over tensor (replicated when the KV-head count is smaller than the tensor size)."""
+  """Sharding of each [B, K, S, H] KV-cache array (a layer's keys, and its values): slots over
+  data x fsdp, KV heads over tensor (replicated when the KV-head count is smaller than the
+  tensor size)."""
   shape = cache_shape(cfg, slots, max_len)
   spec, _ = logical_spec(CACHE_AXES, shape, get_rules(layout), mesh, name="kv_cache")
   return NamedSharding(mesh, spec)

@@ -84,7 +84,7 @@ def kv_cache_bytes_per_device(cfg: ModelConfig, layout: Layout, slots: int, max_
   for s in spec:
     for a in ((s,) if isinstance(s, str) else (s or ())):
       ways *= layout.mesh.shape[a]
-  return cfg.num_layers * int(np.prod(shape)) * _dtype_bytes(cfg.dtype) // ways
+  return 2 * cfg.num_layers * int(np.prod(shape)) * _dtype_bytes(cfg.dtype) // ways  # k and v
 
 
 def activation_bytes_per_device(cfg: ModelConfig, layout: Layout, micro_batch: int,

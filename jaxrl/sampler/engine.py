@@ -10,8 +10,8 @@
 
 Every phase is one jit of a pure function over nnx.split state. Params are an argument, so a
 weight swap (same shapes and shardings) never recompiles; `engine.traces` counts traces so tests
-can show it. The decode state is one pytree whose KV cache is one [2, B, K, S, H] array per layer
-(B slots, S = max_len), sharded for the sampler layout (slots over data x fsdp, KV heads over
+can show it. The decode state is one pytree whose KV cache is a (keys, values) pair of
+[B, K, S, H] arrays per layer (B slots, S = max_len), sharded for the sampler layout (slots over data x fsdp, KV heads over
 tensor) and donated to every call that updates it, so it is updated in place.
 
 Decode-state fields, per slot b:
@@ -39,8 +39,8 @@ from jaxrl.models.llama import init_cache
 from jaxrl.parallel import batch_sharding, cache_sharding
 from jaxrl.sampler.sampling import SamplingParams, is_stop, sample_logits, token_keys
 
-DecodeState = dict  # {"cache": [per-layer [2,B,K,S,H]], "tokens"|"pos"|"ngen"|"sample": [B] i32, "live": [B] bool}
-Prefix = dict  # {"kv": [per-layer [2,P,K,T,H]], "logits": [P,V], "length": [P], "tokens", "logprobs": [P], "key"}
+DecodeState = dict  # {"cache": [per-layer ([B,K,S,H], [B,K,S,H])], "tokens"|"pos"|"ngen"|"sample": [B] i32, "live": [B] bool}
+Prefix = dict  # {"kv": [per-layer ([P,K,T,H], [P,K,T,H])], "logits": [P,V], "length": [P], "tokens", "logprobs": [P], "key"}
 
 
 class Engine:
@@ -71,13 +71,14 @@ class Engine:
 
   def _state_shardings(self, slots: int, max_len: int):
     vec = batch_sharding(self.mesh, 1, "sampler")
-    return {"cache": [cache_sharding(self.mesh, self.cfg, slots, max_len)] * self.cfg.num_layers,
+    shd = cache_sharding(self.mesh, self.cfg, slots, max_len)
+    return {"cache": [(shd, shd)] * self.cfg.num_layers,
             "tokens": vec, "pos": vec, "ngen": vec, "sample": vec, "live": vec}
 
   def _constrain(self, state: DecodeState) -> DecodeState:
     # Pin the state's layout inside each jit so the donated output keeps the input's shardings
     # (otherwise propagation may pick another layout and the next call recompiles).
-    slots, max_len = state["cache"][0].shape[1], state["cache"][0].shape[3]
+    slots, _, max_len, _ = state["cache"][0][0].shape
     return jax.lax.with_sharding_constraint(state, self._state_shardings(slots, max_len))
 
   # --------------------------------------------------------------------------- prefill
@@ -147,10 +148,11 @@ class Engine:
   def _insert_fn(self, state, prefix, rows_m, slots_m, samples_m):
     self.traces["insert"] += 1
     sp = self.sampling
-    max_len = state["cache"][0].shape[3]
-    T = prefix["kv"][0].shape[3]
-    cache = [c.at[:, slots_m, :, :T].set(kv[:, rows_m].astype(c.dtype), mode="drop")
-             for c, kv in zip(state["cache"], prefix["kv"])]
+    max_len = state["cache"][0][0].shape[2]
+    T = prefix["kv"][0][0].shape[2]
+    cache = [tuple(c.at[slots_m, :, :T].set(x[rows_m].astype(c.dtype), mode="drop")
+                   for c, x in zip(layer, prefix_layer))
+             for layer, prefix_layer in zip(state["cache"], prefix["kv"])]
     # Positions T.. of a reused slot keep the previous occupant's KV: harmless, since a query
     # only attends to positions <= its own and each step writes its position before reading.
     logits_mv = prefix["logits"][rows_m]
@@ -184,7 +186,7 @@ class Engine:
     self.traces["generate"] += 1
     sp = self.sampling
     model = nnx.merge(self.graphdef, params)
-    max_len = state["cache"][0].shape[3]
+    max_len = state["cache"][0][0].shape[2]
 
     def step(state, _):
       live_b = state["live"]
