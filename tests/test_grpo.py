@@ -1,5 +1,6 @@
 """GRPO: the batch layout, the update's direction, dynamic sampling, alarms, and a pulse run."""
 
+import dataclasses
 import json
 import os
 
@@ -126,6 +127,65 @@ def test_old_logp_from_the_update_forward_equals_a_separate_forward(devices):
   expect = float((np.exp((out["old"] - out["sampler"]) * mask) * mask).sum() / mask.sum())
   assert float(m1["is_ratio_tokens"] / m1["tokens"]) == pytest.approx(expect, rel=1e-5)
   assert expect != pytest.approx(1.0, abs=1e-2)  # the sampler log-probs were perturbed
+
+
+def test_shared_prompt_forward_equals_the_joined_forward(devices):
+  """The grouped learner batch (each prompt once, its G completions against it) gives the
+  joined batch's log-probs on every completion token, and the same update."""
+  cfg = get_preset("tiny")
+  mesh = make_mesh()
+  rng = np.random.default_rng(2)
+  P, G, Tc = 8, 2, 5
+  prompts = [list(rng.integers(3, 200, size=int(n))) for n in rng.integers(2, 9, size=P)]
+  lengths = rng.integers(1, Tc + 1, size=P * G)
+  comps = [list(rng.integers(3, 200, size=int(n))) for n in lengths]
+  rollout = _rollout([prompts[i // G] for i in range(P * G)], comps,
+                     [list(rng.normal(size=len(c)) - 3.0) for c in comps])
+  rollout = dataclasses.replace(rollout, prompt_index=np.repeat(np.arange(P), G))
+  joined = grpo.learner_batch(rollout, length=16 + Tc, pad_id=0)
+  grouped = grpo.grouped_learner_batch(rollout, prompt_len=16, group=G, pad_id=0)
+  # eps = 1 makes Adam's first step lr * g / (|g| + 1): linear in small gradients, so float
+  # noise in a near-zero gradient cannot flip a whole lr-sized step.
+  tx, sched = make_optimizer(optim_section(lr=1e-3, warmup_steps=0, weight_decay=0.0,
+                                           eps=1.0), 10)
+  a = grpo.algo_section(beta=0.04)
+  bs = batch_sharding(mesh, 2, "learner")
+  out = {}
+  for name, batch in (("joined", joined), ("grouped", grouped)):
+    graphdef, state, shd = init_train_state(cfg, mesh, tx, seed=0)
+    if name == "joined":
+      logp = np.asarray(grpo.make_logprobs_fn(graphdef, 1.0)(
+          state.params, batch["inputs"], batch["targets"], batch["positions"])[0])
+      # joined row n holds completion token t at target index len(prompt) - 1 + t
+      logp = np.stack([logp[n, rollout.prompt_lengths[n] - 1:][:Tc] for n in range(P * G)])
+    else:
+      logp = np.asarray(grpo.make_grouped_logprobs_fn(graphdef, 1.0)(
+          state.params, put_batch({k: batch[k] for k in ("prompt", "prompt_len", "completion")},
+                                  bs))[0])
+    mask = batch["mask"]
+    full = {**batch, "ref_logp": np.zeros_like(mask), "beta": np.full_like(mask, 0.04),
+            "adv": np.repeat(rng.normal(size=(P * G, 1)).astype(np.float32), mask.shape[1], 1)
+            if name == "joined" else None}
+    out[name] = dict(logp=logp, mask=grouped["mask"], batch=full, graphdef=graphdef,
+                     state=state, shd=shd)
+  # the same advantages per completion in both forms
+  out["grouped"]["batch"]["adv"] = np.repeat(out["joined"]["batch"]["adv"][:, :1], Tc, 1)
+  m = grouped["mask"] > 0
+  np.testing.assert_allclose(out["grouped"]["logp"][m], out["joined"]["logp"][m], atol=2e-5)
+  results = {}
+  for name, o in out.items():
+    step = make_train_step(grpo.grpo_loss(o["graphdef"], a, temperature=1.0, norm_len=Tc), tx,
+                           sched, o["shd"], bs, mesh=mesh)
+    state, metrics = step(o["state"], put_batch(o["batch"], bs))
+    results[name] = (jax.device_get(state.params), jax.device_get(metrics))
+  (p0, m0), (p1, m1) = results["joined"], results["grouped"]
+  for key in ("loss", "kl", "grad_norm", "is_ratio_tokens", "tokens"):
+    assert float(m1[key]) == pytest.approx(float(m0[key]), rel=1e-4, abs=1e-6), key
+  for x, y in zip(jax.tree.leaves(p0), jax.tree.leaves(p1)):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-8)
+  _, init, _ = init_train_state(cfg, mesh, tx, seed=0)  # the update did move the params
+  assert max(float(np.abs(x - y).max()) for x, y in zip(
+      jax.tree.leaves(p0), jax.tree.leaves(jax.device_get(init.params)))) > 1e-6
 
 
 def test_dynamic_sampling_refills_zero_variance_groups():

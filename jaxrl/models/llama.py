@@ -125,10 +125,15 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(h, cfg.norm_eps, pd, axes=("head_dim",))
       self.k_norm = RMSNorm(h, cfg.norm_eps, pd, axes=("head_dim",))
 
-  def __call__(self, x_btd, positions_bt, rope, *, segment_ids_bt=None, cache=None):
+  def __call__(self, x_btd, positions_bt, rope, *, segment_ids_bt=None, cache=None,
+               prompt=None):
     """rope: (cos, sin) of positions_bt, from rope_angles; cache: this layer's (keys, values),
     each [B, K, S, H]. Returns (out [B, T, D], kv): the updated cache, or without one the
-    sequence's own (keys, values) [B, K, T, H] (a prefix for the sampler)."""
+    sequence's own (keys, values) [B, K, T, H] (a prefix for the sampler).
+
+    prompt: (keys [P, K, Tp, H], values, valid [P, Tp]) of P prompts that B = P * G rows
+    continue, G rows each (see Transformer.grouped_hidden): each row attends to its prompt's
+    valid positions, then causally to its own."""
     cfg = self.cfg
     dt = x_btd.dtype
     B, T = positions_bt.shape
@@ -156,6 +161,14 @@ class Attention(nnx.Module):
       mask_bts = jnp.broadcast_to(idx[None, :, None] >= idx[None, None, :], (B, T, T))
       if segment_ids_bt is not None:
         mask_bts &= segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
+      if prompt is not None:
+        prompt_k, prompt_v, valid_ps = prompt
+        G = B // valid_ps.shape[0]
+        keys_bksh = jnp.concatenate([jnp.repeat(prompt_k, G, axis=0), keys_bksh], axis=2)
+        values_bksh = jnp.concatenate([jnp.repeat(prompt_v, G, axis=0), values_bksh], axis=2)
+        valid_bts = jnp.broadcast_to(jnp.repeat(valid_ps, G, axis=0)[:, None, :],
+                                     (B, T, valid_ps.shape[1]))
+        mask_bts = jnp.concatenate([valid_bts, mask_bts], axis=2)
     elif T == 1:
       return self._decode_one(q, k, v, positions_bt[:, 0], cache)
     else:
@@ -253,9 +266,9 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, pd)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x, positions, rope, *, segment_ids=None, cache=None):
+  def __call__(self, x, positions, rope, *, segment_ids=None, cache=None, prompt=None):
     h, kv = self.attn(self.attn_norm(x), positions, rope, segment_ids_bt=segment_ids,
-                      cache=cache)
+                      cache=cache, prompt=prompt)
     x = x + h
     return x + self.mlp(self.mlp_norm(x)), kv
 
@@ -291,6 +304,37 @@ class Transformer(nnx.Module):
                     cache=None if cache is None else cache[i])
       new_cache.append(kv)
     return self.final_norm(x), new_cache
+
+  def grouped_hidden(self, prompt_pt, prompt_len_p, completion_nt):
+    """Hidden states that predict the completions' tokens, for G = N / P completions per
+    prompt, computing each prompt once instead of G times (a GRPO group's shared prompt).
+
+    prompt_pt [P, Tp] right-padded, prompt_len_p [P] real lengths, completion_nt [N, Tc]
+    with rows p*G .. p*G+G-1 continuing prompt p at position prompt_len_p[p]. Returns
+    h [N, Tc, D] final-normed, where h[n, t] predicts completion_nt[n, t]: index 0 is the
+    prompt's last real position, index t > 0 the completion's position t - 1. The same values
+    as the full forward over each joined, unpadded prompt + completion.
+    """
+    cfg = self.cfg
+    (P, Tp), (N, Tc) = prompt_pt.shape, completion_nt.shape
+    G = N // P
+    inv = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    pos_p = jnp.broadcast_to(jnp.arange(Tp), (P, Tp))
+    # The completions' last token predicts nothing here: only tokens 0 .. Tc-2 are run.
+    pos_n = jnp.repeat(prompt_len_p, G)[:, None] + jnp.arange(Tc - 1)[None, :]
+    rope_p, rope_n = rope_angles(pos_p, inv), rope_angles(pos_n, inv)
+    valid_ps = jnp.arange(Tp)[None, :] < prompt_len_p[:, None]
+    dt = _dtype(cfg.dtype)
+    x_p = jnp.take(self.embed[...], prompt_pt, axis=0).astype(dt)
+    x_n = jnp.take(self.embed[...], completion_nt[:, :-1], axis=0).astype(dt)
+    for layer in self.layers:
+      # The prompt's own pass first (its padding comes after every real token, so it never
+      # reaches a real position), then the completions attend to its valid keys.
+      x_p, kv_p = layer(x_p, pos_p, rope_p)
+      x_n, _ = layer(x_n, pos_n, rope_n, prompt=(*kv_p, valid_ps))
+    last_p = jnp.take_along_axis(x_p, (prompt_len_p - 1)[:, None, None], axis=1)  # [P, 1, D]
+    h = jnp.concatenate([jnp.repeat(last_p, G, axis=0), x_n], axis=1)
+    return self.final_norm(h)
 
   def logits(self, h_btd):
     """Logits in float32; the matmul accumulates in float32 whatever the compute dtype."""

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from flax import nnx
 
 from jaxrl import config as config_lib
 from jaxrl.data import read_jsonl
@@ -93,6 +94,10 @@ def algo_section(**overrides) -> ml_collections.ConfigDict:
       # With one update per step and KL in the loss, take the old log-probs from the update's
       # own forward (stop_gradient) instead of a separate forward; False always runs one.
       old_logp_from_update=True,
+      # The learner's forwards run each group's prompt once and its G completions against it
+      # (instead of G joined copies), when prompts_per_step divides by minibatches x replicas;
+      # minibatches then hold whole groups.
+      shared_prompt_forward=True,
   ))
   c.update(overrides)
   return c
@@ -217,6 +222,30 @@ def learner_batch(rollout, *, length: int, pad_id: int) -> dict[str, np.ndarray]
           "mask": mask, "sampler_logp": sampler_logp}
 
 
+def grouped_learner_batch(rollout, *, prompt_len: int, group: int,
+                          pad_id: int) -> dict[str, np.ndarray]:
+  """Rollout -> the shared-prompt form: each group's prompt once, its G completions after it.
+
+  prompt [P, prompt_len] right-padded, prompt_len [P, 1], completion [N, Tc] (the targets:
+  index t holds completion token t), and mask / sampler_logp [N, Tc] on the completion's own
+  index (see Transformer.grouped_hidden). Rows p*G .. p*G+G-1 must share prompt p.
+  """
+  N, Tc = rollout.completion_ids.shape
+  P = N // group
+  first = np.arange(P) * group
+  if not all((rollout.prompt_index[first[p]:first[p] + group] ==
+              rollout.prompt_index[first[p]]).all() for p in range(P)):
+    raise ValueError("grouped_learner_batch: each group's rows must share one prompt")
+  prompt = np.full((P, prompt_len), pad_id, np.int32)
+  lengths = rollout.prompt_lengths[first].astype(np.int32)
+  for p in range(P):
+    prompt[p, :lengths[p]] = rollout.prompt_ids[first[p], :lengths[p]]
+  mask = (np.arange(Tc)[None, :] < rollout.lengths[:, None]).astype(np.float32)
+  completion = np.where(mask > 0, rollout.completion_ids, pad_id).astype(np.int32)
+  return {"prompt": prompt, "prompt_len": lengths[:, None], "completion": completion,
+          "mask": mask, "sampler_logp": (rollout.logprobs * mask).astype(np.float32)}
+
+
 def make_logprobs_fn(graphdef, temperature: float):
   """Jitted (params, inputs, targets, positions) -> (log-probs, entropy) of the targets."""
   @jax.jit
@@ -224,6 +253,18 @@ def make_logprobs_fn(graphdef, temperature: float):
     logits, _ = apply(graphdef, params, inputs, positions)
     return token_logprobs(logits, targets, temperature=temperature)
   return fn
+
+
+def grouped_logprobs(graphdef, params, batch, temperature: float):
+  """(log-probs, entropy) [N, Tc] of a grouped_learner_batch's completions."""
+  model = nnx.merge(graphdef, params)
+  h = model.grouped_hidden(batch["prompt"], batch["prompt_len"][:, 0], batch["completion"])
+  return token_logprobs(model.logits(h), batch["completion"], temperature=temperature)
+
+
+def make_grouped_logprobs_fn(graphdef, temperature: float):
+  """Jitted (params, grouped batch) -> (log-probs, entropy) [N, Tc] of the completions."""
+  return jax.jit(lambda params, batch: grouped_logprobs(graphdef, params, batch, temperature))
 
 
 def grpo_loss(graphdef, a, *, temperature: float, norm_len: int):
@@ -237,8 +278,11 @@ def grpo_loss(graphdef, a, *, temperature: float, norm_len: int):
   "tokens" give is_ratio/mean and the entropy as token means whatever the aggregation."""
   def loss_fn(params, batch, key):
     del key
-    logits, _ = apply(graphdef, params, batch["inputs"], batch["positions"])
-    logp, entropy = token_logprobs(logits, batch["targets"], temperature=temperature)
+    if "prompt" in batch:  # the shared-prompt form (grouped_learner_batch)
+      logp, entropy = grouped_logprobs(graphdef, params, batch, temperature)
+    else:
+      logits, _ = apply(graphdef, params, batch["inputs"], batch["positions"])
+      logp, entropy = token_logprobs(logits, batch["targets"], temperature=temperature)
     mask = batch["mask"]
     extra = {}
     if "old_logp" in batch:
@@ -448,8 +492,15 @@ def run(config, workdir: str, *, out=print) -> dict:
   if N % (a.minibatches * replicas):
     raise ConfigError(f"rollout.prompts_per_step x rollout.group_size = {N} is not divisible "
                       f"by algo.minibatches x replicas = {a.minibatches * replicas}: adjust them.")
+  grouped = bool(a.shared_prompt_forward) and (
+      r.prompts_per_step % (a.minibatches * replicas) == 0)
+  if a.shared_prompt_forward and not grouped:
+    out(f"shared-prompt forward off: rollout.prompts_per_step={r.prompts_per_step} is not "
+        f"divisible by algo.minibatches x replicas = {a.minibatches * replicas}, so each "
+        f"completion runs with its own copy of its prompt")
   shd = batch_sharding(mesh, 2, "learner")
   logprobs_fn = make_logprobs_fn(graphdef, r.temperature)
+  grouped_logprobs_fn = make_grouped_logprobs_fn(graphdef, r.temperature)
   loss_fn = grpo_loss(graphdef, a, temperature=r.temperature, norm_len=r.max_new_tokens)
   # One update per step with KL in the loss: the update's forward gives the old log-probs.
   fused_old = (a.old_logp_from_update and a.num_iterations * a.minibatches == 1
@@ -560,21 +611,31 @@ def run(config, workdir: str, *, out=print) -> dict:
     else:
       sampler_copy.before_update()  # colocated: its memory goes to the update
     # 4. reference and old log-probs
-    batch = learner_batch(rollout, length=length, pad_id=tokenizer.pad_id)
+    if grouped:
+      batch = grouped_learner_batch(rollout, prompt_len=prompt_len, group=r.group_size,
+                                    pad_id=tokenizer.pad_id)
+      inputs = ("prompt", "prompt_len", "completion")
+    else:
+      batch = learner_batch(rollout, length=length, pad_id=tokenizer.pad_id)
+      inputs = ("inputs", "targets", "positions")
     if a.mask_truncated:
       truncated = np.array([x == "length" for x in rollout.finish_reasons])
       batch["mask"][truncated] = 0.0
-    dev = put({k: batch[k] for k in ("inputs", "targets", "positions")})
+    dev = put({k: batch[k] for k in inputs})
+
+    def forward(params):
+      if grouped:
+        return grouped_logprobs_fn(params, dev)
+      return logprobs_fn(params, dev["inputs"], dev["targets"], dev["positions"])
+
     t_score, old = 0.0, {}
     if not fused_old:
       t0 = time.perf_counter()
-      old_logp, entropy = jax.block_until_ready(
-          logprobs_fn(state.params, dev["inputs"], dev["targets"], dev["positions"]))
+      old_logp, entropy = jax.block_until_ready(forward(state.params))
       t_score = time.perf_counter() - t0
       old_np = np.asarray(old_logp)
     t0 = time.perf_counter()
-    ref_logp, _ = jax.block_until_ready(
-        logprobs_fn(reference, dev["inputs"], dev["targets"], dev["positions"]))
+    ref_logp, _ = jax.block_until_ready(forward(reference))
     t_ref = time.perf_counter() - t0
     ref_np = np.asarray(ref_logp)
     mask = batch["mask"]
@@ -595,7 +656,7 @@ def run(config, workdir: str, *, out=print) -> dict:
       tis = (np.minimum(np.exp(log_ratio), a.tis_cap) if a.tis_cap > 0
              else np.ones_like(log_ratio)).astype(np.float32)
       old = {"old_logp": old_np.astype(np.float32), "tis": tis}
-    full = {**{k: batch[k] for k in ("inputs", "targets", "positions", "mask")}, **old,
+    full = {**{k: batch[k] for k in inputs + ("mask",)}, **old,
             "ref_logp": ref_np.astype(np.float32),
             "adv": np.broadcast_to(adv[:, None], mask.shape).astype(np.float32),
             "beta": np.full(mask.shape, beta[0], np.float32)}
@@ -604,10 +665,18 @@ def run(config, workdir: str, *, out=print) -> dict:
     rng = np.random.default_rng([config.seed, step])
     upd = []
     for _ in range(a.num_iterations):
-      order = rng.permutation(N)
-      for mb in np.array_split(order, a.minibatches):
-        state, m = update(state, put({k: v[mb] for k, v in full.items()}))
-        upd.append(m)
+      if grouped:  # minibatches of whole groups: their prompt rows and their G rows each
+        G = r.group_size
+        for groups in np.array_split(rng.permutation(N // G), a.minibatches):
+          rows = (groups[:, None] * G + np.arange(G)).reshape(-1)
+          mb = {k: v[groups] if k in ("prompt", "prompt_len") else v[rows]
+                for k, v in full.items()}
+          state, m = update(state, put(mb))
+          upd.append(m)
+      else:
+        for mb in np.array_split(rng.permutation(N), a.minibatches):
+          state, m = update(state, put({k: v[mb] for k, v in full.items()}))
+          upd.append(m)
     upd = jax.device_get(upd)
     t_update = time.perf_counter() - t0
     if a.kl_target > 0:
