@@ -233,7 +233,7 @@ def test_alarms_fire():
   assert any("kl=0.5000 > 0.1" in s for s in said) and any("reward hacking" in s for s in said)
 
 
-def test_pulse_run_logs_every_metric_and_resumes(repo_root, tmp_path, devices):
+def test_pulse_run_logs_every_metric_and_resumes(repo_root, tmp_path, devices, monkeypatch):
   spec = os.path.join(repo_root, "configs/grpo_tiny.py:runlocal")
   workdir = str(tmp_path / "grpo")
   summary = grpo.run(config_lib.load_config(spec), workdir, out=lambda *a: None)
@@ -255,6 +255,11 @@ def test_pulse_run_logs_every_metric_and_resumes(repo_root, tmp_path, devices):
                           trained)
   for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(restore_params(workdir, abstract))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # A relative run path, as `make demo` passes runs/demo/sft (orbax wants absolute paths).
+  monkeypatch.chdir(tmp_path)
+  for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(restore_params("grpo", abstract))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  monkeypatch.undo()
   prompts = tmp_path / "prompts.jsonl"
   prompts.write_text('{"prompt": "12+7="}\n')
   sample_cfg = config_lib.load_config(os.path.join(repo_root, "configs/sample_tiny.py"))
@@ -281,7 +286,8 @@ def test_demo_grpo_raises_heldout_accuracy_above_sft(tmp_path, repo_root):
   env.pop("JAX_COMPILATION_CACHE_DIR", None)
   jaxrl = os.path.join(os.path.dirname(sys.executable), "jaxrl")
   workdir = tmp_path / "demo"
-  res = subprocess.run([jaxrl, "demo", "--workdir", str(workdir)], cwd=repo_root, env=env,
+  # A relative --workdir, as `make demo` gives runs/demo.
+  res = subprocess.run([jaxrl, "demo", "--workdir", "demo"], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=1800)
   assert res.returncode == 0, res.stderr[-2000:]
   assert "after GRPO" in res.stdout and "Traceback" not in res.stderr

@@ -108,7 +108,7 @@ def restore_params(path: str, abstract_params, step: int | None = None, *,
   abstract params' shardings; the optimizer state is not read. This is how RL and preference
   trainers start from an SFT run: `init.checkpoint=runs/sft`."""
   from jaxrl.errors import ConfigError
-  root = epath.Path(path)
+  root = epath.Path(path).absolute()  # orbax refuses relative paths (e.g. runs/sft)
   if (root / "checkpoints").exists():
     root = root / "checkpoints"
   if not root.exists():
