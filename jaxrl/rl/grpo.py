@@ -14,7 +14,9 @@ Reads top to bottom. Each step:
      jitted forwards (the "old" log-probs are the policy's own before this step's updates,
      never a copy of the current ones). With one update per step (num_iterations =
      minibatches = 1, KL in the loss) the old log-probs are those of the update's own forward,
-     under stop_gradient: the same values, one forward fewer (TRL does the same);
+     under stop_gradient: the same values, one forward fewer (TRL does the same). Every
+     learner forward runs each group's prompt once, its G completions attending to it
+     (grouped_learner_batch; algo.shared_prompt_forward);
   5. compute advantages with the named estimator (grpo, dr_grpo, rloo, reinforce_pp, ...);
   6. run num_iterations x minibatches updates of the clipped surrogate (+ beta * KL, - entropy
      bonus), through the shared jitted train step.
