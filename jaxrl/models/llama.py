@@ -163,10 +163,11 @@ class Attention(nnx.Module):
         mask_bts &= segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
       if prompt is not None:
         prompt_k, prompt_v, valid_ps = prompt
-        G = B // valid_ps.shape[0]
-        keys_bksh = jnp.concatenate([jnp.repeat(prompt_k, G, axis=0), keys_bksh], axis=2)
-        values_bksh = jnp.concatenate([jnp.repeat(prompt_v, G, axis=0), values_bksh], axis=2)
-        valid_bts = jnp.broadcast_to(jnp.repeat(valid_ps, G, axis=0)[:, None, :],
+        rows = B // valid_ps.shape[0]  # completions per prompt
+        keys_bksh = jnp.concatenate([jnp.repeat(prompt_k, rows, axis=0), keys_bksh], axis=2)
+        values_bksh = jnp.concatenate([jnp.repeat(prompt_v, rows, axis=0), values_bksh],
+                                      axis=2)
+        valid_bts = jnp.broadcast_to(jnp.repeat(valid_ps, rows, axis=0)[:, None, :],
                                      (B, T, valid_ps.shape[1]))
         mask_bts = jnp.concatenate([valid_bts, mask_bts], axis=2)
     elif T == 1:
