@@ -11,7 +11,7 @@ from jaxrl.models import PRESETS
 # The args each config file documents, beside the default (None).
 ARGS = {"tiny.py": [None, "tp", "sampler"], "model.py": [None, *PRESETS],
         "sync_tiny.py": [None, "disaggregated", "qwen3-8b"],
-        "sft_tiny.py": [None, "runlocal"], "rm_tiny.py": [None, "biased", "runlocal"],
+        "sft_tiny.py": [None, "runlocal"], "rm_tiny.py": [None, "biased", "logprob", "runlocal"],
         "grpo_tiny.py": [None, "runlocal", "dapo", "dr_grpo", "gspo", "rloo", "async"],
         "dpo_tiny.py": [None, "ipo", "kto", "orpo", "simpo", "runlocal"],
         **{f: [None, "grpo", "sft", "fixture"] for f in ("qwen3_0p6b.py", "qwen2p5_1p5b.py",

@@ -1,7 +1,7 @@
 """Reward models inside RL: frozen `jaxrl rm` runs on the learner mesh, scoring completions.
 
     rms = RewardModels.load(["runs/rm_a", "runs/rm_b"], mesh, tokenizer)
-    scores_mn = rms.score(tokens_nt, positions_nt, last_n)      # [M RMs, N completions]
+    scores_mn = rms.score(tokens_nt, positions_nt, last_n, logp_mask_nt)  # [M RMs, N rows]
     combined_n = ensemble(scores_mn, mode="min")
 
 Each reward model is restored straight into the learner layout (each device reads its own
@@ -12,6 +12,8 @@ verifiable accuracy in view is how jaxrl guards against gaming it.
 """
 
 from __future__ import annotations
+
+import functools
 
 import json
 import os
@@ -148,8 +150,9 @@ class RewardModels:
     self.graphdefs, self.params, self.paths = list(graphdefs), list(params), list(paths)
     replicated = NamedSharding(mesh, P())
 
-    def score_all(params_m, tokens_nt, positions_nt, last_n):
-      return jnp.stack([reward_apply(g, p, tokens_nt, positions_nt, last_n)
+    def score_all(params_m, tokens_nt, positions_nt, last_n, logp_mask_nt):
+      return jnp.stack([reward_apply(g, p, tokens_nt, positions_nt, last_n,
+                                     logp_mask_bt=logp_mask_nt)
                         for g, p in zip(self.graphdefs, params_m)])
 
     self._score = jax.jit(score_all, out_shardings=replicated)
@@ -174,7 +177,9 @@ class RewardModels:
                           f"({type(tokenizer).__name__}, {tokenizer.vocab_size} ids): train "
                           "it from the policy's model.")
       cfg = config_lib.model_config(rc)
-      graphdef, shapes, axes = abstract_model(cfg, RewardModel)
+      head = rc.get("head") or {}
+      graphdef, shapes, axes = abstract_model(cfg, functools.partial(
+          RewardModel, logprob_feature=bool(head.get("logprob_feature", False))))
       shd = tree_shardings(shapes, axes, mesh, layout)
       abstract = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h),
                               shapes, shd)
@@ -182,15 +187,18 @@ class RewardModels:
       params.append(restore_params(path, abstract, key="reward_model.checkpoints"))
     return cls(graphdefs, params, paths, mesh)
 
-  def score(self, tokens_nt, positions_nt, last_n) -> np.ndarray:
-    """Scores [M, N] (float32, on the host) of N rows, each read at its `last_n` token."""
-    return np.asarray(self._score(self.params, tokens_nt, positions_nt, last_n))
+  def score(self, tokens_nt, positions_nt, last_n, logp_mask_nt) -> np.ndarray:
+    """Scores [M, N] (float32, on the host) of N rows, each read at its `last_n` token;
+    logp_mask_nt marks the positions whose next token is a response token."""
+    return np.asarray(self._score(self.params, tokens_nt, positions_nt, last_n, logp_mask_nt))
 
 
 def completion_inputs(rollout, *, length: int, pad_id: int, eos_id: int):
-  """(tokens [N, length], positions [N, length], last [N]) for scoring a rollout: each row is
-  prompt + completion, read at the last response token. A final eos is not read, as in
-  training, where a pair's rows end with eos as the last *target*, never an input."""
+  """(tokens [N, length], positions [N, length], last [N], logp_mask [N, length]) for scoring a
+  rollout: each row is prompt + completion, read at the last response token; logp_mask is 1
+  where the next token is a response token (as a pair batch's loss_mask). A final eos is not
+  read, as in training, where a pair's rows end with eos as the last *target*, never an
+  input."""
   N = rollout.completion_ids.shape[0]
   tokens = np.full((N, length), pad_id, np.int32)
   last = np.zeros((N,), np.int32)
@@ -204,4 +212,6 @@ def completion_inputs(rollout, *, length: int, pad_id: int, eos_id: int):
     tokens[s, p:n] = comp[:n - p]
     last[s] = n - 1
   positions = np.broadcast_to(np.arange(length, dtype=np.int32), (N, length)).copy()
-  return tokens, positions, last
+  starts = np.asarray(rollout.prompt_lengths, np.int32)[:, None] - 1
+  logp_mask = (np.arange(length)[None, :] >= starts).astype(np.float32)
+  return tokens, positions, last, logp_mask

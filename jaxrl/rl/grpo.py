@@ -530,11 +530,12 @@ def run(config, workdir: str, *, out=print) -> dict:
     """weight x the reward models' combined score [N] (each RM normalised first, when asked),
     and stats; the combined raw score is logged as reward/rm_mean, the proxy the alarm
     watches."""
-    tokens, positions, last = rm_lib.completion_inputs(
+    tokens, positions, last, logp_mask = rm_lib.completion_inputs(
         rollout, length=length, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id)
-    dev = put({"tokens": tokens, "positions": positions})
+    dev = put({"tokens": tokens, "positions": positions, "logp_mask": logp_mask})
     scores_mn = rms.score(dev["tokens"], dev["positions"],
-                          put_batch({"last": last}, batch_sharding(mesh, 1, "learner"))["last"])
+                          put_batch({"last": last}, batch_sharding(mesh, 1, "learner"))["last"],
+                          dev["logp_mask"])
     raw = np.asarray(rm_lib.ensemble(scores_mn, mode=rm_cfg.ensemble, k=rm_cfg.k))
     value = raw if rm_norm is None else np.asarray(rm_lib.ensemble(
         rm_norm.normalize(scores_mn), mode=rm_cfg.ensemble, k=rm_cfg.k))

@@ -19,6 +19,8 @@ and the mean and std of the chosen and rejected rewards and of their margin.
 
 from __future__ import annotations
 
+import functools
+
 import json
 
 import jax
@@ -42,7 +44,7 @@ from jaxrl.train.rundir import RunDir
 from jaxrl.train.state import init_train_state, make_train_step, put_batch, start_from_hf
 
 config_lib.CHOICES.update({"data.on_bad_row": ON_BAD_ROW, "data.bias": prefs.BIASES})
-PAIR_KEYS = ("inputs", "positions", "segment_ids")
+PAIR_KEYS = ("inputs", "positions", "segment_ids", "loss_mask")
 
 
 def default_config():
@@ -69,6 +71,11 @@ def default_config():
       batch_size=32,       # pairs per global batch (each pair is two rows)
       shards=0,            # data shards (0 = one per process)
       on_bad_row="error",  # or "skip" (counted and reported)
+  ))
+  c.head = ml_collections.ConfigDict(dict(
+      # Add w * the response's mean log-prob under the backbone's LM head (w learned, from 0)
+      # to the last-token score: see jaxrl.models.reward.RewardModel.
+      logprob_feature=False,
   ))
   c.loss = ml_collections.ConfigDict(dict(
       margin=0.0,          # -log sigmoid(r_c - r_r - margin): demand a gap of at least this
@@ -104,7 +111,8 @@ def pair_scores(graphdef, params, batch):
   # pairs stay on it.
   flat = {k: batch[k].reshape(2 * B, S) for k in PAIR_KEYS}
   scores = reward_apply(graphdef, params, flat["inputs"], flat["positions"],
-                        last_index(flat["segment_ids"]), segment_ids_bt=flat["segment_ids"])
+                        last_index(flat["segment_ids"]), segment_ids_bt=flat["segment_ids"],
+                        logp_mask_bt=flat["loss_mask"])
   return scores.reshape(B, 2)
 
 
@@ -212,8 +220,9 @@ def init_reward_state(config, mesh, tx, *, layout: str = "learner"):
   init.checkpoint (an SFT run) or model.hf_path when given, else the preset's init; the head
   always new."""
   cfg = config_lib.model_config(config)
+  model = functools.partial(RewardModel, logprob_feature=bool(config.head.logprob_feature))
   graphdef, state, shardings = init_train_state(cfg, mesh, tx, seed=config.seed, layout=layout,
-                                                model=RewardModel)
+                                                model=model)
   state = start_from_hf(config, state, mesh, layout, into="backbone")
   if config.init.checkpoint:
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
