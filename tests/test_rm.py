@@ -292,6 +292,9 @@ def test_plan_has_a_row_per_reward_model(repo_root, tmp_path, capsys, devices):
   head = qwen3.embed_dim * 4 // 8
   assert plan.learner["a params"] == base - lm_head + head
   assert plan.learner["b params"] == plan.learner["actor params"] + head  # tied: no LM head
+  # With the response log-prob feature the LM head stays (plus one scalar weight, replicated).
+  lp = memory_plan(tiny, placement, reward_models=[("c", qwen3, True)])
+  assert lp.learner["c params"] == base + head + 4
   with_rms = memory_plan(tiny, placement, reward_models=[("a", qwen3)])
   assert with_rms.learner_peak == memory_plan(tiny, placement).learner_peak + (
       base - lm_head + head)

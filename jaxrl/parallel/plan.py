@@ -15,6 +15,8 @@ arithmetic from the layouts.
 
 from __future__ import annotations
 
+import functools
+
 import dataclasses
 
 import jax
@@ -164,8 +166,9 @@ def memory_plan(cfg: ModelConfig, placement: Placement, section=None, *,
   roles = list(reward_models)
   if p["reward_model"]:
     roles.append(("reward model", get_preset(p["reward_model"])))
-  for label, rm_cfg in roles:
-    _, rs, ra = abstract_model(rm_cfg, RewardModel)
+  for label, rm_cfg, *feature in roles:  # (label, ModelConfig[, logprob_feature])
+    model = functools.partial(RewardModel, logprob_feature=bool(feature and feature[0]))
+    _, rs, ra = abstract_model(rm_cfg, model)
     learner[f"{label} params"] = tree_bytes_per_device(rs, ra, L)
   if p["critic"]:
     learner.update({"critic params": params, "critic gradients": params,

@@ -122,24 +122,21 @@ def read_run_config(path: str, key: str = "reward_model.checkpoints") -> ml_coll
   return ml_collections.ConfigDict(d)
 
 
-def model_config_of(path: str, key: str = "reward_model.checkpoints"):
-  from jaxrl import config as config_lib
-  return config_lib.model_config(read_run_config(path, key))
-
-
-def plan_roles(config) -> list[tuple[str, object]]:
-  """(label, ModelConfig) of each reward model a config names, for the memory plan. An RM run
-  not trained yet is planned with the policy's shapes, and its label says so."""
+def plan_roles(config) -> list[tuple[str, object, bool]]:
+  """(label, ModelConfig, logprob_feature) of each reward model a config names, for the memory
+  plan. An RM run not trained yet is planned with the policy's shapes, and its label says so."""
   from jaxrl import config as config_lib
   section = config.get("reward_model")
   roles = []
   for i, path in enumerate(checkpoint_list(section) if section is not None else []):
     if os.path.isfile(os.path.join(path, "config.json")):
+      rc = read_run_config(path)
       roles.append((f"reward model {i} ({os.path.basename(os.path.normpath(path))})",
-                    model_config_of(path)))
+                    config_lib.model_config(rc),
+                    bool((rc.get("head") or {}).get("logprob_feature", False))))
     else:
       roles.append((f"reward model {i} (not trained yet: policy shapes)",
-                    config_lib.model_config(config)))
+                    config_lib.model_config(config), False))
   return roles
 
 
