@@ -68,7 +68,7 @@ def test_update_raises_logp_of_positive_advantages(devices):
   logprobs = grpo.make_logprobs_fn(graphdef, 1.0)
   old = np.asarray(logprobs(state.params, seq[:, :-1], seq[:, 1:], pos)[0])
   batch = dict(inputs=seq[:, :-1], targets=seq[:, 1:], positions=pos, mask=mask, old_logp=old,
-               ref_logp=old, adv=np.repeat(adv[:, None], L, 1), tis=np.ones((N, L), np.float32),
+               ref_logp=old, adv=np.repeat(adv[:, None], L, 1), sampler_logp=old,
                beta=np.zeros((N, L), np.float32))
   bs = batch_sharding(mesh, 2, "learner")
   step = make_train_step(grpo.grpo_loss(graphdef, grpo.algo_section(beta=0.0), temperature=1.0,
@@ -107,11 +107,9 @@ def test_old_logp_from_the_update_forward_equals_a_separate_forward(devices):
         if not out else out["sampler"]
     batch = dict(inputs=seq[:, :-1], targets=seq[:, 1:], positions=pos, mask=mask,
                  ref_logp=old - 0.5 * mask, adv=adv, beta=np.full((N, L), 0.04, np.float32))
-    if fused:
-      batch["sampler_logp"] = sampler
-    else:
+    batch["sampler_logp"] = sampler
+    if not fused:  # a separate forward's old log-probs; the loss derives the IS weights
       batch["old_logp"] = old
-      batch["tis"] = np.minimum(np.exp((old - sampler) * mask), 1.5).astype(np.float32)
     step = make_train_step(grpo.grpo_loss(graphdef, a, temperature=1.0, norm_len=L), tx, sched,
                            shd, bs, mesh=mesh)
     state, metrics = step(state, put_batch(batch, bs))

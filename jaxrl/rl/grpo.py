@@ -42,7 +42,6 @@ from flax import nnx
 
 from jaxrl import config as config_lib
 from jaxrl.data import read_jsonl
-from jaxrl.data.hf_tokenizer import tokenizer_for
 from jaxrl.errors import ConfigError
 from jaxrl.models import apply, token_logprobs
 from jaxrl.parallel import batch_sharding
@@ -55,9 +54,8 @@ from jaxrl.sampler import Engine, SamplingParams, bucket, generate
 from jaxrl.sampler import metrics as rollout_metrics
 from jaxrl.train.checkpoint import Checkpointer, restore_params
 from jaxrl.train.evaluation import ExactMatch
-from jaxrl.train.loop import resume, train_loop
+from jaxrl.train.loop import resume, start_run, train_loop
 from jaxrl.train.optim import make_optimizer
-from jaxrl.train.rundir import RunDir
 from jaxrl.train.state import init_train_state, make_train_step, put_batch, start_from_hf
 
 config_lib.CHOICES.update({
@@ -274,10 +272,11 @@ def grpo_loss(graphdef, a, *, temperature: float, norm_len: int):
   pg + beta * KL - entropy_coef * entropy, aggregated by `a.aggregation`. Metrics (KL,
   entropy, clip fractions) are aggregated the same way as the loss.
 
-  Without batch["old_logp"] (one update per step), the old log-probs are this forward's own
-  under stop_gradient, and the truncated-IS weights and the sampler/learner ratio are computed
-  here from batch["sampler_logp"]: the sums "is_ratio_tokens" and "entropy_tokens" over
-  "tokens" give is_ratio/mean and the entropy as token means whatever the aggregation."""
+  The truncated-IS weights come from the old and the sampler's log-probs
+  (batch["sampler_logp"]). Without batch["old_logp"] (one update per step), the old log-probs
+  are this forward's own under stop_gradient; the sums "is_ratio_tokens" and
+  "entropy_tokens" over "tokens" then give is_ratio/mean and the entropy as token means
+  whatever the aggregation."""
   def loss_fn(params, batch, key):
     del key
     if "prompt" in batch:  # the shared-prompt form (grouped_learner_batch)
@@ -286,17 +285,14 @@ def grpo_loss(graphdef, a, *, temperature: float, norm_len: int):
       logits, _ = apply(graphdef, params, batch["inputs"], batch["positions"])
       logp, entropy = token_logprobs(logits, batch["targets"], temperature=temperature)
     mask = batch["mask"]
-    extra = {}
-    if "old_logp" in batch:
-      old_logp, tis = batch["old_logp"], batch["tis"]
-    else:
-      old_logp = jax.lax.stop_gradient(logp)
-      log_ratio = jnp.where(mask > 0, old_logp - batch["sampler_logp"], 0.0)
-      tis = (jnp.minimum(jnp.exp(log_ratio), a.tis_cap) if a.tis_cap > 0
-             else jnp.ones_like(log_ratio))
-      extra = {"is_ratio_tokens": jnp.sum(jnp.exp(log_ratio) * mask),
-               "entropy_tokens": jnp.sum(jax.lax.stop_gradient(entropy) * mask),
-               "tokens": jnp.sum(mask)}
+    old_logp = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp)
+    log_ratio = jnp.where(mask > 0, old_logp - batch["sampler_logp"], 0.0)
+    tis = (jnp.minimum(jnp.exp(log_ratio), a.tis_cap) if a.tis_cap > 0
+           else jnp.ones_like(log_ratio))
+    extra = {} if "old_logp" in batch else {
+        "is_ratio_tokens": jnp.sum(jnp.exp(log_ratio) * mask),
+        "entropy_tokens": jnp.sum(jax.lax.stop_gradient(entropy) * mask),
+        "tokens": jnp.sum(mask)}
     pg, low, high = losses.clipped_pg_loss(
         logp=logp, old_logp=old_logp, adv=batch["adv"], mask=mask,
         eps_low=a.eps_low, eps_high=a.eps_high,
@@ -429,14 +425,9 @@ def _records(config, task):
 
 def run(config, workdir: str, *, out=print) -> dict:
   """Trains (or resumes) the GRPO run in `workdir`; returns the summary."""
-  config_lib.validate(config)
-  main = jax.process_index() == 0
-  cfg = config_lib.model_config(config)
+  main, cfg, run_dir, tokenizer = start_run(config, workdir, out=out)
   placement = make_placement(config.mesh, config.placement)
   mesh = placement.learner.mesh
-  run_dir = RunDir(workdir, write=main)
-  run_dir.write_config(config, out=out if main else None)
-  tokenizer = tokenizer_for(config)
   a, r = config.algo, config.rollout
 
   task = None
@@ -652,14 +643,10 @@ def run(config, workdir: str, *, out=print) -> dict:
                                                    mask_bt=mask, beta=beta[0]))
     adv = np.asarray(adv_lib.compute(a.advantage, rewards_bg=seq_rewards.reshape(
         -1, r.group_size), clip=a.adv_clip or None)).reshape(-1)
-    if fused_old:  # the update's own forward computes them (see grpo_loss)
-      old = {"sampler_logp": batch["sampler_logp"]}
-    else:
-      log_ratio = np.where(mask > 0, old_np - batch["sampler_logp"], 0.0)
-      tis = (np.minimum(np.exp(log_ratio), a.tis_cap) if a.tis_cap > 0
-             else np.ones_like(log_ratio)).astype(np.float32)
-      old = {"old_logp": old_np.astype(np.float32), "tis": tis}
-    full = {**{k: batch[k] for k in inputs + ("mask",)}, **old,
+    # Truncated-IS weights are computed in the loss (grpo_loss); with fused_old the update's
+    # own forward also gives the old log-probs.
+    old = {} if fused_old else {"old_logp": old_np.astype(np.float32)}
+    full = {**{k: batch[k] for k in inputs + ("mask", "sampler_logp")}, **old,
             "ref_logp": ref_np.astype(np.float32),
             "adv": np.broadcast_to(adv[:, None], mask.shape).astype(np.float32),
             "beta": np.full(mask.shape, beta[0], np.float32)}
@@ -702,7 +689,9 @@ def run(config, workdir: str, *, out=print) -> dict:
         if task is not None else float("nan"),
         "frac_zero_std_groups": frac_zero,
         "is_ratio/mean": (float(upd[0]["is_ratio_tokens"] / max(upd[0]["tokens"], 1e-9))
-                          if fused_old else float((np.exp(log_ratio) * mask).sum() / n_tok)),
+                          if fused_old else float((np.exp(np.where(
+                              mask > 0, old_np - batch["sampler_logp"], 0.0)) * mask).sum()
+                                                  / n_tok)),
         "staleness/mean": float(step - version),
         "kl/beta": beta[0],
         # gen: the rollout's own wall time; gen_wait: what the learner waited for it (less
