@@ -45,7 +45,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl import config as config_lib
 from jaxrl.data import ON_BAD_ROW
-from jaxrl.data.hf_tokenizer import tokenizer_for
 from jaxrl.errors import ConfigError
 from jaxrl.models import apply, token_logprobs
 from jaxrl.parallel import batch_sharding, mesh_from_config
@@ -53,9 +52,8 @@ from jaxrl.rl import preference_losses as pl
 from jaxrl.train.checkpoint import Checkpointer, restore_params
 from jaxrl.train.data import ShardedBatches, check_batch_size, data_shards
 from jaxrl.train.evaluation import ExactMatch, global_array
-from jaxrl.train.loop import resume, train_loop
+from jaxrl.train.loop import resume, start_run, train_loop
 from jaxrl.train.optim import make_optimizer
-from jaxrl.train.rundir import RunDir
 from jaxrl.train.state import init_train_state, make_train_step, start_from_hf
 
 ROW_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
@@ -396,15 +394,10 @@ def _init_policy(config, state, mesh):
 
 def run(config, workdir: str, *, out=print) -> dict:
   """Trains (or resumes) the preference run in `workdir`; returns the summary."""
-  config_lib.validate(config)
+  main, cfg, run_dir, tokenizer = start_run(config, workdir, out=out)
   a, d = config.algo, config.data
-  main = jax.process_index() == 0
   say = out if main else (lambda *_: None)
   mesh = mesh_from_config(config.mesh)
-  cfg = config_lib.model_config(config)
-  run_dir = RunDir(workdir, write=main)
-  run_dir.write_config(config, out=say if main else None)
-  tokenizer = tokenizer_for(config)
   prefs = _prefs()
   kto, paired = a.loss == "kto", d.format == "prefs"
   if a.nll_coef and a.loss not in ("dpo", "ipo", "simpo"):

@@ -103,6 +103,19 @@ class Progress:
       self.bar.close()
 
 
+def start_run(config, workdir: str, *, out=print):
+  """What every trainer does first: validate the config, open the run dir (process 0 writes
+  config.json and says which keys changed on a resume) and build the tokenizer. Returns
+  (main, cfg, run_dir, tokenizer): main is True on process 0, cfg the ModelConfig."""
+  from jaxrl import config as config_lib
+  from jaxrl.data.hf_tokenizer import tokenizer_for
+  config_lib.validate(config)
+  main = jax.process_index() == 0
+  run_dir = RunDir(workdir, write=main)
+  run_dir.write_config(config, out=out if main else None)
+  return main, config_lib.model_config(config), run_dir, tokenizer_for(config)
+
+
 def _fmt(v: float) -> str:
   return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
 

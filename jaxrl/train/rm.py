@@ -31,16 +31,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl import config as config_lib
 from jaxrl.data import ON_BAD_ROW, prefs
-from jaxrl.data.hf_tokenizer import tokenizer_for
 from jaxrl.errors import ConfigError
 from jaxrl.models import RewardModel, last_index, reward_apply
 from jaxrl.parallel import batch_sharding, mesh_from_config
 from jaxrl.train.checkpoint import Checkpointer, restore_params
 from jaxrl.train.data import ShardedBatches, check_batch_size, data_shards
 from jaxrl.train.evaluation import global_array
-from jaxrl.train.loop import resume, train_loop
+from jaxrl.train.loop import resume, start_run, train_loop
 from jaxrl.train.optim import make_optimizer
-from jaxrl.train.rundir import RunDir
 from jaxrl.train.state import init_train_state, make_train_step, put_batch, start_from_hf
 
 config_lib.CHOICES.update({"data.on_bad_row": ON_BAD_ROW, "data.bias": prefs.BIASES})
@@ -235,13 +233,8 @@ def init_reward_state(config, mesh, tx, *, layout: str = "learner"):
 
 def run(config, workdir: str, *, out=print) -> dict:
   """Trains (or resumes) the reward-model run in `workdir`; returns the summary."""
-  config_lib.validate(config)
-  main = jax.process_index() == 0
+  main, cfg, run_dir, tokenizer = start_run(config, workdir, out=out)
   mesh = mesh_from_config(config.mesh)
-  cfg = config_lib.model_config(config)
-  run_dir = RunDir(workdir, write=main)
-  run_dir.write_config(config, out=out if main else None)
-  tokenizer = tokenizer_for(config)
 
   # Data: pairs, cleaned and fingerprinted; the fingerprint and cleaning report go to
   # DIR/data.json now (beside config.json) and to summary.json at the end.

@@ -16,16 +16,14 @@ import numpy as np
 
 from jaxrl import config as config_lib
 from jaxrl.data import ON_BAD_ROW, read_jsonl, sft_batches
-from jaxrl.data.hf_tokenizer import tokenizer_for
 from jaxrl.errors import ConfigError
 from jaxrl.models import apply, token_logprobs
 from jaxrl.parallel import batch_sharding, mesh_from_config
 from jaxrl.train.checkpoint import Checkpointer
 from jaxrl.train.data import ShardedBatches, check_batch_size, data_shards
 from jaxrl.train.evaluation import ExactMatch, global_array, make_eval_loss
-from jaxrl.train.loop import resume, train_loop
+from jaxrl.train.loop import resume, start_run, train_loop
 from jaxrl.train.optim import make_optimizer
-from jaxrl.train.rundir import RunDir
 from jaxrl.train.state import init_train_state, make_train_step, put_batch, start_from_hf
 
 config_lib.CHOICES["data.on_bad_row"] = ON_BAD_ROW
@@ -100,13 +98,8 @@ def _records(config):
 
 def run(config, workdir: str, *, out=print) -> dict:
   """Trains (or resumes) the SFT run in `workdir`; returns the summary."""
-  config_lib.validate(config)
-  main = jax.process_index() == 0
+  main, cfg, run_dir, tokenizer = start_run(config, workdir, out=out)
   mesh = mesh_from_config(config.mesh)
-  cfg = config_lib.model_config(config)
-  run_dir = RunDir(workdir, write=main)
-  run_dir.write_config(config, out=out if main else None)
-  tokenizer = tokenizer_for(config)
 
   # Data: the global batch is the concatenation of `shards` shard batches, and each process
   # reads only its own shards, so the batches do not depend on the process count.
