@@ -17,6 +17,35 @@ need() {  # need VALUE FLAG: a required flag was not given
   [ -n "$1" ] || die "$2 is required (see $SCRIPT --help)"
 }
 
+# The flags every script takes. A script's own argument loop handles its own flags and ends in
+#   *) common_flag "$@"; shift "$SHIFTED" ;;
+# which sets NAME, ZONE, PROJECT or DRY_RUN (SHIFTED: how many words it used), prints the help,
+# or stops on an unknown argument. TAKES_COMMAND=1 (run, watch) says the jaxrl command goes
+# after -- in that message.
+NAME="" ZONE="" PROJECT="" TAKES_COMMAND=0 SHIFTED=0
+# shellcheck disable=SC2034  # NAME, ZONE, PROJECT and SHIFTED are read by the sourcing script
+common_flag() {
+  case $1 in
+    --name) NAME=${2-}; SHIFTED=2 ;;
+    --zone) ZONE=${2-}; SHIFTED=2 ;;
+    --project) PROJECT=${2-}; SHIFTED=2 ;;
+    --dry-run) DRY_RUN=1; SHIFTED=1 ;;
+    -h | --help) usage; exit 0 ;;
+    *)
+      local hint=""
+      [ "$TAKES_COMMAND" = 0 ] || hint=": the jaxrl command goes after --"
+      die "unknown argument '$1'$hint (see $SCRIPT --help)" ;;
+  esac
+}
+
+# After the argument loop: the TPU VM named, and the gcloud scope flags in SCOPE.
+require_target() {
+  need "$NAME" --name
+  need "$ZONE" --zone
+  # shellcheck disable=SC2034  # SCOPE is read by the sourcing script
+  mapfile -t SCOPE < <(scope_flags "$ZONE" "$PROJECT")
+}
+
 # One word as a shell would need it typed: bare when safe, else single-quoted. Dry-run output
 # is therefore copy-pasteable, and the remote --command string survives the remote shell.
 quote() {

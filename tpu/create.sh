@@ -13,30 +13,23 @@ source "$(dirname "$0")/common.sh"
 
 usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; }
 
-NAME="" ZONE="" TYPE="" VERSION="" PROJECT="" SPOT=0 PREEMPTIBLE=0 QUEUED=0 POLL=30
+TYPE="" VERSION="" SPOT=0 PREEMPTIBLE=0 QUEUED=0 POLL=30
 while [ $# -gt 0 ]; do
   case $1 in
-    --name) NAME=${2-}; shift 2 ;;
-    --zone) ZONE=${2-}; shift 2 ;;
     --accelerator-type) TYPE=${2-}; shift 2 ;;
     --version) VERSION=${2-}; shift 2 ;;
-    --project) PROJECT=${2-}; shift 2 ;;
     --spot) SPOT=1; shift ;;
     --preemptible) PREEMPTIBLE=1; shift ;;
     --queued) QUEUED=1; shift ;;
     --poll) POLL=${2-}; shift 2 ;;
-    --dry-run) DRY_RUN=1; shift ;;
-    -h | --help) usage; exit 0 ;;
-    *) die "unknown argument '$1' (see $SCRIPT --help)" ;;
+    *) common_flag "$@"; shift "$SHIFTED" ;;
   esac
 done
-need "$NAME" --name
-need "$ZONE" --zone
+require_target
 need "$TYPE" --accelerator-type
 WORKERS=$(workers_for "$TYPE")
 VERSION=${VERSION:-$(default_version "$TYPE")}
 [ $((SPOT + PREEMPTIBLE)) -le 1 ] || die "--spot and --preemptible exclude each other: pick one"
-mapfile -t SCOPE < <(scope_flags "$ZONE" "$PROJECT")
 
 note "$TYPE: $WORKERS worker(s), runtime $VERSION"
 if [ "$QUEUED" = 1 ]; then

@@ -16,26 +16,20 @@ source "$(dirname "$0")/common.sh"
 
 usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; }
 
-NAME="" ZONE="" PROJECT="" WORKERS="" TYPE="" LOG_DIR=runs/tpu-logs RUN_NAME=""
+WORKERS="" TYPE="" LOG_DIR=runs/tpu-logs RUN_NAME=""
+TAKES_COMMAND=1
 while [ $# -gt 0 ]; do
   case $1 in
-    --name) NAME=${2-}; shift 2 ;;
-    --zone) ZONE=${2-}; shift 2 ;;
-    --project) PROJECT=${2-}; shift 2 ;;
     --workers) WORKERS=${2-}; shift 2 ;;
     --accelerator-type) TYPE=${2-}; shift 2 ;;
     --log-dir) LOG_DIR=${2-}; shift 2 ;;
     --run-name) RUN_NAME=${2-}; shift 2 ;;
-    --dry-run) DRY_RUN=1; shift ;;
-    -h | --help) usage; exit 0 ;;
     --) shift; break ;;
-    *) die "unknown argument '$1': the jaxrl command goes after -- (see $SCRIPT --help)" ;;
+    *) common_flag "$@"; shift "$SHIFTED" ;;
   esac
 done
-need "$NAME" --name
-need "$ZONE" --zone
+require_target
 [ $# -gt 0 ] || die "no jaxrl command: add it after --, e.g. -- sft --config configs/sft_tiny.py --workdir gs://B/run"
-mapfile -t SCOPE < <(scope_flags "$ZONE" "$PROJECT")
 RUN_NAME=${RUN_NAME:-jaxrl-$(date -u +%Y%m%d-%H%M%S)}
 [[ $RUN_NAME =~ ^[A-Za-z0-9._=-]+$ ]] || die "--run-name '$RUN_NAME' may hold only letters, digits and . _ = -"
 

@@ -14,22 +14,15 @@ source "$(dirname "$0")/common.sh"
 
 usage() { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; }
 
-NAME="" ZONE="" PROJECT="" BUCKET="" PYTHON=3.12
+BUCKET="" PYTHON=3.12
 while [ $# -gt 0 ]; do
   case $1 in
-    --name) NAME=${2-}; shift 2 ;;
-    --zone) ZONE=${2-}; shift 2 ;;
-    --project) PROJECT=${2-}; shift 2 ;;
     --bucket) BUCKET=${2#gs://}; BUCKET=${BUCKET%%/*}; shift 2 ;;
     --python) PYTHON=${2-}; shift 2 ;;
-    --dry-run) DRY_RUN=1; shift ;;
-    -h | --help) usage; exit 0 ;;
-    *) die "unknown argument '$1' (see $SCRIPT --help)" ;;
+    *) common_flag "$@"; shift "$SHIFTED" ;;
   esac
 done
-need "$NAME" --name
-need "$ZONE" --zone
-mapfile -t SCOPE < <(scope_flags "$ZONE" "$PROJECT")
+require_target
 TARBALL=/tmp/jaxrl-src-$NAME.tar.gz
 
 pack() {

@@ -18,13 +18,11 @@ source "$(dirname "$0")/common.sh"
 
 usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
 
-NAME="" ZONE="" PROJECT="" TYPE="" RUN_NAME="" QUEUED=0 MAX_RESTARTS=20 DELETE_WHEN_DONE=0 POLL=30
+TYPE="" RUN_NAME="" QUEUED=0 MAX_RESTARTS=20 DELETE_WHEN_DONE=0 POLL=30
 create_args=() run_args=()
+TAKES_COMMAND=1
 while [ $# -gt 0 ]; do
   case $1 in
-    --name) NAME=${2-}; shift 2 ;;
-    --zone) ZONE=${2-}; shift 2 ;;
-    --project) PROJECT=${2-}; shift 2 ;;
     --accelerator-type) TYPE=${2-}; shift 2 ;;
     --version) create_args+=(--version "${2-}"); shift 2 ;;
     --spot | --preemptible) create_args+=("$1"); shift ;;
@@ -34,17 +32,13 @@ while [ $# -gt 0 ]; do
     --run-name) RUN_NAME=${2-}; shift 2 ;;
     --delete-when-done) DELETE_WHEN_DONE=1; shift ;;
     --poll) POLL=${2-}; shift 2 ;;
-    --dry-run) DRY_RUN=1; shift ;;
-    -h | --help) usage; exit 0 ;;
     --) shift; break ;;
-    *) die "unknown argument '$1': the jaxrl command goes after -- (see $SCRIPT --help)" ;;
+    *) common_flag "$@"; shift "$SHIFTED" ;;
   esac
 done
-need "$NAME" --name
-need "$ZONE" --zone
+require_target
 need "$TYPE" --accelerator-type
 [ $# -gt 0 ] || die "no jaxrl command: add it after --, e.g. -- sft --config configs/sft_tiny.py --workdir gs://B/run"
-mapfile -t SCOPE < <(scope_flags "$ZONE" "$PROJECT")
 RUN_NAME=${RUN_NAME:-jaxrl-$(date -u +%Y%m%d-%H%M%S)}  # each attempt's logs: RUN_NAME-try<k>
 
 workdir="" prev=""
