@@ -192,6 +192,30 @@ def test_sampling_truncations():
     SamplingParams(top_p=1.5)
 
 
+def test_draws_follow_the_distribution_and_never_pick_masked_tokens():
+  """The inverse-CDF draw: empirical frequencies match softmax within 5 standard errors, and
+  zero-probability tokens (top-k masked, or -inf, in blocks of their own and between live ones)
+  are never drawn. V = 512 spans 16 blocks of 32."""
+  n, V = 40_000, 512
+  logits = np.full((V,), -np.inf, np.float32)
+  live = {3: 0.0, 4: 1.0, 40: 2.0, 41: -1.0, 300: 0.5, 511: 1.5}  # blocks 0, 1, 9, 15
+  for t, v in live.items():
+    logits[t] = v
+  logits_nv = jnp.broadcast_to(jnp.asarray(logits), (n, V))
+  keys = jax.random.split(jax.random.key(1), n)
+  tok, logp = jax.jit(lambda k, x: sample_logits(x, k, SamplingParams()))(keys, logits_nv)
+  tok = np.asarray(tok)
+  assert set(tok.tolist()) == set(live)  # every live token drawn, nothing else
+  want = np.asarray(jax.nn.softmax(jnp.asarray(logits)))
+  freq = np.bincount(tok, minlength=V) / n
+  stderr = np.sqrt(want * (1 - want) / n)
+  assert np.all(np.abs(freq - want) <= 5 * stderr + 1e-12), (freq[list(live)], want[list(live)])
+  np.testing.assert_allclose(np.asarray(logp), np.log(want[tok]), rtol=1e-5)
+  # top-k masking: only the two best (blocks 1 and 15) survive
+  tok2, _ = sample_logits(logits_nv[:4000], keys[:4000], SamplingParams(top_k=2))
+  assert set(np.asarray(tok2).tolist()) == {40, 511}
+
+
 def test_sample_command_writes_and_prints_completions(tmp_path, capsys, repo_root, devices):
   import json
   import os
