@@ -13,8 +13,8 @@ from jaxrl.errors import ConfigError
 from jaxrl.models import apply, get_preset, init_cache
 from jaxrl.parallel import cache_sharding, init_params
 from jaxrl.parallel.plan import memory_plan, plan_config
-from jaxrl.parallel.sync import (Overlap, SamplerCopy, WeightSync, live_bytes, make_placement,
-                                 placement_config, sync)
+from jaxrl.parallel.sync import (HostReshard, Overlap, SamplerCopy, WeightSync, host_pool_bytes,
+                                 live_bytes, make_placement, placement_config, release, sync)
 from jaxrl.train.state import init_train_state
 
 MESH_FSDP8 = dict(data=1, fsdp=-1, tensor=1)
@@ -120,10 +120,49 @@ def test_live_bytes_stay_flat_over_20_cycles(colocated, keep):
     copy.before_update()  # colocated: the sampler copy gives its memory back to the update
     params = update(params)
     jax.block_until_ready(params)
-    sizes.append(live_bytes())
-  assert len(set(sizes[1:])) == 1, sizes
+    sizes.append((live_bytes(), host_pool_bytes()))
+  assert len(set(sizes[1:])) == 1, sizes  # neither live arrays nor the CPU sync's pool grow
   # Without keep, only the learner params are live at the update; with keep, one copy more.
-  assert sizes[-1] == cfg.num_params * 4 * (2 if keep else 1)
+  assert sizes[-1][0] == cfg.num_params * 4 * (2 if keep else 1)
+
+
+def _pointers(tree):
+  return [[s.data.unsafe_buffer_pointer() for s in x.addressable_shards]
+          for x in jax.tree.leaves(tree)]
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_cpu_sync_reuses_free_buffers_and_never_overwrites_a_live_copy(mode):
+  """On CPU the sync runs on the host (HostReshard): replicas share one buffer, a released
+  copy's buffers are reused by the next sync, and a copy still alive is never written over."""
+  placement = _placement(mode)
+  cfg = get_preset("tiny")
+  target = placement.sampler.model_shardings(cfg)
+  _, params = init_params(cfg, placement.learner.mesh, "learner", seed=1)
+  assert HostReshard.applies(params, target)
+  first = sync(params, target)
+  if mode == "colocated":  # data=2 replicas of each tensor shard: one buffer, two devices
+    emb = first["embed"]
+    by_region = {}
+    for shard in emb.addressable_shards:
+      by_region.setdefault(str(shard.index), set()).add(shard.data.unsafe_buffer_pointer())
+    assert len(by_region) == 4 and all(len(p) == 1 for p in by_region.values())
+  pointers, pool = _pointers(first), host_pool_bytes()
+  release(first)
+  second = sync(params, target)
+  assert _pointers(second) == pointers and host_pool_bytes() == pool  # reused, not grown
+  # A live copy (second) is kept: the next sync must write elsewhere and leave it intact.
+  moved = jax.tree.map(lambda x: x + 1.0, params)
+  third = sync(moved, target)
+  assert all(not set(a) & set(b) for a, b in zip(_pointers(third), _pointers(second)))
+  for p, m, b, c in zip(*(jax.tree.leaves(t) for t in (params, moved, second, third))):
+    np.testing.assert_array_equal(np.asarray(b), np.asarray(p))
+    np.testing.assert_array_equal(np.asarray(c), np.asarray(m))
+  # A third live copy is allocated outside the pool (at most two sets are pooled).
+  fourth = sync(params, target)
+  assert host_pool_bytes() <= 2 * pool + pool // 2
+  for t in (second, third, fourth):
+    release(t)
 
 
 def test_overlap_runs_generation_beside_training(disaggregated):

@@ -183,8 +183,11 @@ def memory_plan(cfg: ModelConfig, placement: Placement, section=None, *,
   train_only = ("actor gradients", "critic gradients", "activations (estimate)")
   if placement.mode == "colocated":
     resident = sum(v for k, v in learner.items() if k not in train_only)
-    train_peak = sum(learner.values()) + (sum(sampler.values()) if placement.keep_sampler_copy
-                                          else 0)
+    kept = sum(sampler.values()) if placement.keep_sampler_copy else 0
+    if not kept and _host_sync(placement):
+      # On CPU the sync's pooled host buffers (one sampler copy) stay allocated over the update.
+      kept = sampler["sampler weights"]
+    train_peak = sum(learner.values()) + kept
     gen_peak = resident + sum(sampler.values())
     learner_peak, sampler_peak = train_peak, gen_peak
   else:
@@ -203,6 +206,13 @@ def memory_plan(cfg: ModelConfig, placement: Placement, section=None, *,
   if plan.fits is False:
     plan.suggestions = _suggest(plan, placement, p, cfg)
   return plan
+
+
+def _host_sync(placement: Placement) -> bool:
+  """The sync runs on the host (parallel.sync.HostReshard): every device a CPU device of one
+  process."""
+  devices = set(placement.learner.mesh.devices.flat) | set(placement.sampler.mesh.devices.flat)
+  return jax.process_count() == 1 and all(d.platform == "cpu" for d in devices)
 
 
 def _suggest(plan: MemoryPlan, placement: Placement, p, cfg: ModelConfig) -> list[str]:
