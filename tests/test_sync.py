@@ -12,6 +12,7 @@ import pytest
 from jaxrl.errors import ConfigError
 from jaxrl.models import apply, get_preset, init_cache
 from jaxrl.parallel import cache_sharding, init_params
+from jaxrl.parallel import sync as sync_lib
 from jaxrl.parallel.plan import memory_plan, plan_config
 from jaxrl.parallel.sync import (HostReshard, Overlap, SamplerCopy, WeightSync, host_pool_bytes,
                                  live_bytes, make_placement, placement_config, release, sync)
@@ -108,8 +109,11 @@ def test_donated_source_is_freed(colocated):
     np.testing.assert_array_equal(e, np.asarray(b))
 
 
+@pytest.mark.parametrize("host", [False, True])
 @pytest.mark.parametrize("keep", [False, True])
-def test_live_bytes_stay_flat_over_20_cycles(colocated, keep):
+def test_live_bytes_stay_flat_over_20_cycles(colocated, keep, host, monkeypatch):
+  if host:  # every leaf through the host reshard and its buffer pool
+    monkeypatch.setattr(sync_lib, "HOST_RESHARD_MIN_BYTES", 0)
   cfg = get_preset("tiny")
   _, params = init_params(cfg, colocated.learner.mesh, "learner")
   copy = SamplerCopy(WeightSync(cfg, colocated), keep=keep)
@@ -132,9 +136,11 @@ def _pointers(tree):
 
 
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
-def test_cpu_sync_reuses_free_buffers_and_never_overwrites_a_live_copy(mode):
+def test_cpu_sync_reuses_free_buffers_and_never_overwrites_a_live_copy(mode, monkeypatch):
   """On CPU the sync runs on the host (HostReshard): replicas share one buffer, a released
-  copy's buffers are reused by the next sync, and a copy still alive is never written over."""
+  copy's buffers are reused by the next sync, and a copy still alive is never written over.
+  (Every leaf takes the host path here; by default only leaves of 4 MiB and more do.)"""
+  monkeypatch.setattr(sync_lib, "HOST_RESHARD_MIN_BYTES", 0)
   placement = _placement(mode)
   cfg = get_preset("tiny")
   target = placement.sampler.model_shardings(cfg)

@@ -27,7 +27,7 @@ from jaxrl.errors import ConfigError
 from jaxrl.models import (CACHE_AXES, ModelConfig, RewardModel, abstract_model, cache_shape,
                           get_preset)
 from jaxrl.parallel.layouts import get_rules, logical_spec
-from jaxrl.parallel.sync import Layout, Placement
+from jaxrl.parallel.sync import HOST_RESHARD_MIN_BYTES, Layout, Placement
 
 GIB = 1 << 30
 # Per-chip (TPU) or per-GPU memory in GiB.
@@ -61,19 +61,23 @@ def _dtype_bytes(name: str) -> int:
   return 2 if name == "bfloat16" else 4
 
 
-def tree_bytes_per_device(shapes, axes, layout: Layout, dtype_bytes: int | None = None) -> int:
-  """Bytes one device holds of a tree under a layout (every array evenly sharded)."""
+def tree_bytes_per_device(shapes, axes, layout: Layout, dtype_bytes: int | None = None, *,
+                          min_leaf_bytes: int = 0) -> int:
+  """Bytes one device holds of a tree under a layout (every array evenly sharded), counting
+  only leaves of at least `min_leaf_bytes` (whole-array size)."""
   rules = get_rules(layout.rules)
   flat_s = jax.tree_util.tree_leaves(shapes)
   flat_a = jax.tree_util.tree_structure(shapes).flatten_up_to(axes)
   total = 0
   for x, ax in zip(flat_s, flat_a):
+    item = np.dtype(x.dtype).itemsize if dtype_bytes is None else dtype_bytes
+    if int(np.prod(x.shape)) * item < min_leaf_bytes:
+      continue
     spec, _ = logical_spec(ax, x.shape, rules, layout.mesh)
     ways = 1
     for s in spec:
       for a in ((s,) if isinstance(s, str) else (s or ())):
         ways *= layout.mesh.shape[a]
-    item = np.dtype(x.dtype).itemsize if dtype_bytes is None else dtype_bytes
     total += int(np.prod(x.shape)) * item // ways
   return total
 
@@ -185,8 +189,11 @@ def memory_plan(cfg: ModelConfig, placement: Placement, section=None, *,
     resident = sum(v for k, v in learner.items() if k not in train_only)
     kept = sum(sampler.values()) if placement.keep_sampler_copy else 0
     if not kept and _host_sync(placement):
-      # On CPU the sync's pooled host buffers (one sampler copy) stay allocated over the update.
-      kept = sampler["sampler weights"]
+      # On CPU the sync's pooled host buffers (one copy of the leaves it reshards on the host)
+      # stay allocated over the update.
+      kept = tree_bytes_per_device(
+          shapes, axes, S, _dtype_bytes(sync_dtype) if sync_dtype else None,
+          min_leaf_bytes=HOST_RESHARD_MIN_BYTES)
     train_peak = sum(learner.values()) + kept
     gen_peak = resident + sum(sampler.values())
     learner_peak, sampler_peak = train_peak, gen_peak

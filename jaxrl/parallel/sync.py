@@ -140,7 +140,7 @@ def sync(params, target_shardings, *, dtype=None, donate: bool = False):
     except ImportError:
       pass
   if HostReshard.applies(params, target_shardings):
-    out = _HOST.reshard(params, target_shardings)
+    out = _HOST.reshard(params, target_shardings, min_bytes=HOST_RESHARD_MIN_BYTES)
   else:
     # may_alias=False: the sampler copy never shares a buffer with the learner's, so releasing
     # one (SamplerCopy.before_update) can never free the other's memory.
@@ -170,6 +170,10 @@ class HostReshard:
   would make every sync fault in fresh pages, ~7x slower).
 
   A learner copy is never aliased, so releasing one side never frees the other's memory.
+
+  Leaves under `min_bytes` go through one jax.device_put instead: the host path costs ~0.2 ms
+  of Python per leaf, and measured on 8 fake devices device_put was faster below ~4 MiB per
+  leaf (0.25 MiB: 0.12 vs 0.57 ms colocated) and slower above it (16 MiB: 0.23x vs 0.6x memcpy).
   """
 
   def __init__(self, *, max_sets: int = 2, threads: int | None = None):
@@ -193,9 +197,16 @@ class HostReshard:
   def pooled_bytes(self) -> int:
     return sum(raw.nbytes for raws in self._pool.values() for raw in raws)
 
-  def reshard(self, params, target_shardings):
+  def reshard(self, params, target_shardings, *, min_bytes: int = 0):
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     targets = jax.tree.leaves(target_shardings)
+    small = [i for i, (_, x) in enumerate(leaves) if x.nbytes < min_bytes]
+    moved = dict(zip(small, jax.device_put([leaves[i][1] for i in small],
+                                           [targets[i] for i in small], may_alias=False)))
+    if len(small) == len(leaves):
+      return jax.tree.unflatten(treedef, [moved[i] for i in range(len(leaves))])
+    big = [i for i in range(len(leaves)) if i not in moved]
+    leaves, targets = [leaves[i] for i in big], [targets[i] for i in big]
     # The runtime drops its references to host buffers of deleted arrays lazily, the next time
     # Python calls into it; a tiny transfer flushes them, so a copy released just before this
     # sync has its buffers seen as free.
@@ -222,7 +233,8 @@ class HostReshard:
       # One batched transfer per leaf; on CPU an aligned buffer is taken without a copy.
       out.append(jax.make_array_from_callback(
           x.shape, target, lambda index, shape=x.shape, bufs=bufs: bufs[_region(index, shape)]))
-    return jax.tree.unflatten(treedef, out)
+    moved.update(zip(big, out))
+    return jax.tree.unflatten(treedef, [moved[i] for i in range(len(moved))])
 
   def _build(self, name, dtype, region, sources):
     shape = tuple(hi - lo for lo, hi in region)
@@ -260,6 +272,7 @@ def _aligned_view(raw: np.ndarray, shape, dtype) -> np.ndarray:
 
 
 _HOST = HostReshard()
+HOST_RESHARD_MIN_BYTES = 4 << 20  # smaller leaves take jax.device_put (see HostReshard)
 
 
 def host_pool_bytes() -> int:
