@@ -157,7 +157,7 @@ def test_shared_prompt_forward_equals_the_joined_forward(devices):
       # joined row n holds completion token t at target index len(prompt) - 1 + t
       logp = np.stack([logp[n, rollout.prompt_lengths[n] - 1:][:Tc] for n in range(P * G)])
     else:
-      logp = np.asarray(grpo.make_grouped_logprobs_fn(graphdef, 1.0)(
+      logp = np.asarray(grpo.make_batch_logprobs_fn(graphdef, 1.0)(
           state.params, put_batch({k: batch[k] for k in ("prompt", "prompt_len", "completion")},
                                   bs))[0])
     mask = batch["mask"]

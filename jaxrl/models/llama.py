@@ -293,12 +293,10 @@ class Transformer(nnx.Module):
   def hidden(self, tokens_bt, positions_bt=None, *, segment_ids_bt=None,
              cache: KVCache | None = None):
     """Final-normed hidden states [B, T, D] and the KV (the prefix's, or the updated cache)."""
-    cfg = self.cfg
     if positions_bt is None:
       positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-    rope = rope_angles(positions_bt, jnp.asarray(
-        rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)))
-    x = jnp.take(self.embed[...], tokens_bt, axis=0).astype(_dtype(cfg.dtype))
+    rope = self._rope(positions_bt)
+    x = self._embed(tokens_bt)
     new_cache = []
     for i, layer in enumerate(self.layers):
       x, kv = layer(x, positions_bt, rope, segment_ids=segment_ids_bt,
@@ -316,18 +314,14 @@ class Transformer(nnx.Module):
     prompt's last real position, index t > 0 the completion's position t - 1. The same values
     as the full forward over each joined, unpadded prompt + completion.
     """
-    cfg = self.cfg
     (P, Tp), (N, Tc) = prompt_pt.shape, completion_nt.shape
     G = N // P
-    inv = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
     pos_p = jnp.broadcast_to(jnp.arange(Tp), (P, Tp))
     # The completions' last token predicts nothing here: only tokens 0 .. Tc-2 are run.
     pos_n = jnp.repeat(prompt_len_p, G)[:, None] + jnp.arange(Tc - 1)[None, :]
-    rope_p, rope_n = rope_angles(pos_p, inv), rope_angles(pos_n, inv)
+    rope_p, rope_n = self._rope(pos_p), self._rope(pos_n)
     valid_ps = jnp.arange(Tp)[None, :] < prompt_len_p[:, None]
-    dt = _dtype(cfg.dtype)
-    x_p = jnp.take(self.embed[...], prompt_pt, axis=0).astype(dt)
-    x_n = jnp.take(self.embed[...], completion_nt[:, :-1], axis=0).astype(dt)
+    x_p, x_n = self._embed(prompt_pt), self._embed(completion_nt[:, :-1])
     for layer in self.layers:
       # The prompt's own pass first (its padding comes after every real token, so it never
       # reaches a real position), then the completions attend to its valid keys.
@@ -336,6 +330,14 @@ class Transformer(nnx.Module):
     last_p = jnp.take_along_axis(x_p, (prompt_len_p - 1)[:, None, None], axis=1)  # [P, 1, D]
     h = jnp.concatenate([jnp.repeat(last_p, G, axis=0), x_n], axis=1)
     return self.final_norm(h)
+
+  def _embed(self, tokens_bt):
+    return jnp.take(self.embed[...], tokens_bt, axis=0).astype(_dtype(self.cfg.dtype))
+
+  def _rope(self, positions_bt):
+    cfg = self.cfg
+    return rope_angles(positions_bt, jnp.asarray(
+        rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)))
 
   def logits(self, h_btd):
     """Logits in float32; the matmul accumulates in float32 whatever the compute dtype.

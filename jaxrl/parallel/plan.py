@@ -15,9 +15,8 @@ arithmetic from the layouts.
 
 from __future__ import annotations
 
-import functools
-
 import dataclasses
+import functools
 
 import jax
 import ml_collections
@@ -27,7 +26,7 @@ from jaxrl.errors import ConfigError
 from jaxrl.models import (CACHE_AXES, ModelConfig, RewardModel, abstract_model, cache_shape,
                           get_preset)
 from jaxrl.parallel.layouts import get_rules, logical_spec
-from jaxrl.parallel.sync import HOST_RESHARD_MIN_BYTES, Layout, Placement
+from jaxrl.parallel.sync import HOST_RESHARD_MIN_BYTES, Layout, Placement, host_memory
 
 GIB = 1 << 30
 # Per-chip (TPU) or per-GPU memory in GiB.
@@ -188,7 +187,7 @@ def memory_plan(cfg: ModelConfig, placement: Placement, section=None, *,
   if placement.mode == "colocated":
     resident = sum(v for k, v in learner.items() if k not in train_only)
     kept = sum(sampler.values()) if placement.keep_sampler_copy else 0
-    if not kept and _host_sync(placement):
+    if not kept and host_memory(set(L.mesh.devices.flat) | set(S.mesh.devices.flat)):
       # On CPU the sync's pooled host buffers (one copy of the leaves it reshards on the host)
       # stay allocated over the update.
       kept = tree_bytes_per_device(
@@ -213,13 +212,6 @@ def memory_plan(cfg: ModelConfig, placement: Placement, section=None, *,
   if plan.fits is False:
     plan.suggestions = _suggest(plan, placement, p, cfg)
   return plan
-
-
-def _host_sync(placement: Placement) -> bool:
-  """The sync runs on the host (parallel.sync.HostReshard): every device a CPU device of one
-  process."""
-  devices = set(placement.learner.mesh.devices.flat) | set(placement.sampler.mesh.devices.flat)
-  return jax.process_count() == 1 and all(d.platform == "cpu" for d in devices)
 
 
 def _suggest(plan: MemoryPlan, placement: Placement, p, cfg: ModelConfig) -> list[str]:

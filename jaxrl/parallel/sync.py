@@ -185,14 +185,12 @@ class HostReshard:
 
   @staticmethod
   def applies(params, target_shardings) -> bool:
-    if jax.process_count() > 1:
-      return False
     devices = set()
     for x, t in zip(jax.tree.leaves(params), jax.tree.leaves(target_shardings)):
       if not isinstance(x, jax.Array) or not hasattr(t, "devices_indices_map"):
         return False
       devices |= x.sharding.device_set | t.device_set
-    return bool(devices) and all(d.platform == "cpu" for d in devices)
+    return host_memory(devices)
 
   def pooled_bytes(self) -> int:
     return sum(raw.nbytes for raws in self._pool.values() for raw in raws)
@@ -259,6 +257,14 @@ class HostReshard:
       if len(raws) < self.max_sets:
         raws.append(raw)
     return _aligned_view(raw, shape, dtype)
+
+
+def host_memory(devices) -> bool:
+  """Every device is a CPU device of this (single) process, so all of them are host memory:
+  the condition for HostReshard, and for the memory plan to count its pool."""
+  devices = set(devices)
+  return (jax.process_count() == 1 and bool(devices) and
+          all(d.platform == "cpu" for d in devices))
 
 
 def _region(index, shape) -> tuple[tuple[int, int], ...]:

@@ -14,7 +14,6 @@ verifiable accuracy in view is how jaxrl guards against gaming it.
 from __future__ import annotations
 
 import functools
-
 import json
 import os
 

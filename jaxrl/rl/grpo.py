@@ -246,25 +246,27 @@ def grouped_learner_batch(rollout, *, prompt_len: int, group: int,
           "mask": mask, "sampler_logp": (rollout.logprobs * mask).astype(np.float32)}
 
 
+def batch_logprobs(graphdef, params, batch, temperature: float):
+  """(log-probs, entropy) of a learner batch's targets, in either form: grouped_learner_batch's
+  (each prompt once; [N, Tc] on the completion's own index) or learner_batch's joined rows."""
+  if "prompt" in batch:
+    model = nnx.merge(graphdef, params)
+    h = model.grouped_hidden(batch["prompt"], batch["prompt_len"][:, 0], batch["completion"])
+    return token_logprobs(model.logits(h), batch["completion"], temperature=temperature)
+  logits, _ = apply(graphdef, params, batch["inputs"], batch["positions"])
+  return token_logprobs(logits, batch["targets"], temperature=temperature)
+
+
+def make_batch_logprobs_fn(graphdef, temperature: float):
+  """Jitted (params, learner batch of either form) -> (log-probs, entropy)."""
+  return jax.jit(lambda params, batch: batch_logprobs(graphdef, params, batch, temperature))
+
+
 def make_logprobs_fn(graphdef, temperature: float):
   """Jitted (params, inputs, targets, positions) -> (log-probs, entropy) of the targets."""
-  @jax.jit
-  def fn(params, inputs, targets, positions):
-    logits, _ = apply(graphdef, params, inputs, positions)
-    return token_logprobs(logits, targets, temperature=temperature)
-  return fn
-
-
-def grouped_logprobs(graphdef, params, batch, temperature: float):
-  """(log-probs, entropy) [N, Tc] of a grouped_learner_batch's completions."""
-  model = nnx.merge(graphdef, params)
-  h = model.grouped_hidden(batch["prompt"], batch["prompt_len"][:, 0], batch["completion"])
-  return token_logprobs(model.logits(h), batch["completion"], temperature=temperature)
-
-
-def make_grouped_logprobs_fn(graphdef, temperature: float):
-  """Jitted (params, grouped batch) -> (log-probs, entropy) [N, Tc] of the completions."""
-  return jax.jit(lambda params, batch: grouped_logprobs(graphdef, params, batch, temperature))
+  fn = make_batch_logprobs_fn(graphdef, temperature)
+  return lambda params, inputs, targets, positions: fn(
+      params, {"inputs": inputs, "targets": targets, "positions": positions})
 
 
 def grpo_loss(graphdef, a, *, temperature: float, norm_len: int):
@@ -279,11 +281,7 @@ def grpo_loss(graphdef, a, *, temperature: float, norm_len: int):
   whatever the aggregation."""
   def loss_fn(params, batch, key):
     del key
-    if "prompt" in batch:  # the shared-prompt form (grouped_learner_batch)
-      logp, entropy = grouped_logprobs(graphdef, params, batch, temperature)
-    else:
-      logits, _ = apply(graphdef, params, batch["inputs"], batch["positions"])
-      logp, entropy = token_logprobs(logits, batch["targets"], temperature=temperature)
+    logp, entropy = batch_logprobs(graphdef, params, batch, temperature)
     mask = batch["mask"]
     old_logp = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp)
     log_ratio = jnp.where(mask > 0, old_logp - batch["sampler_logp"], 0.0)
@@ -492,8 +490,7 @@ def run(config, workdir: str, *, out=print) -> dict:
         f"divisible by algo.minibatches x replicas = {a.minibatches * replicas}, so each "
         f"completion runs with its own copy of its prompt")
   shd = batch_sharding(mesh, 2, "learner")
-  logprobs_fn = make_logprobs_fn(graphdef, r.temperature)
-  grouped_logprobs_fn = make_grouped_logprobs_fn(graphdef, r.temperature)
+  logprobs_fn = make_batch_logprobs_fn(graphdef, r.temperature)
   loss_fn = grpo_loss(graphdef, a, temperature=r.temperature, norm_len=r.max_new_tokens)
   # One update per step with KL in the loss: the update's forward gives the old log-probs.
   fused_old = (a.old_logp_from_update and a.num_iterations * a.minibatches == 1
@@ -618,9 +615,7 @@ def run(config, workdir: str, *, out=print) -> dict:
     dev = put({k: batch[k] for k in inputs})
 
     def forward(params):
-      if grouped:
-        return grouped_logprobs_fn(params, dev)
-      return logprobs_fn(params, dev["inputs"], dev["targets"], dev["positions"])
+      return logprobs_fn(params, dev)
 
     t_score, old = 0.0, {}
     if not fused_old:

@@ -20,7 +20,6 @@ and the mean and std of the chosen and rejected rewards and of their margin.
 from __future__ import annotations
 
 import functools
-
 import json
 
 import jax
