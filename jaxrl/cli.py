@@ -138,6 +138,10 @@ def _data_parser(sub) -> None:
                  help="rl: {prompt, answer}; sft: {prompt, completion} (default: rl)")
   e.add_argument("--error-rate", type=float, default=0.0,
                  help="sft only: fraction of deliberately wrong completions (default 0)")
+  e.add_argument("--error-mode", default="random", choices=("random", "systematic"),
+                 help="sft only: random slips on that fraction of all records, or the task's "
+                      "systematic mistake (addition: a dropped carry) on that fraction of the "
+                      "records where it applies (default: random)")
   e.add_argument("--seed", type=int, default=0)
   f = data_sub.add_parser("prefs", help="write preference pairs {prompt, chosen, rejected} "
                           "from a built-in task (chosen correct, rejected wrong), optionally "
@@ -334,7 +338,8 @@ def cmd_data(args, overrides) -> None:
           f"fingerprint {fingerprint(records)}")
     return
   if args.format == "sft":
-    records = task.sft_records(args.split, args.n, args.seed, error_rate=args.error_rate)
+    records = task.sft_records(args.split, args.n, args.seed, error_rate=args.error_rate,
+                               error_mode=args.error_mode)
   elif args.error_rate:
     raise ConfigError("--error-rate applies to --format sft only: drop it or add --format sft.")
   else:

@@ -1,7 +1,11 @@
 """The embedded default job behind `make demo` / `jaxrl demo`: SFT, then GRPO, on CPU.
 
-  1. SFT of the tiny model on noisy demonstrations of the built-in addition task;
-  2. GRPO from that checkpoint with the task's verifiable reward and a KL-anchored reference;
+  1. SFT of the tiny model on demonstrations of the built-in addition task from a labeller who
+     drops the carry on 60% of the sums that have one. That slip is the majority answer on
+     those prompts, so SFT learns it and greedy decoding repeats it;
+  2. GRPO from that checkpoint with the task's verifiable reward and a KL-anchored reference:
+     the right answer still has real probability under the SFT policy, and the verifier
+     rewards it, so RL improves on what imitation of this labeller can reach;
   3. a table of held-out accuracy after SFT and after GRPO, with KL and the time split, written
      with a PNG plot of reward, KL and held-out accuracy to runs/demo/.
 
@@ -22,8 +26,12 @@ from jaxrl import config as config_lib
 from jaxrl.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SFT_OVERRIDES = {"data.error_rate": 0.2, "train.steps": 600, "train.log_every": 100,
-                 "train.save_every": 300, "eval.every": 300}
+# Measured: held-out 0.559 after SFT -> 0.773 after GRPO (KL max 0.055); over other seeds and
+# numerics the gain was +0.08..+0.31.
+# Random slips (error_mode "random") are hidden by greedy decoding and left GRPO little to fix
+# (0.00..+0.10 over seeds): README, "The demo".
+SFT_OVERRIDES = {"data.error_mode": "systematic", "data.error_rate": 0.6, "train.steps": 1000,
+                 "train.log_every": 100, "train.save_every": 500, "eval.every": 500}
 GRPO_OVERRIDES = {"train.steps": 80, "train.log_every": 5, "train.save_every": 20,
                   "eval.every": 20}
 
@@ -50,7 +58,7 @@ def run(workdir: str = "runs/demo", *, overrides: list[str] = (), out=print) -> 
       f"workdir {workdir}")
   t0 = time.perf_counter()
   sft_dir, grpo_dir = os.path.join(workdir, "sft"), os.path.join(workdir, "grpo")
-  out("\n== 1. SFT on noisy demonstrations (20% wrong answers) ==")
+  out("\n== 1. SFT on demonstrations that drop the carry (60% of the sums with one) ==")
   sft_summary = sft.run(_config("sft_tiny.py", SFT_OVERRIDES, list(overrides)), sft_dir,
                         out=out)
   t_sft = time.perf_counter() - t0

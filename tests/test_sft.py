@@ -155,6 +155,11 @@ def test_bad_sft_config_is_one_sentence(repo_root, tmp_path, capsys):
   err = capsys.readouterr().err.strip()
   assert err.count("\n") == 0 and "optim.schedule='linear' is not valid" in err
   with pytest.raises(SystemExit):
+    cli.main(["sft", "--config", CONFIG, "--workdir", str(tmp_path),
+              "--config.data.error_mode=systemic"])
+  err = capsys.readouterr().err.strip()
+  assert "data.error_mode='systemic' is not valid. Did you mean 'systematic'?" in err
+  with pytest.raises(SystemExit):
     cli.main(["sft", "--config", CONFIG])
   assert "--workdir is required" in capsys.readouterr().err
 

@@ -92,6 +92,43 @@ def test_error_rate_gives_that_fraction_of_wrong_demos(name, rate):
   assert wrong == round(rate * n)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_systematic_errors_are_the_tasks_one_slip_where_it_applies(name):
+  """error_mode="systematic": each prompt where the task's slip applies gets it with
+  probability error_rate (a binomial count within 4 standard deviations); every other
+  demonstration is right, and every slip is wrong and deterministic."""
+  task = get_task(name)
+  n, rate = 2000, 0.6
+  sft = task.sft_records("train", n, seed=5, error_rate=rate, error_mode="systematic")
+  assert sft == task.sft_records("train", n, seed=5, error_rate=rate, error_mode="systematic")
+  ref = task.records("train", n, seed=5)
+  applies = slipped = 0
+  for s, r in zip(sft, ref):
+    slip = task.slip(r["prompt"], r["answer"])
+    if slip is None:
+      assert s["completion"] == r["answer"]
+      continue
+    applies += 1
+    assert task.check(slip, r["answer"]) == 0.0
+    if s["completion"] != r["answer"]:
+      assert s["completion"] == slip
+      slipped += 1
+  assert applies > 200
+  assert abs(slipped - rate * applies) < 4 * (applies * rate * (1 - rate)) ** 0.5
+  none = task.sft_records("train", n, seed=5, error_rate=0.0, error_mode="systematic")
+  assert [s["completion"] for s in none] == [r["answer"] for r in ref]
+
+
+def test_the_slips_are_the_named_mistakes():
+  add, srt, rev = get_task("addition"), get_task("sort"), get_task("reverse")
+  assert add.slip("17+25=", "42") == "32"  # the carry out of the units dropped
+  assert add.slip("12+34=", "46") is None  # no carry: no slip
+  assert add.slip("95+7=", "102") == "92"
+  assert srt.slip("sort 3133:", "1333") == "13" and srt.slip("sort 312:", "123") is None
+  assert rev.slip("reverse abcde:", "edcba") == "ebcda"
+  assert rev.slip("reverse abc:", "cba") is None  # the outer swap is the whole reversal
+
+
 def test_digit_count_is_configurable():
   four = get_task("addition", min_digits=4, max_digits=4).records("train", 50, 0)
   for r in four:
@@ -127,3 +164,6 @@ def test_bad_arguments_are_config_errors():
     task.records("dev", 3, 0)
   with pytest.raises(ConfigError, match="error_rate=1.5"):
     task.sft_records("train", 3, 0, error_rate=1.5)
+  with pytest.raises(ConfigError, match="error_mode='systemic' is not valid. Did you mean "
+                                        "'systematic'"):
+    task.sft_records("train", 3, 0, error_rate=0.5, error_mode="systemic")

@@ -26,6 +26,7 @@ SPLITS = ("train", "test")
 # salted per process and would make the split differ between runs.
 _TEST_BUCKETS = 5
 _EOS_TEXT = "<eos>"
+ERROR_MODES = ("random", "systematic")  # how an imperfect SFT labeller errs: see sft_records
 
 
 def split_of(prompt: str) -> str:
@@ -85,16 +86,35 @@ class Task:
     """RL records {"prompt", "answer"}: `n` draws from `split`, the same for the same seed."""
     return [{"prompt": p, "answer": a} for p, a in self._draw(split, n, seed)]
 
-  def sft_records(self, split: str, n: int, seed: int, error_rate: float = 0.0) -> list[dict]:
-    """SFT demonstrations {"prompt", "completion"}; round(error_rate * n) of them are wrong.
+  def slip(self, prompt: str, answer: str) -> str | None:
+    """The task's systematic mistake on `prompt` (never equal to `answer`), or None where the
+    mistake cannot be made (e.g. a carry dropped from a sum that has no carry)."""
+    raise NotImplementedError
 
-    The wrong ones are chosen at random (seeded) and hold a plausible wrong answer, so a model
-    imitating them is imperfect and RL has headroom to improve on SFT.
+  def sft_records(self, split: str, n: int, seed: int, error_rate: float = 0.0,
+                  error_mode: str = "random") -> list[dict]:
+    """SFT demonstrations {"prompt", "completion"} from an imperfect labeller.
+
+    error_mode "random": round(error_rate * n) demonstrations, chosen at random (seeded), hold a
+    plausible wrong answer (`corrupt`). A model imitating them is imperfect, but the right answer
+    stays each prompt's most likely one, so greedy decoding mostly hides the noise.
+
+    error_mode "systematic": the labeller makes the task's one systematic mistake (`slip`, e.g.
+    a dropped carry) on each prompt where it can, with probability error_rate. Above 0.5 the
+    mistake is the majority answer on those prompts, so SFT learns it and greedy decoding
+    repeats it, while the right answer keeps real probability: the case where RL against a
+    verifier improves on imitation.
     """
     if not 0.0 <= error_rate <= 1.0:
       raise ConfigError(f"error_rate={error_rate!r} is not valid: give a fraction in [0, 1].")
+    check_choice("error_mode", error_mode, ERROR_MODES)
     pairs = self._draw(split, n, seed)
     rng = np.random.default_rng([int(seed), 7919, zlib.crc32(self.name.encode())])
+    if error_mode == "systematic":
+      slips = [self.slip(p, a) for p, a in pairs]
+      draws = rng.random(len(pairs))
+      return [{"prompt": p, "completion": w if w is not None and u < error_rate else a}
+              for (p, a), w, u in zip(pairs, slips, draws)]
     wrong = set(rng.choice(n, size=round(error_rate * n), replace=False).tolist()) if n else set()
     return [{"prompt": p, "completion": self.corrupt(rng, p, a) if i in wrong else a}
             for i, (p, a) in enumerate(pairs)]
@@ -124,6 +144,11 @@ class Addition(Task):
         rng, self.min_digits, self.max_digits)
     return f"{a}+{b}=", str(a + b)
 
+  def slip(self, prompt, answer):
+    # The carry out of the units dropped: 17+25 -> 32. Sums without that carry have no slip.
+    a, b = (int(x) for x in prompt.removesuffix("=").split("+"))
+    return str(a + b - 10) if a % 10 + b % 10 >= 10 else None
+
   def corrupt(self, rng, prompt, answer):
     # Off by a small amount, the kind of slip a half-trained model makes (a carry dropped).
     delta = int(rng.choice([-10, -2, -1, 1, 2, 10]))
@@ -141,6 +166,11 @@ class SortDigits(Task):
     n = int(rng.integers(self.min_len, self.max_len + 1))
     s = "".join(str(int(d)) for d in rng.integers(0, 10, n))
     return f"sort {s}:", "".join(sorted(s))
+
+  def slip(self, prompt, answer):
+    # Each digit written once (sorted as a set, not a multiset): 3133 -> 13. Needs a repeat.
+    out = "".join(sorted(set(answer)))
+    return out if out != answer else None
 
   def corrupt(self, rng, prompt, answer):
     s = list(answer)
@@ -164,6 +194,12 @@ class Reverse(Task):
     n = int(rng.integers(self.min_len, self.max_len + 1))
     s = "".join(chr(ord("a") + int(c)) for c in rng.integers(0, 26, n))
     return f"reverse {s}:", s[::-1]
+
+  def slip(self, prompt, answer):
+    # Only the outer letters swapped, the inside left as it was: abcde -> ebcda.
+    word = answer[::-1]
+    out = word[-1] + word[1:-1] + word[0]
+    return out if out != answer else None
 
   def corrupt(self, rng, prompt, answer):
     s = list(answer)
@@ -205,5 +241,5 @@ def get_task(name: str, **options) -> Task:
   return task
 
 
-__all__ = ["Addition", "Reverse", "SortDigits", "TASKS", "Task", "extract_answer", "get_task",
+__all__ = ["ERROR_MODES", "Addition", "Reverse", "SortDigits", "TASKS", "Task", "extract_answer", "get_task",
            "split_of"]

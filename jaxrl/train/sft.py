@@ -19,6 +19,7 @@ from jaxrl.data import ON_BAD_ROW, read_jsonl, sft_batches
 from jaxrl.errors import ConfigError
 from jaxrl.models import apply, token_logprobs
 from jaxrl.parallel import batch_sharding, mesh_from_config
+from jaxrl.tasks import ERROR_MODES
 from jaxrl.train.checkpoint import Checkpointer
 from jaxrl.train.data import ShardedBatches, check_batch_size, data_shards
 from jaxrl.train.evaluation import ExactMatch, global_array, make_eval_loss
@@ -27,6 +28,7 @@ from jaxrl.train.optim import make_optimizer
 from jaxrl.train.state import init_train_state, make_train_step, put_batch, start_from_hf
 
 config_lib.CHOICES["data.on_bad_row"] = ON_BAD_ROW
+config_lib.CHOICES["data.error_mode"] = ERROR_MODES
 
 
 def default_config():
@@ -41,7 +43,11 @@ def default_config():
       train_file="",       # JSONL of {"prompt","completion"} or {"messages"}: replaces the task
       eval_file="",        # JSONL of held-out SFT rows for eval/loss (default: the task's test)
       train_examples=50_000,
-      error_rate=0.0,      # fraction of wrong demonstrations (headroom for RL later)
+      error_rate=0.0,      # how often the task's demonstrations are wrong (headroom for RL)
+      error_mode="random", # "random": that fraction of all demos, a random slip each (greedy
+                           # decoding mostly hides it); "systematic": the task's one mistake
+                           # (addition: a dropped carry) on that fraction of the prompts
+                           # where it applies (above 0.5 SFT learns it: see tasks.sft_records)
       seq_len=16,
       batch_size=64,       # global, over all processes
       packing=False,
@@ -82,7 +88,8 @@ def _records(config):
   if d.train_file:
     train, _ = read_jsonl(d.train_file, "sft", on_bad_row=d.on_bad_row)
   elif task is not None:
-    train = task.sft_records("train", d.train_examples, seed, error_rate=d.error_rate)
+    train = task.sft_records("train", d.train_examples, seed, error_rate=d.error_rate,
+                             error_mode=d.error_mode)
   else:
     raise ConfigError("data.task and data.train_file are both empty: set data.task to a "
                       "built-in task (e.g. addition) or data.train_file to a JSONL file.")
