@@ -193,8 +193,9 @@ def test_sampling_truncations():
 
 
 def test_draws_follow_the_distribution_and_never_pick_masked_tokens():
-  """Empirical frequencies of the draws match softmax within 5 standard errors, and
-  zero-probability tokens (top-k masked, or -inf, spread over the vocabulary) are never drawn."""
+  """The inverse-CDF draw: empirical frequencies match softmax within 5 standard errors, and
+  zero-probability tokens (top-k masked, or -inf, in blocks of their own and between live ones)
+  are never drawn. V = 512 spans 16 blocks of 32."""
   n, V = 40_000, 512
   logits = np.full((V,), -np.inf, np.float32)
   live = {3: 0.0, 4: 1.0, 40: 2.0, 41: -1.0, 300: 0.5, 511: 1.5}  # blocks 0, 1, 9, 15
@@ -210,7 +211,7 @@ def test_draws_follow_the_distribution_and_never_pick_masked_tokens():
   stderr = np.sqrt(want * (1 - want) / n)
   assert np.all(np.abs(freq - want) <= 5 * stderr + 1e-12), (freq[list(live)], want[list(live)])
   np.testing.assert_allclose(np.asarray(logp), np.log(want[tok]), rtol=1e-5)
-  # top-k masking: only the two best survive
+  # top-k masking: only the two best (blocks 1 and 15) survive
   tok2, _ = sample_logits(logits_nv[:4000], keys[:4000], SamplingParams(top_k=2))
   assert set(np.asarray(tok2).tolist()) == {40, 511}
 
