@@ -231,6 +231,29 @@ def test_alarms_fire():
   assert any("kl=0.5000 > 0.1" in s for s in said) and any("reward hacking" in s for s in said)
 
 
+def test_reward_hacking_alarm_sees_a_slow_slide_over_its_window():
+  """Evals every 10 steps, window 20: accuracy sliding 0.02 per eval never falls 0.03 between
+  neighbours, but does over the window, while the reward rises (the measured slide of GRPO
+  against a biased reward model: 0.766, 0.762, 0.742, 0.723, 0.699)."""
+  said = []
+  alarms = grpo.Alarms(kl_threshold=0.1, window=20, out=said.append)
+  fired = [alarms.on_eval(0, 0.766)["alarm/reward_hacking"]]
+  for step, acc in ((10, 0.762), (20, 0.742), (30, 0.723), (40, 0.699)):
+    for s in range(step - 9, step + 1):
+      alarms.on_step(s, {"reward/mean": 0.01 * s, "kl": 0.0})
+    fired.append(alarms.on_eval(step, acc)["alarm/reward_hacking"])
+  # step 20 compares with step 0 (-0.024), step 30 with 10 (-0.039), step 40 with 20 (-0.043)
+  assert fired == [0.0, 0.0, 0.0, 1.0, 1.0]
+  assert any("0.762 -> 0.723" in s for s in said)
+  # A flat reward with the same slide is not hacking (the policy is just getting worse).
+  flat = grpo.Alarms(kl_threshold=0.1, window=20, out=said.append)
+  flat.on_eval(0, 0.766)
+  for step, acc in ((10, 0.762), (20, 0.742), (30, 0.723), (40, 0.699)):
+    for s in range(step - 9, step + 1):
+      flat.on_step(s, {"reward/mean": 0.5, "kl": 0.0})
+    assert flat.on_eval(step, acc)["alarm/reward_hacking"] == 0.0
+
+
 def test_pulse_run_logs_every_metric_and_resumes(repo_root, tmp_path, devices, monkeypatch):
   spec = os.path.join(repo_root, "configs/grpo_tiny.py:runlocal")
   workdir = str(tmp_path / "grpo")
@@ -278,8 +301,8 @@ def test_demo_grpo_raises_heldout_accuracy_above_sft(tmp_path, repo_root):
   """`jaxrl demo` end to end, as `make demo` runs it (a subprocess with the default XLA flags,
   not this suite's faster-compiling ones): SFT on demonstrations that drop the carry, then
   GRPO with the verifier; held-out greedy accuracy must rise clearly above the SFT starting
-  point with KL below the alarm. Measured +0.21 (0.559 -> 0.773); over other seeds and
-  numerics +0.08..+0.31, so 0.10 is a margin, not a calibration on one random stream."""
+  point with KL below the alarm. Measured +0.18 (0.648 -> 0.828, KL max 0.042); over other
+  seeds, learning rates and numerics +0.08..+0.31, so 0.10 is a margin, not a calibration on one random stream."""
   import subprocess
   import sys
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")

@@ -135,8 +135,8 @@ def default_config():
       steps=80, log_every=5, save_every=20, keep_checkpoints=2, async_checkpoints=True))
   c.eval = ml_collections.ConfigDict(dict(every=20, examples=256, batch_size=128))
   # Alarms: KL above kl_threshold; reward (mean over the last `window` steps; the raw reward-model
-  # score when there is one) rising between two evals while held-out accuracy falls by more
-  # than min_accuracy_drop.
+  # score when there is one) rising between an eval and the latest one at least `window` steps
+  # before it, while held-out accuracy falls by more than min_accuracy_drop.
   c.alarm = ml_collections.ConfigDict(dict(kl_threshold=0.1, window=20, min_accuracy_drop=0.03))
   c.placement = placement_config()
   c.distributed = distributed_section()
@@ -371,9 +371,12 @@ class Alarms:
     self.rewards: collections.deque = collections.deque(maxlen=window)
     self.evals: list[tuple[int, float, float]] = []  # (step, mean reward since last, accuracy)
     self.raised = {"kl": 0, "reward_hacking": 0}
+    self.kl_max: float | None = None  # over every step this process ran, logged or not
 
   def on_step(self, step: int, metrics: dict) -> dict:
     self.rewards.append(metrics[self.reward_key])
+    if "kl" in metrics:
+      self.kl_max = max(float(metrics["kl"]), self.kl_max or float("-inf"))
     if self.evals and self.evals[-1][1] is None:
       # The baseline eval came before any step; step 1's rollouts come from that same starting
       # policy, so its reward is the baseline's.
@@ -390,8 +393,12 @@ class Alarms:
     # it in (never 0.0, which a negative reward-model score would "rise" from by construction).
     reward = float(np.mean(self.rewards)) if self.rewards else None
     self.evals.append((step, reward, accuracy))
-    if len(self.evals) >= 2 and self.evals[-2][1] is not None:
-      (_, r0, a0), (_, r1, a1) = self.evals[-2], self.evals[-1]
+    # Compare with the latest eval at least `window` steps back (the first one until then), not
+    # just the previous one: evals every 10 steps of a slow slide (0.766 -> 0.762 -> 0.742 ->
+    # 0.723 -> 0.699 against a biased reward model) never fell 0.03 between neighbours.
+    earlier = [e for e in self.evals[:-1] if e[0] <= step - self.window] or self.evals[:1]
+    if len(self.evals) >= 2 and earlier[-1][1] is not None:
+      (_, r0, a0), (_, r1, a1) = earlier[-1], self.evals[-1]
       if r1 > r0 and a1 < a0 - self.min_drop:
         self.raised["reward_hacking"] += 1
         self.out(f"ALARM step {step}: reward rose {r0:.3f} -> {r1:.3f} while held-out accuracy "
@@ -727,6 +734,7 @@ def run(config, workdir: str, *, out=print) -> dict:
     ckpt.close()
     run_dir.close()
   summary["alarms"] = dict(alarms.raised)
+  summary["kl/max"] = alarms.kl_max
   return summary
 
 
