@@ -40,29 +40,41 @@ def _session_dir(tmp_path_factory):
   return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
-@pytest.fixture(scope="session")
-def sft_addition(tmp_path_factory):
-  """The run dir of one tiny SFT policy on addition, trained once per test session.
-
-  The demo's SFT stage (600 steps, 20% wrong demonstrations, so RL has headroom): held-out
-  greedy accuracy about 0.7. The xdist workers share it: the first to take the lock trains
-  it, the others wait and reuse the finished run dir. Tests must only read it (copy it to
-  resume from it).
-  """
+def _shared_sft(tmp_path_factory, name: str, overrides: dict) -> str:
+  """The run dir of one tiny SFT policy on addition, trained once per test session and shared
+  by the xdist workers: the first to take the lock trains it, the others wait and reuse the
+  finished run dir. Tests must only read it (copy it to resume from it)."""
   import fcntl
   from jaxrl import config as config_lib
   from jaxrl.train import sft
   shared = _session_dir(tmp_path_factory)
-  workdir = shared / "sft_addition"
-  with open(shared / "sft_addition.lock", "w") as lock:
+  workdir = shared / name
+  with open(shared / f"{name}.lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if not (workdir / "summary.json").exists():
       config = config_lib.load_config(os.path.join(ROOT, "configs", "sft_tiny.py"))
-      config_lib.apply_overrides(config, {"data.error_rate": 0.2, "train.steps": 600,
-                                          "train.log_every": 100, "train.save_every": 600,
-                                          "eval.every": 600})
+      config_lib.apply_overrides(config, {"train.steps": 1000, "train.log_every": 100,
+                                          "train.save_every": 1000, "eval.every": 1000,
+                                          **overrides})
       sft.run(config, str(workdir), out=lambda *_: None)
   return str(workdir)
+
+
+@pytest.fixture(scope="session")
+def sft_addition(tmp_path_factory):
+  """A tiny SFT policy on addition from demonstrations with 20% random slips (1000 steps):
+  held-out greedy accuracy about 0.82-0.84, the right answer each prompt's mode. Reward models
+  and DPO start from it (its features are good enough for an honest RM to reach ~0.7)."""
+  return _shared_sft(tmp_path_factory, "sft_addition", {"data.error_rate": 0.2})
+
+
+@pytest.fixture(scope="session")
+def sft_slip(tmp_path_factory):
+  """The demo's SFT policy: demonstrations that drop the carry on 60% of the sums with one
+  (1000 steps). SFT learns the slip (held-out ~0.5-0.6), so RL that rewards the right answer
+  has a real fix to make."""
+  return _shared_sft(tmp_path_factory, "sft_slip", {"data.error_mode": "systematic",
+                                                    "data.error_rate": 0.6})
 
 
 @pytest.fixture(scope="session")

@@ -447,9 +447,11 @@ def test_alarm_watches_the_raw_reward_model_score():
 @pytest.mark.slow
 def test_reward_models_learn_their_labellers(reward_models):
   """From the SFT policy: the honest RM ranks the correct sum above a near miss on held-out
-  pairs above chance (measured here 0.498 -> 0.582 on 512 pairs, and 0.617 from the README's
-  SFT run; a 2-layer model must redo the sum at the last token to tell 46 from 47); the
-  biased RM learns its labeller's taste at once (1.0 by step 100)."""
+  pairs above chance (measured 0.504 -> 0.617 on 512 pairs from this suite's fixture, 0.502 ->
+  0.715 from the same config under the default XLA flags; from the older 600-step SFT policy
+  it was 0.50 -> 0.55-0.58, too close to the 0.55 asked here: a 2-layer model must redo the
+  sum at the last token to tell 46 from 47); the biased RM learns its labeller's taste at once
+  (1.0 by step 100)."""
   from jaxrl.train.rundir import read_metrics
   honest = json.load(open(os.path.join(reward_models["honest"], "summary.json")))
   start = read_metrics(reward_models["honest"])[0]["eval/accuracy"]
@@ -489,11 +491,16 @@ def test_grpo_against_a_biased_reward_model_fires_the_alarm(reward_models, sft_a
 
 
 @pytest.mark.slow
-def test_grpo_with_a_well_trained_reward_model_beats_sft(sft_addition, repo_root, tmp_path):
+def test_grpo_with_a_well_trained_reward_model_beats_sft(sft_addition, sft_slip, repo_root,
+                                                         tmp_path):
   """GRPO with a well-trained reward model as its only reward (the task's checker at weight 0
   only logs accuracy) raises held-out verifiable accuracy above the SFT policy it starts from.
   "Well-trained": the reward model adds its backbone's response log-prob to the last-token
-  head (head.logprob_feature) and reaches >= 0.8 held-out pairwise accuracy."""
+  head (head.logprob_feature) and reaches >= 0.8 held-out pairwise accuracy. The reward model
+  starts from the policy SFT'd on random slips, whose backbone prefers the right answer; the
+  policy is the one that learnt the dropped carry (sft_slip). Measured: RM 0.96, held-out
+  0.50 -> 0.77 (mean of the last two evals +0.26) and, from this suite's fixture, 0.633 ->
+  0.731 (+0.10); the test asks +0.05, twice the standard error of a 256-prompt eval."""
   from jaxrl.rl import grpo
   from jaxrl.train.rundir import read_metrics
   rm_dir = str(tmp_path / "rm")
@@ -503,9 +510,9 @@ def test_grpo_with_a_well_trained_reward_model_beats_sft(sft_addition, repo_root
   assert summary["eval"]["eval/accuracy"] >= 0.8, summary["eval"]
   workdir = str(tmp_path / "grpo")
   grpo.run(config_lib.load_config(os.path.join(repo_root, "configs/grpo_tiny.py"), [
-      f"init.checkpoint={sft_addition}", f"reward_model.checkpoints={rm_dir}",
+      f"init.checkpoint={sft_slip}", f"reward_model.checkpoints={rm_dir}",
       "rewards=task:0", "train.steps=80", "train.log_every=10", "train.save_every=80",
       "eval.every=20"]), workdir, out=lambda *a: None)
   evals = [r["eval/accuracy"] for r in read_metrics(workdir) if "eval/accuracy" in r]
   print("held-out accuracy every 20 steps:", evals)
-  assert np.mean(evals[-2:]) >= evals[0] + 0.02, evals
+  assert np.mean(evals[-2:]) >= evals[0] + 0.05, evals
