@@ -130,7 +130,9 @@ def main():
     hf = HF_ANCHOR.get(B)
     ratio_hf = f"{ours / hf:9.2f}x" if hf else "       -"
     target = f"{TARGET[B]:.1f}x" if B in TARGET else "-"
-    print(f"{B:5d} {ours:9.0f} {naive:9.0f} {hf or '-':>10} {ours / naive:12.1f}x "
+    naive_s, ratio_naive = ("-", "-") if naive != naive else (f"{naive:.0f}",
+                                                              f"{ours / naive:.1f}x")
+    print(f"{B:5d} {ours:9.0f} {naive_s:>9} {hf or '-':>10} {ratio_naive:>13} "
           f"{ratio_hf} {target:>7}", flush=True)
 
   # ---- 2. static vs continuous batching on long-tailed lengths
