@@ -340,8 +340,9 @@ def cmd_data(args, overrides) -> None:
   if args.format == "sft":
     records = task.sft_records(args.split, args.n, args.seed, error_rate=args.error_rate,
                                error_mode=args.error_mode)
-  elif args.error_rate:
-    raise ConfigError("--error-rate applies to --format sft only: drop it or add --format sft.")
+  elif args.error_rate or args.error_mode != "random":
+    flag = "--error-rate" if args.error_rate else "--error-mode"
+    raise ConfigError(f"{flag} applies to --format sft only: drop it or add --format sft.")
   else:
     records = task.records(args.split, args.n, args.seed)
   n = write_jsonl(args.out, records)

@@ -53,11 +53,28 @@ def test_export_round_trips_through_read_jsonl(tmp_path, capsys, fmt):
   assert records[4].source == f"{out} line 5"
 
 
+def test_export_writes_the_systematic_slips(tmp_path):
+  out = str(tmp_path / "slips.jsonl")
+  cli.main(["data", "export", "--task", "addition", "--n", "200", "--out", out, "--format",
+            "sft", "--error-rate", "0.6", "--error-mode", "systematic", "--seed", "4"])
+  records, _ = read_jsonl(out, "sft")
+  task = get_task("addition")
+  assert records == task.sft_records("train", 200, 4, error_rate=0.6, error_mode="systematic")
+  slips = [r for r, a in zip(records, task.records("train", 200, 4))
+           if r["completion"] != a["answer"]]
+  assert slips and all(task.slip(r["prompt"], "") == r["completion"] for r in slips)
+
+
 def test_export_rejects_error_rate_without_sft(tmp_path, capsys):
   with pytest.raises(SystemExit) as e:
     cli.main(["data", "export", "--task", "sort", "--n", "2", "--out", str(tmp_path / "x"),
               "--error-rate", "0.1"])
   assert e.value.code == 2 and "--format sft" in capsys.readouterr().err
+  with pytest.raises(SystemExit) as e:
+    cli.main(["data", "export", "--task", "sort", "--n", "2", "--out", str(tmp_path / "x"),
+              "--error-mode", "systematic"])
+  assert e.value.code == 2 and "--error-mode applies to --format sft only" in (
+      capsys.readouterr().err)
 
 
 def test_prefs_and_rl_extras_round_trip(tmp_path):
