@@ -107,5 +107,7 @@ def reward_models(sft_addition, tmp_path_factory):
                                             "train.log_every": 100})
         if name == "biased":  # its labeller's taste is learnt by step 100 (measured: 1.0)
           config_lib.apply_overrides(config, {"train.steps": 100, "train.save_every": 100})
+        else:  # still rising at 400 steps (0.52 -> 0.539 -> 0.561 -> 0.568 -> 0.582)
+          config_lib.apply_overrides(config, {"train.steps": 800, "train.save_every": 400})
         rm.run(config, str(workdir), out=lambda *_: None)
   return {k: str(v) for k, v in dirs.items()}
