@@ -80,7 +80,7 @@ def sft_addition(tmp_path_factory):
 @pytest.fixture(scope="session")
 def sft_slip(tmp_path_factory):
   """The demo's SFT policy: demonstrations that drop the carry on 60% of the sums with one
-  (1000 steps). SFT learns the slip (held-out ~0.5-0.6), so RL that rewards the right answer
+  (1000 steps). SFT learns the slip (held-out ~0.4-0.65), so RL that rewards the right answer
   has a real fix to make."""
   return _shared_sft(tmp_path_factory, "sft_slip", {"data.error_mode": "systematic",
                                                     "data.error_rate": 0.6})

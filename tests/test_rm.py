@@ -499,8 +499,9 @@ def test_grpo_with_a_well_trained_reward_model_beats_sft(sft_addition, sft_slip,
   head (head.logprob_feature) and reaches >= 0.8 held-out pairwise accuracy. The reward model
   starts from the policy SFT'd on random slips, whose backbone prefers the right answer; the
   policy is the one that learnt the dropped carry (sft_slip). Measured: RM 0.96, held-out
-  0.50 -> 0.77 (mean of the last two evals +0.26) and, from this suite's fixture, 0.633 ->
-  0.731 (+0.10); the test asks +0.05, twice the standard error of a 256-prompt eval."""
+  0.50 -> 0.77 (mean of the last two evals +0.26), 0.633 -> 0.731 (+0.10) from the fixture
+  trained on 8 devices, 0.414 -> 0.563 (+0.13) from the one-device fixture; the test asks
+  +0.05, twice the standard error of a 256-prompt eval."""
   from jaxrl.rl import grpo
   from jaxrl.train.rundir import read_metrics
   rm_dir = str(tmp_path / "rm")
