@@ -14,6 +14,7 @@ import sys
 from importlib import metadata
 
 from jaxrl.errors import ConfigError
+from jaxrl.tasks import ERROR_MODES
 
 _LIBS = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "ml-collections",
          "numpy", "tokenizers", "safetensors")
@@ -138,7 +139,7 @@ def _data_parser(sub) -> None:
                  help="rl: {prompt, answer}; sft: {prompt, completion} (default: rl)")
   e.add_argument("--error-rate", type=float, default=0.0,
                  help="sft only: fraction of deliberately wrong completions (default 0)")
-  e.add_argument("--error-mode", default="random", choices=("random", "systematic"),
+  e.add_argument("--error-mode", default="random", choices=ERROR_MODES,
                  help="sft only: random slips on that fraction of all records, or the task's "
                       "systematic mistake (addition: a dropped carry) on that fraction of the "
                       "records where it applies (default: random)")
@@ -340,7 +341,7 @@ def cmd_data(args, overrides) -> None:
   if args.format == "sft":
     records = task.sft_records(args.split, args.n, args.seed, error_rate=args.error_rate,
                                error_mode=args.error_mode)
-  elif args.error_rate or args.error_mode != "random":
+  elif args.error_rate or args.error_mode != ERROR_MODES[0]:
     flag = "--error-rate" if args.error_rate else "--error-mode"
     raise ConfigError(f"{flag} applies to --format sft only: drop it or add --format sft.")
   else:

@@ -82,7 +82,8 @@ def run(workdir: str = "runs/demo", *, overrides: list[str] = (), out=print) -> 
   kl = [r["kl"] for r in steps]
   # The max over every step (the alarm's view), not just the logged ones; a resumed run only
   # knows the steps since its restart, so the logged rows are folded in too.
-  kl_max = max([v for v in (grpo_summary.get("kl/max"),) if v is not None] + kl, default=None)
+  every_step = grpo_summary.get("kl/max")
+  kl_max = max(kl + ([every_step] if every_step is not None else []), default=None)
   result = {
       "sft": {"eval/accuracy": sft_acc, "wall_s": t_sft, "steps": sft_summary["step"]},
       "grpo": {"eval/accuracy": grpo_acc, "wall_s": t_grpo, "steps": grpo_summary["step"],

@@ -376,7 +376,8 @@ class Alarms:
   def on_step(self, step: int, metrics: dict) -> dict:
     self.rewards.append(metrics[self.reward_key])
     if "kl" in metrics:
-      self.kl_max = max(float(metrics["kl"]), self.kl_max or float("-inf"))
+      kl = float(metrics["kl"])
+      self.kl_max = kl if self.kl_max is None else max(self.kl_max, kl)
     if self.evals and self.evals[-1][1] is None:
       # The baseline eval came before any step; step 1's rollouts come from that same starting
       # policy, so its reward is the baseline's.

@@ -241,5 +241,5 @@ def get_task(name: str, **options) -> Task:
   return task
 
 
-__all__ = ["ERROR_MODES", "Addition", "Reverse", "SortDigits", "TASKS", "Task", "extract_answer", "get_task",
-           "split_of"]
+__all__ = ["ERROR_MODES", "Addition", "Reverse", "SortDigits", "TASKS", "Task", "extract_answer",
+           "get_task", "split_of"]
