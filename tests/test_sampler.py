@@ -262,3 +262,30 @@ def test_sample_command_bad_input_is_one_sentence(tmp_path, capsys, repo_root, c
   assert e.value.code == 2
   err = capsys.readouterr().err.strip().splitlines()[-1]
   assert re.search(pattern, err), err
+
+
+def test_single_slot_decode_compiles_for_matrix_vector_products(model):
+  """On CPU a shard holding one slot decodes under CPU_GEMV_OPTIONS (no YNNPACK fusions, which
+  are slower for matrix-vector products); its tokens equal the default compile's, and its
+  logprobs agree to fp32 rounding (the kernels differ, so the sums round differently)."""
+  _, cfg, graphdef, _ = model
+  mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  _, params = init_params(cfg, mesh, "sampler", seed=0)
+  params = dict(params, embed=params["embed"] * 5.0)
+  engine = Engine(graphdef, cfg, mesh, sampling=SamplingParams(max_new_tokens=12, eos_id=None))
+  key = jax.random.key(3)
+  prefix = engine.prefill(params, np.asarray([PROMPTS[0] + [0] * 12]), [4], key)
+
+  def run(steps_fn):
+    state, _ = engine.insert(prefix, engine.init_decode_state(1, 32), 0)
+    assert engine._decode(state) is engine._steps_gemv
+    _, out = steps_fn(params, state, key, steps=10)
+    return np.asarray(out["tokens"]), np.asarray(out["logprobs"])
+
+  gemv_tokens, gemv_logp = run(engine._steps_gemv)
+  tokens, logp = run(engine._steps)
+  assert engine._steps_gemv is not engine._steps
+  np.testing.assert_array_equal(gemv_tokens, tokens)
+  np.testing.assert_allclose(gemv_logp, logp, atol=1e-5)
+  state = engine.init_decode_state(4, 32)
+  assert engine._decode(state) is engine._steps  # several slots per shard: the default compile
