@@ -289,3 +289,42 @@ def test_single_slot_decode_compiles_for_matrix_vector_products(model):
   np.testing.assert_allclose(gemv_logp, logp, atol=1e-5)
   state = engine.init_decode_state(4, 32)
   assert engine._decode(state) is engine._steps  # several slots per shard: the default compile
+
+
+def test_cache_window_grows_and_a_slot_at_its_end_waits(model):
+  """A cache window narrower than the sequence: a slot whose next write would pass its end
+  stalls (its outputs are invalid and its state waits) and resumes after Engine.grow, with the
+  same tokens as a full-width cache. Inserting a prefix wider than the window is an error."""
+  mesh, cfg, graphdef, params = model
+  engine = Engine(graphdef, cfg, mesh, sampling=SamplingParams(greedy=True, max_new_tokens=40,
+                                                               eos_id=None))
+  key = jax.random.key(1)
+  tokens = np.zeros((2, 16), np.int32)
+  tokens[0, :4], tokens[1, :2] = PROMPTS[0], PROMPTS[1]
+  prefix = engine.prefill(params, tokens, [4, 2], key)
+
+  def run(length):
+    state = engine.init_decode_state(2, 48, length=length)
+    state, _ = engine.insert_many(prefix, state, rows=[0, 1], slots=[0, 1], samples=[0, 1])
+    state, a = engine.generate_steps(params, state, key, steps=20)
+    state = engine.grow(state, 48)
+    state, b = engine.generate_steps(params, state, key, steps=20)
+    return [(np.asarray(o["tokens"]), np.asarray(o["logprobs"]), np.asarray(o["valid"]))
+            for o in (a, b)]
+
+  full, narrow = run(48), run(16)
+  # Window 16: slot 0's first token sits at position 4, so it writes 4..15 (12 steps) and waits;
+  # slot 1's sits at 2 (14 steps). With the full window both run all 20 steps.
+  assert narrow[0][2].sum(0).tolist() == [12, 14]
+  assert full[0][2].sum(0).tolist() == [20, 20]
+  for slot, n in ((0, 12 + 20), (1, 14 + 20)):
+    def tokens_of(run):
+      return np.concatenate([t[v[:, slot], slot] for t, _, v in run]), \
+             np.concatenate([lp[v[:, slot], slot] for _, lp, v in run])
+    (nt, nlp), (ft, flp) = tokens_of(narrow), tokens_of(full)
+    assert len(nt) == n and len(ft) == 20 + 19  # max_new_tokens is 40, the first from prefill
+    np.testing.assert_array_equal(nt, ft[:n], err_msg=f"slot {slot}")
+    np.testing.assert_allclose(nlp, flp[:n], atol=1e-5)
+  with pytest.raises(ValueError, match="grow the state first"):
+    engine.insert(engine.prefill(params, np.zeros((1, 32), np.int32), [20], key),
+                  engine.init_decode_state(2, 48, length=16), 0)

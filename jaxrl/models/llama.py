@@ -240,8 +240,9 @@ class Attention(nnx.Module):
     dt = q_b1nh.dtype
     B = q_b1nh.shape[0]
     # Advanced indices on axes 0 and 2 put their broadcast dim first: values are [B, K, H].
-    new_kv = tuple(c.at[jnp.arange(B), :, pos_b].set(x[:, 0].astype(c.dtype),
-                                                     mode="promise_in_bounds")
+    # A position past the cache's end writes nothing (the sampler feeds one to a slot that is
+    # not generating, so that its cache stays as it was).
+    new_kv = tuple(c.at[jnp.arange(B), :, pos_b].set(x[:, 0].astype(c.dtype), mode="drop")
                    for c, x in zip(cache, (k_b1kh, v_b1kh)))
     # The barrier keeps each write one in-place update that attention then reads. Without it,
     # at batch 1 XLA duplicated the write into both consumers and copied every cache array

@@ -1,7 +1,8 @@
 """The JetStream-style engine: prefill, insert, generate over decode slots.
 
     engine = Engine(graphdef, cfg, mesh, sampling=SamplingParams(...))
-    state = engine.init_decode_state(slots, max_len)
+    state = engine.init_decode_state(slots, max_len, length=32)          # 32 positions so far
+    state = engine.grow(state, 64)                                       # room for 64 now
     prefix = engine.prefill(params, tokens_pt, true_length_p, key)       # P prompts at once
     state, first = engine.insert(prefix, state, slot)                    # one prefix, one slot
     state, first = engine.insert_group(prefix, state, slots_g)          # one prefix, G slots
@@ -11,13 +12,23 @@
 Every phase is one jit of a pure function over nnx.split state. Params are an argument, so a
 weight swap (same shapes and shardings) never recompiles; `engine.traces` counts traces so tests
 can show it. The decode state is one pytree whose KV cache is a (keys, values) pair of
-[B, K, S, H] arrays per layer (B slots, S = max_len), sharded for the sampler layout (slots over data x fsdp, KV heads over
-tensor) and donated to every call that updates it, so it is updated in place.
+[B, K, W, H] arrays per layer (B slots, W positions), sharded for the sampler layout (slots over
+data x fsdp, KV heads over tensor) and donated to every call that updates it, so it is updated
+in place.
+
+The cache window. W starts at `length` (default max_len) and `grow` widens it; it never needs
+to exceed max_len, the longest sequence (prompt + completion) a slot may hold. Every decode
+step reads each slot's whole window, masked to its own positions, and on CPU that read is a
+third of a batch-64 step, so the rollout driver keeps W just ahead of the longest live sequence
+(`generate_steps` with k steps needs W >= pos + k for every live slot) instead of allocating
+max_len up front. A live slot that reaches the window's end stalls: its outputs are flagged
+invalid and its state waits, unchanged, until the window grows.
 
 Decode-state fields, per slot b:
   tokens[b]  the last sampled token, the next step's input; it sits at position pos[b]
   pos[b]     that token's position (prompt length + tokens generated - 1)
   ngen[b]    tokens generated so far (the first one comes from the prefill)
+  max_len[b] the sequence limit: a slot whose next position reaches it is done ("length")
   sample[b]  the global sample index that keys the slot's random draws (see sampling.py)
   live[b]    the slot is generating; a finished or empty slot still runs but its output is
              flagged invalid and its state does not advance
@@ -40,7 +51,7 @@ from jaxrl.models.llama import init_cache
 from jaxrl.parallel import batch_sharding, cache_sharding
 from jaxrl.sampler.sampling import SamplingParams, is_stop, sample_logits, token_keys
 
-DecodeState = dict  # {"cache": [per-layer ([B,K,S,H], [B,K,S,H])], "tokens"|"pos"|"ngen"|"sample": [B] i32, "live": [B] bool}
+DecodeState = dict  # {"cache": [per-layer ([B,K,W,H], [B,K,W,H])], "tokens"|"pos"|"ngen"|"sample"|"max_len": [B] i32, "live": [B] bool}
 Prefix = dict  # {"kv": [per-layer ([P,K,T,H], [P,K,T,H])], "logits": [P,V], "length": [P], "tokens", "logprobs": [P], "key"}
 
 # XLA:CPU compile options for decode steps whose shards hold one slot: no YNNPACK fusions, so
@@ -66,41 +77,61 @@ class Engine:
     if all(d.platform == "cpu" for d in mesh.devices.flat):
       self._steps_gemv = jax.jit(self._steps_fn, donate_argnums=1, static_argnames="steps",
                                  compiler_options=CPU_GEMV_OPTIONS)
-    self._inits: dict[tuple[int, int], Callable] = {}  # (slots, max_len) -> jitted init
+    self._inits: dict[tuple[int, int], Callable] = {}  # (slots, length) -> jitted init
+    self._grow = jax.jit(self._grow_fn, donate_argnums=0, static_argnames="length")
 
   # --------------------------------------------------------------------------- state
 
-  def init_decode_state(self, slots: int, max_len: int) -> DecodeState:
-    """Empty slots and a zeroed KV cache, born sharded for the sampler layout."""
+  def init_decode_state(self, slots: int, max_len: int, *, length: int | None = None
+                        ) -> DecodeState:
+    """Empty slots for sequences of up to max_len positions, and a zeroed KV cache of `length`
+    positions (default max_len; see "The cache window"), born sharded for the sampler layout."""
+    length = max_len if length is None else length
+    if not 0 < length <= max_len:
+      raise ValueError(f"init_decode_state: length={length} must be in 1..max_len={max_len}")
     # One jitted init per shape, kept: a fresh jit per call recompiled every rollout (~50 ms,
     # a quarter of a 128-token rollout at batch 1).
-    if (slots, max_len) not in self._inits:
-      self._inits[slots, max_len] = self._init_fn(slots, max_len)
-    return self._inits[slots, max_len]()
+    if (slots, length) not in self._inits:
+      self._inits[slots, length] = self._init_fn(slots, length)
+    return self._inits[slots, length](jnp.int32(max_len))
 
-  def _init_fn(self, slots: int, max_len: int):
+  def _init_fn(self, slots: int, length: int):
     cfg = self.cfg
 
-    @functools.partial(jax.jit, out_shardings=self._state_shardings(slots, max_len))
-    def init():
+    @functools.partial(jax.jit, out_shardings=self._state_shardings(slots, length))
+    def init(max_len):
       self.traces["init"] += 1
       z = jnp.zeros((slots,), jnp.int32)
-      return {"cache": init_cache(cfg, slots, max_len), "tokens": z, "pos": z, "ngen": z,
-              "sample": z, "live": jnp.zeros((slots,), bool)}
+      return {"cache": init_cache(cfg, slots, length), "tokens": z, "pos": z, "ngen": z,
+              "sample": z, "max_len": jnp.full((slots,), max_len, jnp.int32),
+              "live": jnp.zeros((slots,), bool)}
 
     return init
 
-  def _state_shardings(self, slots: int, max_len: int):
+  def grow(self, state: DecodeState, length: int) -> DecodeState:
+    """The state with its cache window widened to `length` positions (zeros past the old end);
+    the same state when it is already that wide. The old cache is donated."""
+    if length <= window(state):
+      return state
+    return self._grow(state, length=length)
+
+  def _grow_fn(self, state, *, length):
+    self.traces["grow"] += 1
+    pad = ((0, 0), (0, 0), (0, length - window(state)), (0, 0))
+    cache = [tuple(jnp.pad(c, pad) for c in layer) for layer in state["cache"]]
+    return self._constrain(dict(state, cache=cache))
+
+  def _state_shardings(self, slots: int, length: int):
     vec = batch_sharding(self.mesh, 1, "sampler")
-    shd = cache_sharding(self.mesh, self.cfg, slots, max_len)
+    shd = cache_sharding(self.mesh, self.cfg, slots, length)
     return {"cache": [(shd, shd)] * self.cfg.num_layers,
-            "tokens": vec, "pos": vec, "ngen": vec, "sample": vec, "live": vec}
+            "tokens": vec, "pos": vec, "ngen": vec, "sample": vec, "max_len": vec, "live": vec}
 
   def _constrain(self, state: DecodeState) -> DecodeState:
     # Pin the state's layout inside each jit so the donated output keeps the input's shardings
     # (otherwise propagation may pick another layout and the next call recompiles).
-    slots, _, max_len, _ = state["cache"][0][0].shape
-    return jax.lax.with_sharding_constraint(state, self._state_shardings(slots, max_len))
+    slots, _, length, _ = state["cache"][0][0].shape
+    return jax.lax.with_sharding_constraint(state, self._state_shardings(slots, length))
 
   # --------------------------------------------------------------------------- prefill
 
@@ -169,8 +200,10 @@ class Engine:
   def _insert_fn(self, state, prefix, rows_m, slots_m, samples_m):
     self.traces["insert"] += 1
     sp = self.sampling
-    max_len = state["cache"][0][0].shape[2]
     T = prefix["kv"][0][0].shape[2]
+    if T > window(state):
+      raise ValueError(f"insert: the prefix has {T} positions but the cache window only "
+                       f"{window(state)}: grow the state first (Engine.grow)")
     cache = [tuple(c.at[slots_m, :, :T].set(x[rows_m].astype(c.dtype), mode="drop")
                    for c, x in zip(layer, prefix_layer))
              for layer, prefix_layer in zip(state["cache"], prefix["kv"])]
@@ -180,14 +213,16 @@ class Engine:
     keys_m = token_keys(prefix["key"], samples_m, jnp.zeros_like(samples_m))
     token_m, logprob_m = sample_logits(logits_mv, keys_m, sp)
     length_m = prefix["length"][rows_m]
-    done_m = is_stop(token_m, sp) | (sp.max_new_tokens <= 1) | (length_m >= max_len)
+    max_len_m = state["max_len"][jnp.minimum(slots_m, state["live"].shape[0] - 1)]
+    done_m = is_stop(token_m, sp) | (sp.max_new_tokens <= 1) | (length_m >= max_len_m)
 
     def put(x, v):
       return x.at[slots_m].set(v.astype(x.dtype), mode="drop")
 
     state = {"cache": cache, "tokens": put(state["tokens"], token_m),
              "pos": put(state["pos"], length_m), "ngen": put(state["ngen"], jnp.ones_like(token_m)),
-             "sample": put(state["sample"], samples_m), "live": put(state["live"], ~done_m)}
+             "sample": put(state["sample"], samples_m), "max_len": state["max_len"],
+             "live": put(state["live"], ~done_m)}
     return self._constrain(state), {"tokens": token_m, "logprobs": logprob_m, "done": done_m}
 
   # --------------------------------------------------------------------------- generate
@@ -214,28 +249,34 @@ class Engine:
     self.traces["generate"] += 1
     sp = self.sampling
     model = nnx.merge(self.graphdef, params)
-    max_len = state["cache"][0][0].shape[2]
+    width = window(state)
 
     def step(state, _):
-      live_b = state["live"]
-      logits, cache = model(state["tokens"][:, None], state["pos"][:, None],
+      # A slot generates this step if it is live and its next write (at pos) fits the window;
+      # any other slot is fed position `width`, outside the cache, where its write is dropped.
+      active_b = state["live"] & (state["pos"] < width)
+      logits, cache = model(state["tokens"][:, None],
+                            jnp.where(active_b, state["pos"], width)[:, None],
                             cache=state["cache"])
       keys_b = token_keys(key, state["sample"], state["ngen"])
       # The barrier keeps the logits matmul a plain dot: XLA:CPU fused it with log_softmax's
       # max into one kernel that took 338 us per step at batch 64 (bench preset), ~4% of it.
       token_b, logprob_b = sample_logits(jax.lax.optimization_barrier(logits[:, 0]), keys_b, sp)
-      ngen_b = state["ngen"] + live_b
-      pos_b = state["pos"] + live_b
-      done_b = live_b & (is_stop(token_b, sp) | (ngen_b >= sp.max_new_tokens) |
-                         (pos_b >= max_len))
-      new = {"cache": cache, "tokens": jnp.where(live_b, token_b, state["tokens"]),
-             # a finished slot parks at max_len - 1 so its harmless writes stay in bounds
-             "pos": jnp.minimum(pos_b, max_len - 1), "ngen": ngen_b, "sample": state["sample"],
-             "live": live_b & ~done_b}
-      return new, {"tokens": token_b, "logprobs": logprob_b, "done": done_b, "valid": live_b}
+      ngen_b = state["ngen"] + active_b
+      pos_b = state["pos"] + active_b
+      done_b = active_b & (is_stop(token_b, sp) | (ngen_b >= sp.max_new_tokens) |
+                           (pos_b >= state["max_len"]))
+      new = dict(state, cache=cache, tokens=jnp.where(active_b, token_b, state["tokens"]),
+                 pos=pos_b, ngen=ngen_b, live=state["live"] & ~done_b)
+      return new, {"tokens": token_b, "logprobs": logprob_b, "done": done_b, "valid": active_b}
 
     state, out = jax.lax.scan(step, state, None, length=steps)
     return self._constrain(state), out
+
+
+def window(state: DecodeState) -> int:
+  """The number of positions the state's KV cache holds now (see "The cache window")."""
+  return state["cache"][0][0].shape[2]
 
 
 def bucket(n: int, *, minimum: int = 16) -> int:
@@ -244,4 +285,14 @@ def bucket(n: int, *, minimum: int = 16) -> int:
   b = minimum
   while b < n:
     b *= 2
+  return b
+
+
+def window_bucket(n: int, *, minimum: int = 16) -> int:
+  """The smallest 2^j or 1.5 * 2^j >= n (at least `minimum`): cache windows grow in these half-
+  octave steps, so a rollout compiles at most two decode scans per doubling of its length and
+  reads at most 1.5x the positions its longest sequence needs."""
+  b = minimum
+  while b < n:
+    b = b * 3 // 2 if b & (b - 1) == 0 else b // 3 * 4
   return b

@@ -8,6 +8,9 @@ each prompt's prefix into as many free slots as it has samples waiting, so a gro
 one prefill. Then it runs `steps_per_call` decode steps in one jitted scan, reads the tokens and
 done flags back in one transfer, and frees finished slots for the next round. One long sample
 never holds up the batch, and the host syncs once per `steps_per_call` tokens, not per token.
+Before each insert and each scan it widens the KV cache's window just enough for the longest
+live sequence (Engine.grow, in half-octave steps: see `window_bucket`), so that early decode
+steps do not read cache positions no slot has reached.
 
 With `continuous=False` the driver batches statically instead: it refills only when every slot
 is free (the baseline the benchmark compares against). With `share_prefix=False` each sample
@@ -26,7 +29,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxrl.errors import ConfigError
-from jaxrl.sampler.engine import Engine, bucket
+from jaxrl.sampler.engine import Engine, bucket, window_bucket
 
 
 @dataclasses.dataclass
@@ -75,8 +78,12 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
   num = len(prompts) * n
   key = jax.random.key(seed)
 
+  def fit(need: int) -> int:  # the cache window for `need` positions
+    return min(max_len, window_bucket(need))
+
   t_start = time.perf_counter()
-  state = engine.init_decode_state(slots, max_len)
+  state = engine.init_decode_state(slots, max_len,
+                                   length=fit(max_prompt_len + steps_per_call))
   queue = deque(range(num))
   prefixes: dict[int, tuple] = {}  # prompt -> (prefix batch, row), while samples still wait
   slot_sample = [-1] * slots
@@ -120,7 +127,11 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
         stats["prefill_tokens"] += int(sum(map(len, ids)))
         for r, k in enumerate(batch):
           prefixes[k] = (prefix, r)
-      # Insert: one call per prefix batch, each placing every row its samples need.
+      # Insert: one call per prefix batch, each placing every row its samples need, into a
+      # window that holds each prefix and its first scan.
+      need = max(max(p["kv"][0][0].shape[2] for p, _ in prefixes.values()),
+                 max(len(prompts[s // n]) for s in take) + steps_per_call)
+      state = engine.grow(state, fit(need))
       by_prefix: dict[int, tuple] = {}
       for s, b in zip(take, free):
         prefix, r = prefixes[owners[s]]
@@ -148,6 +159,11 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
     if not any(x >= 0 for x in slot_sample):
       continue  # every inserted sample finished on its first token
     t0 = time.perf_counter()
+    # A live slot's last token sits at position prompt + generated - 1; the scan writes there
+    # and at the next steps_per_call - 1 positions.
+    need = max(len(prompts[s // n]) + len(toks[s]) - 1 + steps_per_call
+               for s in slot_sample if s >= 0)
+    state = engine.grow(state, fit(need))
     state, out = engine.generate_steps(params, state, key, steps=steps_per_call)
     out = jax.device_get(out)  # the one host sync per steps_per_call tokens
     stats["decode_s"] += time.perf_counter() - t0
