@@ -78,7 +78,9 @@ class Engine:
       self._steps_gemv = jax.jit(self._steps_fn, donate_argnums=1, static_argnames="steps",
                                  compiler_options=CPU_GEMV_OPTIONS)
     self._inits: dict[tuple[int, int], Callable] = {}  # (slots, length) -> jitted init
-    self._grow = jax.jit(self._grow_fn, donate_argnums=0, static_argnames="length")
+    # Not donated: a wider cache cannot reuse the old buffers (they are freed when the caller
+    # drops the old state).
+    self._grow = jax.jit(self._grow_fn, static_argnames="length")
 
   # --------------------------------------------------------------------------- state
 
@@ -110,7 +112,7 @@ class Engine:
 
   def grow(self, state: DecodeState, length: int) -> DecodeState:
     """The state with its cache window widened to `length` positions (zeros past the old end);
-    the same state when it is already that wide. The old cache is donated."""
+    the same state when it is already that wide."""
     if length <= window(state):
       return state
     return self._grow(state, length=length)
