@@ -133,13 +133,18 @@ def test_sigterm_then_resume_is_bitwise_equal_to_an_uninterrupted_run(repo_root,
 def test_rerunning_a_finished_run_trains_nothing(repo_root, tmp_path, devices, capsys):
   os.chdir(repo_root)
   wd = str(tmp_path / "r")
-  over = ["--config.train.steps=4", "--config.train.save_every=2", "--config.eval.every=0"]
+  over = ["--config.train.steps=4", "--config.train.save_every=2", "--config.eval.every=4"]
   cli.main(["sft", "--config", CONFIG, "--workdir", wd, *over])
   n = len(read_metrics(wd))
+  first = json.load(open(os.path.join(wd, "summary.json")))
   capsys.readouterr()
   cli.main(["sft", "--config", CONFIG, "--workdir", wd, *over])
   assert "resuming from" in capsys.readouterr().out and len(read_metrics(wd)) == n
-  assert json.load(open(os.path.join(wd, "summary.json")))["status"] == "completed"
+  again = json.load(open(os.path.join(wd, "summary.json")))
+  assert again["status"] == "completed"
+  # The re-run keeps the finished run's numbers (it used to write empty ones).
+  assert "eval/accuracy" in first["eval"] and again["eval"] == first["eval"]
+  assert again["metrics"]["loss"] == first["metrics"]["loss"]
   # More steps on the same workdir: continues from step 4, and says what changed.
   cli.main(["sft", "--config", CONFIG, "--workdir", wd, *over, "--config.train.steps=6"])
   assert "train.steps: 4 -> 6" in capsys.readouterr().out

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from jaxrl.train.checkpoint import Checkpointer, abstract_state
-from jaxrl.train.rundir import RunDir
+from jaxrl.train.rundir import RunDir, logged_before
 
 
 class TrainingDiverged(RuntimeError):
@@ -170,8 +170,8 @@ def train_loop(*, state, step_fn: Callable, batches, put: Callable, total_steps:
   start_step, t_start = step, time.perf_counter()
   progress = Progress(total_steps, step, enabled=main, out=out)
   pending: list[tuple[int, dict]] = []
-  last: dict = {}
-  evals: dict = {}
+  # A resumed run starts from what it logged before (a finished one re-run keeps its numbers).
+  last, evals = logged_before(run.workdir, step) if step > 0 else ({}, {})
   status = "failed"  # until the loop ends normally or is interrupted
   t_last, steps_since, tokens_since = time.perf_counter(), 0, 0
   try:

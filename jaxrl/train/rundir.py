@@ -91,6 +91,20 @@ class RunDir:
       self._tb = None
 
 
+def logged_before(workdir: str, step: int) -> tuple[dict, dict]:
+  """(the last logged row's metrics, the latest eval/* metrics) at or before `step`, from
+  metrics.jsonl ({} when nothing is logged): what a resumed run's summary starts from, so that
+  re-running a finished run keeps its numbers instead of writing empty ones."""
+  try:
+    rows = [r for r in read_metrics(workdir) if r.get("step", 0) <= step]
+  except FileNotFoundError:
+    return {}, {}
+  last = {k: v for k, v in rows[-1].items() if k != "step"} if rows else {}
+  evals = next(({k: v for k, v in r.items() if k.startswith("eval/")} for r in reversed(rows)
+                if any(k.startswith("eval/") for k in r)), {})
+  return last, evals
+
+
 def read_metrics(workdir: str) -> list[dict]:
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [json.loads(line) for line in f if line.strip()]
