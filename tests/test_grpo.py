@@ -352,3 +352,25 @@ def test_async_generation_needs_disaggregated_placement(repo_root, tmp_path):
                      r"placement.mode=disaggregated"):
     grpo.run(config_lib.load_config(spec, ["rollout.async_generation=True"]),
              str(tmp_path / "x"), out=lambda *a: None)
+
+
+def test_prompt_stream_checkpoints_its_host_state_as_marked():
+  """PromptStream.get_state() returns the extras as of the last mark(), so what a background
+  rollout adds after it (async generation scoring step k+1 while step k is saved) waits for
+  the next mark; set_state() marks what it restores."""
+  from jaxrl.rewards.model import RunningNorm
+  norm = RunningNorm(1)
+  stream = grpo.PromptStream([{"prompt": str(i)} for i in range(8)], 2, seed=0,
+                             extras={"rm_norm": norm})
+  norm.normalize(np.ones((1, 4)))
+  stream.mark()
+  norm.normalize(np.zeros((1, 4)))  # the next step's batch, scored in the background
+  saved = stream.get_state()
+  assert saved["rm_norm"]["count"] == 4 and saved["rm_norm"]["mean"] == [1.0]
+  stream.mark()
+  assert stream.get_state()["rm_norm"]["count"] == 8
+  restored = RunningNorm(1)
+  other = grpo.PromptStream([{"prompt": str(i)} for i in range(8)], 2, seed=0,
+                            extras={"rm_norm": restored})
+  other.set_state(saved)
+  assert restored.count == 4 and other.get_state()["rm_norm"]["count"] == 4

@@ -380,6 +380,18 @@ def test_grpo_pulse_with_reward_models(repo_root, tmp_path, devices):
   data = json.load(open(os.path.join(workdir, "checkpoints", "2", "data",
                                      "process_0-of-1.json")))
   assert data["rm_norm"]["count"] == 2 * 16
+  # With async generation the next step's rollout is scored in the background while this step
+  # is checkpointed; the checkpoint still holds only the steps it covers.
+  workdir = str(tmp_path / "grpo_async")
+  grpo.run(config_lib.load_config(spec, [
+      f"reward_model.checkpoints={rm_dir}", "reward_model.normalize=True", "rewards=task:0",
+      "placement.mode=disaggregated", "rollout.async_generation=True", "train.save_every=1"]),
+      workdir,
+      out=lambda *a: None)
+  for step in (1, 2):
+    data = json.load(open(os.path.join(workdir, "checkpoints", str(step), "data",
+                                       "process_0-of-1.json")))
+    assert data["rm_norm"]["count"] == step * 16, step
   # Unnormalised and RM-only: the reward is weight x the raw score.
   workdir = str(tmp_path / "grpo2")
   grpo.run(config_lib.load_config(spec, [f"reward_model.checkpoints={rm_dir}", "rewards=none",

@@ -31,6 +31,7 @@ ratio is logged as is_ratio/mean and can correct the loss by truncated importanc
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import time
 
@@ -158,6 +159,7 @@ class PromptStream:
     # Host-side state that must resume with the prompts (e.g. the reward models' running
     # normaliser): objects with get_state()/set_state(), checkpointed under their names.
     self.extras = dict(extras or {})
+    self._marked: dict | None = None  # the extras' state at the last mark()
 
   def _order(self):
     return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.records))
@@ -185,15 +187,25 @@ class PromptStream:
     finally:
       self.epoch, self.pos = epoch, pos
 
+  def mark(self) -> None:
+    """Records the extras' state now; get_state() returns it until the next mark. With async
+    generation, step k+1's rollout is scored (updating e.g. the RM normaliser) in the
+    background while step k is checkpointed. Marking before it starts keeps that checkpoint to
+    what steps <= k put in: a resumed run, which scores step k+1 again, counts it once, and a
+    save never reads a half-updated state."""
+    self._marked = {k: copy.deepcopy(v.get_state()) for k, v in self.extras.items()}
+
   def get_state(self) -> dict:
-    return {"epoch": self.epoch, "pos": self.pos,
-            **{k: v.get_state() for k, v in self.extras.items()}}
+    extras = (self._marked if self._marked is not None
+              else {k: v.get_state() for k, v in self.extras.items()})
+    return {"epoch": self.epoch, "pos": self.pos, **extras}
 
   def set_state(self, state: dict) -> None:
     self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
     for k, v in self.extras.items():
       if k in state:
         v.set_state(state[k])
+    self.mark()
 
 
 # ----------------------------------------------------------------------------- the batch
@@ -600,6 +612,7 @@ def run(config, workdir: str, *, out=print) -> dict:
       generated = generate_and_score(params_s, prompts, step)  # 2-3
       version, t_wait = step, generated[-1]
     rollout, rewards_bg, reward_stats, gen_stats, frac_zero, t_gen = generated
+    stream.mark()  # the host state as of this step's scoring, before step k+1's starts
     if overlap is not None:
       # Start the next step's generation now, so that it overlaps this step's update.
       next_prompts = stream.peek()
