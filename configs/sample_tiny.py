@@ -32,6 +32,7 @@ def get_config(arg=None):
       n=4,  # samples per prompt (--n overrides)
       slots=16,  # decode slots; a multiple of mesh data x fsdp
       steps_per_call=8,  # decode steps per jitted scan: one host sync per this many tokens
+      grow_cache=True,  # grow the KV cache's window with the sequences (False: one compile)
       batching="continuous",  # or "static": refill only when every slot is free
   ))
   return c

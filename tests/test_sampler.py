@@ -328,3 +328,16 @@ def test_cache_window_grows_and_a_slot_at_its_end_waits(model):
   with pytest.raises(ValueError, match="grow the state first"):
     engine.insert(engine.prefill(params, np.zeros((1, 32), np.int32), [20], key),
                   engine.init_decode_state(2, 48, length=16), 0)
+
+
+def test_grow_cache_off_allocates_the_whole_cache_once(model):
+  """generate(grow_cache=False) decodes in one full-width window (one decode compile), with the
+  same greedy tokens as the growing window."""
+  mesh, cfg, graphdef, params = model
+  sp = SamplingParams(greedy=True, max_new_tokens=40, eos_id=None)
+  grown, whole = Engine(graphdef, cfg, mesh, sampling=sp), Engine(graphdef, cfg, mesh, sampling=sp)
+  a = generate(grown, params, PROMPTS[:2], n=1, slots=2, steps_per_call=8)
+  b = generate(whole, params, PROMPTS[:2], n=1, slots=2, steps_per_call=8, grow_cache=False)
+  np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
+  assert whole.traces["generate"] == 1 and "grow" not in whole.traces
+  assert grown.traces["generate"] > 1 and grown.traces["grow"] >= 1

@@ -118,6 +118,10 @@ def default_config():
       prompts_per_step=16, group_size=8, max_new_tokens=8, temperature=1.0, top_k=0,
       top_p=1.0, slots=64, steps_per_call=8,
       ignore_eos=False,  # True: every completion runs to max_new_tokens (benchmarks)
+      # True: the KV cache's window grows with the longest live sequence (fewer reads per
+      # decode step, up to two decode compiles per doubling); False: allocated whole, one
+      # compile (where compiles are slow, e.g. large models on TPU).
+      grow_cache=True,
       # True: generation for step k+1 runs on the sampler devices while step k updates on the
       # learner's (one-step off-policy: staleness 1, corrected by algo.tis_cap when > 0).
       # Needs placement.mode="disaggregated".
@@ -558,6 +562,7 @@ def run(config, workdir: str, *, out=print) -> dict:
                                                      step * 16 + round_), (), 0, 2**31 - 1))
     rollout = generate(engine, params, ids, n=r.group_size, seed=seed, slots=r.slots,
                        steps_per_call=r.steps_per_call, max_prompt_len=prompt_len,
+                       grow_cache=r.grow_cache,
                        pad_id=tokenizer.pad_id)
     texts = [tokenizer.decode(row[:n]) for row, n in zip(rollout.completion_ids,
                                                            rollout.lengths)]

@@ -75,6 +75,7 @@ def run(config, *, prompts_path: str, workdir: str | None, n: int | None = None,
   prompts = [tok.encode(r["prompt"], bos=True) for r in records]
   rollout = generate(engine, params, prompts, n=n, seed=config.seed, slots=s.slots,
                      steps_per_call=s.steps_per_call, continuous=s.batching == "continuous",
+                     grow_cache=s.get("grow_cache", True),
                      pad_id=tok.pad_id, progress=progress)
 
   os.makedirs(workdir, exist_ok=True)

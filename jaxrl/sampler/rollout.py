@@ -56,8 +56,12 @@ class Rollout:
 def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slots: int = 16,
              steps_per_call: int = 8, max_prompt_len: int | None = None,
              continuous: bool = True, share_prefix: bool = True, pad_id: int = 0,
-             progress: bool = False) -> Rollout:
-  """Generates n samples per prompt (lists of token ids) with `engine`'s sampling settings."""
+             grow_cache: bool = True, progress: bool = False) -> Rollout:
+  """Generates n samples per prompt (lists of token ids) with `engine`'s sampling settings.
+
+  grow_cache=False allocates the whole cache up front: one decode compile instead of up to two
+  per doubling of the sequence, for accelerators where a compile costs more than the reads
+  the growing window saves."""
   sp = engine.sampling
   prompts = [list(map(int, p)) for p in prompts]
   if n < 1:
@@ -79,7 +83,7 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
   key = jax.random.key(seed)
 
   def fit(need: int) -> int:  # the cache window for `need` positions
-    return min(max_len, window_bucket(need))
+    return min(max_len, window_bucket(need)) if grow_cache else max_len
 
   t_start = time.perf_counter()
   state = engine.init_decode_state(slots, max_len,
