@@ -89,25 +89,31 @@ def sft_slip(tmp_path_factory):
 @pytest.fixture(scope="session")
 def reward_models(sft_addition, tmp_path_factory):
   """Run dirs of two reward models trained from the sft_addition policy, once per session
-  and shared by the xdist workers (file-locked like sft_addition): "honest" (configs/rm_tiny.py:
+  and shared by the xdist workers (file-locked like sft_addition, and trained the same way: as
+  `jaxrl rm` in a one-device subprocess under default XLA flags): "honest" (configs/rm_tiny.py:
   chosen = the correct sum) and "biased" (:biased, a labeller preferring longer answers).
   Tests must only read them."""
   import fcntl
-  from jaxrl import config as config_lib
-  from jaxrl.train import rm
+  import subprocess
+  import sys
   shared = _session_dir(tmp_path_factory)
   dirs = {"honest": shared / "rm_honest", "biased": shared / "rm_biased"}
+  jaxrl = os.path.join(os.path.dirname(sys.executable), "jaxrl")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
   with open(shared / "reward_models.lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     for name, workdir in dirs.items():
       if not (workdir / "summary.json").exists():
         arg = "" if name == "honest" else ":biased"
-        config = config_lib.load_config(os.path.join(ROOT, "configs", f"rm_tiny.py{arg}"))
-        config_lib.apply_overrides(config, {"init.checkpoint": sft_addition,
-                                            "train.log_every": 100})
+        settings = {"init.checkpoint": sft_addition, "train.log_every": 100}
         if name == "biased":  # its labeller's taste is learnt by step 100 (measured: 1.0)
-          config_lib.apply_overrides(config, {"train.steps": 100, "train.save_every": 100})
-        else:  # still rising at 400 steps (0.52 -> 0.539 -> 0.561 -> 0.568 -> 0.582)
-          config_lib.apply_overrides(config, {"train.steps": 800, "train.save_every": 400})
-        rm.run(config, str(workdir), out=lambda *_: None)
+          settings.update({"train.steps": 100, "train.save_every": 100})
+        else:  # 0.523 -> 0.582 / 0.568 / 0.617 / 0.621 at steps 400 / 800 / 1200 / 1600 (~40 s)
+          settings.update({"train.steps": 1600, "train.save_every": 1600})
+        res = subprocess.run([jaxrl, "rm", "--config",
+                              os.path.join(ROOT, "configs", f"rm_tiny.py{arg}"),
+                              "--workdir", str(workdir)] +
+                             [f"--config.{k}={v}" for k, v in settings.items()],
+                             env=env, capture_output=True, text=True, timeout=1800)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
   return {k: str(v) for k, v in dirs.items()}
