@@ -132,8 +132,8 @@ class Engine:
   def _constrain(self, state: DecodeState) -> DecodeState:
     # Pin the state's layout inside each jit so the donated output keeps the input's shardings
     # (otherwise propagation may pick another layout and the next call recompiles).
-    slots, _, length, _ = state["cache"][0][0].shape
-    return jax.lax.with_sharding_constraint(state, self._state_shardings(slots, length))
+    return jax.lax.with_sharding_constraint(
+        state, self._state_shardings(state["live"].shape[0], window(state)))
 
   # --------------------------------------------------------------------------- prefill
 
@@ -202,7 +202,7 @@ class Engine:
   def _insert_fn(self, state, prefix, rows_m, slots_m, samples_m):
     self.traces["insert"] += 1
     sp = self.sampling
-    T = prefix["kv"][0][0].shape[2]
+    T = window(prefix)
     if T > window(state):
       raise ValueError(f"insert: the prefix has {T} positions but the cache window only "
                        f"{window(state)}: grow the state first (Engine.grow)")
@@ -215,6 +215,7 @@ class Engine:
     keys_m = token_keys(prefix["key"], samples_m, jnp.zeros_like(samples_m))
     token_m, logprob_m = sample_logits(logits_mv, keys_m, sp)
     length_m = prefix["length"][rows_m]
+    # (padding entries target slot B: any slot's limit will do, their results are dropped)
     max_len_m = state["max_len"][jnp.minimum(slots_m, state["live"].shape[0] - 1)]
     done_m = is_stop(token_m, sp) | (sp.max_new_tokens <= 1) | (length_m >= max_len_m)
 
@@ -276,9 +277,11 @@ class Engine:
     return self._constrain(state), out
 
 
-def window(state: DecodeState) -> int:
-  """The number of positions the state's KV cache holds now (see "The cache window")."""
-  return state["cache"][0][0].shape[2]
+def window(state_or_prefix) -> int:
+  """The positions a decode state's KV cache holds now (see "The cache window"), or a
+  prefix's KV length."""
+  kv = state_or_prefix["cache" if "cache" in state_or_prefix else "kv"]
+  return kv[0][0].shape[2]
 
 
 def bucket(n: int, *, minimum: int = 16) -> int:

@@ -29,7 +29,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxrl.errors import ConfigError
-from jaxrl.sampler.engine import Engine, bucket, window_bucket
+from jaxrl.sampler.engine import Engine, bucket, window, window_bucket
 
 
 @dataclasses.dataclass
@@ -132,8 +132,9 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
         for r, k in enumerate(batch):
           prefixes[k] = (prefix, r)
       # Insert: one call per prefix batch, each placing every row its samples need, into a
-      # window that holds each prefix and its first scan.
-      need = max(max(p["kv"][0][0].shape[2] for p, _ in prefixes.values()),
+      # window that holds the prefixes placed now (not those whose samples still wait) and
+      # their first scan.
+      need = max(max(window(prefixes[owners[s]][0]) for s in take),
                  max(len(prompts[s // n]) for s in take) + steps_per_call)
       state = engine.grow(state, fit(need))
       by_prefix: dict[int, tuple] = {}
