@@ -14,13 +14,26 @@ Two shapes, each run for --steps steps after one warm-up step (compiles) that is
           They need at least 2 devices: run them with --xla_force_host_platform_device_count=2.
 Prints the median step time, perf/gen_fraction and the median of each timing_s/* phase (gen is
 the rollout's own time; with async generation the learner waits only timing_s/gen_wait).
+
+The peer, side by side:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=1 .venv/bin/python benchmarks/grpo_step.py \
+        --shapes anchor --trl-python /tmp/peer/bin/python --rounds 2
+
+runs TRL's GRPOTrainer on the anchor shape (benchmarks/peers/trl_grpo_anchor.py, under that
+interpreter: a separate venv with torch and trl, never a jaxrl dependency) after each round of
+the shapes, so both are measured in the same hour of this shared machine, whose speed drifts by
+up to 1.5x over a day. The "vs TRL" column then divides by the TRL median measured in the run;
+without --trl-python it divides by the 2.28 s midpoint of the issue's 2.23-2.33 s anchor.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import tempfile
 
 import jax
@@ -41,33 +54,79 @@ SHAPES["anchor-async"] = SHAPES["anchor-disagg"] + ["rollout.async_generation=Tr
 PHASES = ("gen", "score", "ref", "update", "sync")
 
 
+def run_shape(shape, steps):
+  overrides = SHAPES[shape] + [f"train.steps={steps + 1}", "train.log_every=1",
+                               "train.save_every=1000", "eval.every=0",
+                               "mesh.fsdp=-1", "placement.sampler_mesh.data=-1"]
+  config = config_lib.load_config(os.path.join(ROOT, "configs/grpo_tiny.py"), overrides)
+  with tempfile.TemporaryDirectory() as workdir:
+    grpo.run(config, workdir, out=lambda *a: None)
+    rows = [r for r in read_metrics(workdir) if "timing_s/gen" in r][1:]  # drop warm-up
+  med = {k: statistics.median(r[f"timing_s/{k}"] for r in rows) for k in PHASES}
+  med["step"] = statistics.median(r["timing_s/step"] for r in rows)
+  med["frac"] = statistics.median(r["perf/gen_fraction"] for r in rows)
+  med["wait"] = statistics.median(r["timing_s/gen_wait"] for r in rows)
+  return med
+
+
+def run_trl(python, steps):
+  """TRL's step on the anchor shape, in its own interpreter (see the module docstring)."""
+  script = os.path.join(ROOT, "benchmarks", "peers", "trl_grpo_anchor.py")
+  env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run([python, script, str(steps)], capture_output=True, text=True, env=env)
+  if proc.returncode != 0:
+    raise SystemExit(f"benchmarks/peers/trl_grpo_anchor.py failed under {python} "
+                     f"(exit {proc.returncode}); its last output:\n{proc.stderr[-2000:]}")
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--steps", type=int, default=6)
   p.add_argument("--shapes", default="demo,anchor")
+  p.add_argument("--trl-python", default=None,
+                 help="an interpreter with torch and trl: also time TRL's GRPOTrainer on the "
+                      "anchor shape after each round, in this run")
+  p.add_argument("--rounds", type=int, default=1,
+                 help="repeat the shapes (and the TRL run) this many times, interleaved")
   args = p.parse_args()
+  if args.trl_python:  # fail before minutes of timing, not after
+    check = subprocess.run([args.trl_python, "-c", "import torch, trl"], capture_output=True,
+                           text=True)
+    if check.returncode != 0:
+      raise SystemExit(f"--trl-python {args.trl_python}: cannot import torch and trl there "
+                       f"({check.stderr.strip().splitlines()[-1] if check.stderr else 'no output'})."
+                       " Make a venv with them: python3.11 -m venv /tmp/peer && "
+                       "/tmp/peer/bin/pip install torch==2.13.0 trl==1.16.0")
   print(f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} devices, "
         f"load average {os.getloadavg()[0]:.1f}")
   print(f"{'shape':13s} {'s/step':>7s} {'gen frac':>9s} {'gen wait':>9s} " +
-        " ".join(f"{k + ' s':>9s}" for k in PHASES) + f" {'TRL s/step':>11s} {'vs TRL':>7s}")
+        " ".join(f"{k + ' s':>9s}" for k in PHASES))
+  results, trl_steps = [], []
+  for _ in range(args.rounds):
+    for shape in args.shapes.split(","):
+      med = run_shape(shape, args.steps)
+      results.append((shape, med))
+      print(f"{shape:13s} {med['step']:7.2f} {med['frac']:9.2f} {med['wait']:9.3f} " +
+            " ".join(f"{med[k]:9.3f}" for k in PHASES), flush=True)
+    if args.trl_python:
+      t = run_trl(args.trl_python, args.steps)
+      trl_steps.append(t["step"])
+      # TRL's scoring and reference forward are one phase there: shown under "ref s".
+      print(f"{'TRL ' + t['trl']:13s} {t['step']:7.2f} {t['gen'] / t['step']:9.2f} "
+            f"{'-':>9s} {t['gen']:9.3f} {'-':>9s} {t['score_ref']:9.3f} {t['update']:9.3f} "
+            f"{'-':>9s}  (score + ref; torch {t['torch']}, {t['threads']} threads, "
+            f"{t['params']:,} params, {t['completion_length']:.0f}-token completions)",
+            flush=True)
+  trl = statistics.median(trl_steps) if trl_steps else 2.28
+  label = "TRL, this run" if trl_steps else "TRL, issue"
+  print(f"\nmedians over {args.rounds} round(s); vs {label} ({trl:.2f} s/step):")
   for shape in args.shapes.split(","):
-    overrides = SHAPES[shape] + [f"train.steps={args.steps + 1}", "train.log_every=1",
-                                 "train.save_every=1000", "eval.every=0",
-                                 "mesh.fsdp=-1", "placement.sampler_mesh.data=-1"]
-    config = config_lib.load_config(os.path.join(ROOT, "configs/grpo_tiny.py"), overrides)
-    with tempfile.TemporaryDirectory() as workdir:
-      grpo.run(config, workdir, out=lambda *a: None)
-      rows = [r for r in read_metrics(workdir) if "timing_s/gen" in r][1:]  # drop warm-up
-    med = {k: statistics.median(r[f"timing_s/{k}"] for r in rows) for k in PHASES}
-    step = statistics.median(r["timing_s/step"] for r in rows)
-    frac = statistics.median(r["perf/gen_fraction"] for r in rows)
-    wait = statistics.median(r["timing_s/gen_wait"] for r in rows)
-    anchor = shape.startswith("anchor")
-    trl = "2.23-2.33" if anchor else "-"
-    ratio = f"{2.28 / step:6.2f}x" if anchor else f"{'-':>7s}"
-    print(f"{shape:13s} {step:7.2f} {frac:9.2f} {wait:9.3f} " +
-          " ".join(f"{med[k]:9.3f}" for k in PHASES) +
-          f" {trl:>11s} {ratio}", flush=True)
+    if not shape.startswith("anchor"):
+      continue
+    step = statistics.median(m["step"] for s, m in results if s == shape)
+    print(f"{shape:13s} {step:7.2f} s/step  {trl / step:5.2f}x TRL")
 
 
 if __name__ == "__main__":
