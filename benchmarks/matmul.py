@@ -1,0 +1,74 @@
+"""The fp32 matmul rate each framework's CPU kernels reach on the GRPO anchor's shapes, side by
+side in one run: where the learner's and the sampler's time goes on this machine.
+
+    .venv/bin/python benchmarks/matmul.py [--torch-python /tmp/peer/bin/python]
+
+Shapes of the bench preset (d 256, MLP 688): `decode` multiplies 64 rows (a batch-64 decode
+step's MLP), `learner` 4,032 rows (the anchor update's completion tokens). Each timing chains
+(x @ B) @ C `--chain` times in one call (a jitted fori_loop in jax, a Python loop in torch),
+so per-call dispatch is spread thin and the figure is the kernels' own. The jax rows also show
+XLA:CPU's alternatives to its default YNNPACK dots, compiled per call through
+`compiler_options` (`xla_cpu_experimental_ynn_fusion_type=""`: XLA's own or Eigen dots). With
+--torch-python, benchmarks/peers/torch_matmul.py times PyTorch (oneDNN / MKL) on the same shapes
+under that interpreter, after the jax rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SHAPES = {"decode": 64, "learner": 4032}
+D, F = 256, 688
+VARIANTS = {"YNNPACK (default)": {}, "no YNNPACK": {"xla_cpu_experimental_ynn_fusion_type": ""}}
+
+
+def rate(rows: int, chain: int, options: dict, repeats: int) -> float:
+  k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(k1, (rows, D))
+  b = jax.random.normal(k2, (D, F)) * D**-0.5
+  c = jax.random.normal(k3, (F, D)) * F**-0.5
+
+  def chained(x, b, c):
+    return jax.lax.fori_loop(0, chain, lambda i, x: (x @ b) @ c, x)
+
+  f = jax.jit(chained, compiler_options=options)
+  f(x, b, c).block_until_ready()
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    f(x, b, c).block_until_ready()
+    times.append(time.perf_counter() - t)
+  return 2 * 2 * rows * D * F * chain / float(np.median(times)) / 1e9
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--torch-python", default=None)
+  p.add_argument("--repeats", type=int, default=15)
+  args = p.parse_args()
+  print(f"jax {jax.__version__} on {jax.device_count()} {jax.default_backend()} device(s), "
+        f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; GFLOP/s, fp32")
+  for shape, rows in SHAPES.items():
+    chain = 200 if rows < 1000 else 8
+    for name, options in VARIANTS.items():
+      label = f"{shape} [{rows}, {D}] x [{D}, {F}]"
+      print(f"{label:36s} jax, {name:28s} {rate(rows, chain, options, args.repeats):6.0f}",
+            flush=True)
+  if args.torch_python:
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "torch_matmul.py")
+    out = subprocess.run([args.torch_python, script, str(args.repeats)], capture_output=True,
+                         text=True)
+    if out.returncode != 0:
+      raise SystemExit(f"{script} failed under {args.torch_python}: {out.stderr[-1500:]}")
+    print(out.stdout, end="")
+
+
+if __name__ == "__main__":
+  main()
