@@ -80,8 +80,8 @@ def run(workdir: str = "runs/demo", *, overrides: list[str] = (), out=print) -> 
            ("gen", "score", "ref", "update", "sync")}
   total = sum(r["timing_s/step"] for r in steps) or 1.0
   kl = [r["kl"] for r in steps]
-  # The max over every step (the alarm's view), not just the logged ones; a resumed run only
-  # knows the steps since its restart, so the logged rows are folded in too.
+  # The max over every step (the alarm's view, restored on resume), not just the logged ones;
+  # the logged rows are folded in too, for a run resumed from an older checkpoint without it.
   every_step = grpo_summary.get("kl/max")
   kl_max = max(kl + ([every_step] if every_step is not None else []), default=None)
   result = {

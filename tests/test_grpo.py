@@ -257,7 +257,9 @@ def test_reward_hacking_alarm_sees_a_slow_slide_over_its_window():
 def test_pulse_run_logs_every_metric_and_resumes(repo_root, tmp_path, devices, monkeypatch):
   spec = os.path.join(repo_root, "configs/grpo_tiny.py:runlocal")
   workdir = str(tmp_path / "grpo")
-  summary = grpo.run(config_lib.load_config(spec), workdir, out=lambda *a: None)
+  # The adaptive KL controller on, with a short horizon so beta moves visibly every step.
+  adaptive = ["algo.kl_target=0.001", "algo.kl_horizon=100"]
+  summary = grpo.run(config_lib.load_config(spec, adaptive), workdir, out=lambda *a: None)
   assert summary["status"] == "completed" and summary["step"] == 2
   rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
   assert rows[0]["step"] == 0 and "eval/accuracy" in rows[0]  # the starting point
@@ -289,11 +291,22 @@ def test_pulse_run_logs_every_metric_and_resumes(repo_root, tmp_path, devices, m
   assert len(out["rollout"].lengths) == 2 and os.path.exists(out["path"])
   # Re-running with more steps resumes from the checkpoint at step 2.
   lines = []
-  summary = grpo.run(config_lib.load_config(spec, ["train.steps=3"]), workdir, out=lines.append)
+  summary = grpo.run(config_lib.load_config(spec, adaptive + ["train.steps=3"]), workdir,
+                     out=lines.append)
   assert summary["step"] == 3 and any("resuming" in s for s in lines)
   assert any("train.steps: 2 -> 3" in s for s in lines)  # a changed config is never silent
   rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
   assert [r["step"] for r in rows] == [0, 1, 2, 3]
+  # The resumed step continues from the beta step 2 reached, not from algo.beta again...
+  from jaxrl.rl import losses
+  def moved(beta):
+    return losses.adaptive_kl_beta(beta, kl=rows[3]["kl"], target=0.001, horizon=100,
+                                   n_steps=16)
+  assert rows[1]["kl/beta"] != 0.04 and rows[2]["kl/beta"] != rows[1]["kl/beta"]
+  assert rows[3]["kl/beta"] == pytest.approx(moved(rows[2]["kl/beta"]), rel=1e-12)
+  assert moved(rows[2]["kl/beta"]) != pytest.approx(moved(0.04), rel=1e-9)
+  # ...and kl/max spans every step, the ones before the restart included.
+  assert summary["kl/max"] == max(r["kl"] for r in rows[1:])
 
 
 @pytest.mark.slow
@@ -374,3 +387,40 @@ def test_prompt_stream_checkpoints_its_host_state_as_marked():
                             extras={"rm_norm": restored})
   other.set_state(saved)
   assert restored.count == 4 and other.get_state()["rm_norm"]["count"] == 4
+
+
+def test_prompt_stream_saves_learner_state_as_it_is_and_alarms_resume():
+  """The learner's own host state (the KL coefficient, the alarms' history) is saved as it is
+  at get_state(), not as of the last mark(): the step's update and alarms run after it. A
+  stream restored from it gives back the coefficient, kl/max, the raised counts, and the evals
+  the reward-hacking check compares against."""
+  said = []
+  beta = grpo.KLCoefficient(0.04)
+  alarms = grpo.Alarms(kl_threshold=0.1, window=2, out=said.append)
+  records = [{"prompt": str(i)} for i in range(8)]
+  stream = grpo.PromptStream(records, 2, seed=0, learner_state={"kl_coef": beta,
+                                                                 "alarms": alarms})
+  alarms.on_eval(0, 0.80)
+  stream.mark()
+  for step, kl in ((1, 0.02), (2, 0.5), (3, 0.03)):
+    alarms.on_step(step, {"reward/mean": 0.1 * step, "kl": kl})
+  beta.value = 0.05  # the adaptive controller moved it after the mark
+  alarms.on_eval(3, 0.79)
+  saved = json.loads(json.dumps(stream.get_state()))  # as the checkpoint writes it
+  assert saved["kl_coef"] == {"value": 0.05}
+  beta2 = grpo.KLCoefficient(0.04)
+  alarms2 = grpo.Alarms(kl_threshold=0.1, window=2, out=said.append)
+  grpo.PromptStream(records, 2, seed=0, learner_state={"kl_coef": beta2, "alarms": alarms2}
+                    ).set_state(saved)
+  assert beta2.value == 0.05 and alarms2.kl_max == 0.5 and alarms2.raised["kl"] == 1
+  # Step 5's eval compares with step 3's (window 2), known only from the restored history:
+  # reward up, accuracy down 0.09, so the alarm fires after the resume as it would have without.
+  for step in (4, 5):
+    alarms2.on_step(step, {"reward/mean": 0.1 * step, "kl": 0.0})
+  assert alarms2.on_eval(5, 0.70)["alarm/reward_hacking"] == 1.0
+  assert any("0.790 -> 0.700" in s for s in said)
+  # A checkpoint from before this state existed restores the rest and keeps these as configured.
+  beta3 = grpo.KLCoefficient(0.04)
+  grpo.PromptStream(records, 2, seed=0, learner_state={"kl_coef": beta3}).set_state(
+      {"epoch": 0, "pos": 2})
+  assert beta3.value == 0.04

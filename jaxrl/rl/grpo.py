@@ -155,14 +155,19 @@ class PromptStream:
   """B prompt records per step from a list, reshuffled each epoch from (seed, epoch); its
   position is checkpointed beside the train state, so a resumed run sees the same prompts."""
 
-  def __init__(self, records: list[dict], batch: int, seed: int, extras: dict | None = None):
+  def __init__(self, records: list[dict], batch: int, seed: int, extras: dict | None = None,
+               learner_state: dict | None = None):
     if not records:
       raise ConfigError("the RL prompt set is empty: set data.task or data.train_file.")
     self.records, self.batch, self.seed = records, batch, seed
     self.epoch, self.pos = 0, 0
-    # Host-side state that must resume with the prompts (e.g. the reward models' running
-    # normaliser): objects with get_state()/set_state(), checkpointed under their names.
+    # Host-side state that must resume with the prompts: objects with get_state()/set_state(),
+    # checkpointed under their names. `extras` are what scoring updates (the reward models'
+    # running normaliser), which async generation does in the background: saved as of the last
+    # mark(). `learner_state` is what only the learner's own step changes (the KL coefficient,
+    # the alarms' history): saved as it is when the checkpoint is written.
     self.extras = dict(extras or {})
+    self.learner_state = dict(learner_state or {})
     self._marked: dict | None = None  # the extras' state at the last mark()
 
   def _order(self):
@@ -202,11 +207,13 @@ class PromptStream:
   def get_state(self) -> dict:
     extras = (self._marked if self._marked is not None
               else {k: v.get_state() for k, v in self.extras.items()})
-    return {"epoch": self.epoch, "pos": self.pos, **extras}
+    return {"epoch": self.epoch, "pos": self.pos, **extras,
+            **{k: v.get_state() for k, v in self.learner_state.items()}}
 
   def set_state(self, state: dict) -> None:
     self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
-    for k, v in self.extras.items():
+    # A key missing from an older checkpoint leaves that state as configured.
+    for k, v in {**self.extras, **self.learner_state}.items():
       if k in state:
         v.set_state(state[k])
     self.mark()
@@ -369,6 +376,24 @@ def reward_specs(text: str, task, kwargs=None) -> list[RewardSpec]:
       "task" if s.name == task_name else s.name, {}))) for s in specs]
 
 
+# ----------------------------------------------------------------------------- KL coefficient
+
+
+class KLCoefficient:
+  """beta, the KL penalty's weight: fixed (algo.beta), or moved after every step toward
+  algo.kl_target by the adaptive controller (losses.adaptive_kl_beta). Host state, checkpointed
+  with the prompts' position, so a resumed run continues from the beta it had reached."""
+
+  def __init__(self, value: float):
+    self.value = float(value)
+
+  def get_state(self) -> dict:
+    return {"value": self.value}
+
+  def set_state(self, state: dict) -> None:
+    self.value = float(state["value"])
+
+
 # ----------------------------------------------------------------------------- alarms
 
 
@@ -387,7 +412,18 @@ class Alarms:
     self.rewards: collections.deque = collections.deque(maxlen=window)
     self.evals: list[tuple[int, float, float]] = []  # (step, mean reward since last, accuracy)
     self.raised = {"kl": 0, "reward_hacking": 0}
-    self.kl_max: float | None = None  # over every step this process ran, logged or not
+    self.kl_max: float | None = None  # over every step of the run, logged or not
+
+  def get_state(self) -> dict:
+    """What a resumed run needs to raise the same alarms and report the same kl/max."""
+    return {"rewards": list(self.rewards), "evals": [list(e) for e in self.evals],
+            "raised": dict(self.raised), "kl_max": self.kl_max}
+
+  def set_state(self, state: dict) -> None:
+    self.rewards = collections.deque(state["rewards"], maxlen=self.window)
+    self.evals = [tuple(e) for e in state["evals"]]
+    self.raised = {**self.raised, **state["raised"]}
+    self.kl_max = state["kl_max"]
 
   def on_step(self, step: int, metrics: dict) -> dict:
     self.rewards.append(metrics[self.reward_key])
@@ -521,16 +557,17 @@ def run(config, workdir: str, *, out=print) -> dict:
                and a.kl_in == "loss")
   update = make_train_step(loss_fn, tx, schedule, shardings, shd, mesh=mesh,
                            accum_steps=config.optim.accum_steps)
-  beta = [float(a.beta)]
+  beta = KLCoefficient(a.beta)
+  alarms = Alarms(kl_threshold=config.alarm.kl_threshold, window=config.alarm.window, out=out,
+                  min_drop=config.alarm.min_accuracy_drop,
+                  reward_key="reward/rm_mean" if rms is not None else "reward/mean")
   stream = PromptStream(train_records, r.prompts_per_step, config.seed,
-                        extras={"rm_norm": rm_norm} if rm_norm is not None else None)
+                        extras={"rm_norm": rm_norm} if rm_norm is not None else None,
+                        learner_state={"kl_coef": beta, "alarms": alarms})
   ckpt = Checkpointer(run_dir.checkpoints, keep=config.train.keep_checkpoints,
                       async_save=config.train.async_checkpoints)
   state, start = resume(ckpt, state, shardings, stream, run_dir, out=out,
                         updates_per_step=a.num_iterations * a.minibatches)
-  alarms = Alarms(kl_threshold=config.alarm.kl_threshold, window=config.alarm.window, out=out,
-                  min_drop=config.alarm.min_accuracy_drop,
-                  reward_key="reward/rm_mean" if rms is not None else "reward/mean")
   exact = (ExactMatch(graphdef, cfg, mesh, tokenizer, held_out, task.check,
                       batch=config.eval.batch_size, max_new=r.max_new_tokens)
            if held_out and task is not None else None)
@@ -661,7 +698,7 @@ def run(config, workdir: str, *, out=print) -> dict:
                                             estimator=a.kl_estimator,
                                             clamp=a.kl_clamp or None))
       seq_rewards = np.asarray(losses.kl_in_reward(rewards_b=seq_rewards, kl_bt=kl_tok,
-                                                   mask_bt=mask, beta=beta[0]))
+                                                   mask_bt=mask, beta=beta.value))
     adv = np.asarray(adv_lib.compute(a.advantage, rewards_bg=seq_rewards.reshape(
         -1, r.group_size), clip=a.adv_clip or None)).reshape(-1)
     # Truncated-IS weights are computed in the loss (grpo_loss); with fused_old the update's
@@ -670,7 +707,7 @@ def run(config, workdir: str, *, out=print) -> dict:
     full = {**{k: batch[k] for k in inputs + ("mask", "sampler_logp")}, **old,
             "ref_logp": ref_np.astype(np.float32),
             "adv": np.broadcast_to(adv[:, None], mask.shape).astype(np.float32),
-            "beta": np.full(mask.shape, beta[0], np.float32)}
+            "beta": np.full(mask.shape, beta.value, np.float32)}
     # 6. num_iterations x minibatches updates
     t0 = time.perf_counter()
     rng = np.random.default_rng([config.seed, step])
@@ -691,9 +728,10 @@ def run(config, workdir: str, *, out=print) -> dict:
     upd = jax.device_get(upd)
     t_update = time.perf_counter() - t0
     if a.kl_target > 0:
-      beta[0] = losses.adaptive_kl_beta(beta[0], kl=float(np.mean([u["kl"] for u in upd])),
-                                        target=a.kl_target, horizon=a.kl_horizon,
-                                        n_steps=N)
+      beta.value = losses.adaptive_kl_beta(beta.value,
+                                           kl=float(np.mean([u["kl"] for u in upd])),
+                                           target=a.kl_target, horizon=a.kl_horizon,
+                                           n_steps=N)
     n_tok = max(mask.sum(), 1.0)
     metrics = {
         "loss": float(np.mean([u["loss"] for u in upd])),
@@ -714,7 +752,7 @@ def run(config, workdir: str, *, out=print) -> dict:
                               mask > 0, old_np - batch["sampler_logp"], 0.0)) * mask).sum()
                                                   / n_tok)),
         "staleness/mean": float(step - version),
-        "kl/beta": beta[0],
+        "kl/beta": beta.value,
         # gen: the rollout's own wall time; gen_wait: what the learner waited for it (less
         # than gen when generation overlapped the previous update).
         "timing_s/gen": t_gen, "timing_s/gen_wait": t_wait,
