@@ -100,8 +100,15 @@ def run(workdir: str = "runs/demo", *, overrides: list[str] = (), out=print) -> 
 
   out("\n== held-out exact-match accuracy (addition, 256 test prompts, greedy) ==")
   out(f"  {'stage':<12}{'accuracy':>10}{'steps':>8}{'wall s':>9}")
-  out(f"  {'after SFT':<12}{sft_acc:>10.3f}{sft_summary['step']:>8}{t_sft:>9.0f}")
-  out(f"  {'after GRPO':<12}{grpo_acc:>10.3f}{grpo_summary['step']:>8}{t_grpo:>9.0f}")
+  resumed = []
+  for name, acc, summ, wall in (("after SFT", sft_acc, sft_summary, t_sft),
+                                ("after GRPO", grpo_acc, grpo_summary, t_grpo)):
+    # A re-run resumes from the checkpoints: its wall time is this process's, not the stage's.
+    mark = "*" if summ.get("start_step", 0) > 0 else ""
+    resumed += [f"{name[6:]} from step {summ['start_step']}"] if mark else []
+    out(f"  {name:<12}{acc:>10.3f}{summ['step']:>8}{wall:>9.0f}{mark}")
+  if resumed:
+    out(f"  * resumed ({', '.join(resumed)}): wall s is this process's time only")
   if kl:
     out(f"  KL to reference: final {kl[-1]:.4f}, max {kl_max:.4f} over every step (alarm at "
         f"{gcfg.alarm.kl_threshold})")
