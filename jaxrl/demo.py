@@ -112,7 +112,8 @@ def run(workdir: str = "runs/demo", *, overrides: list[str] = (), out=print) -> 
   if kl:
     out(f"  KL to reference: final {kl[-1]:.4f}, max {kl_max:.4f} over every step (alarm at "
         f"{gcfg.alarm.kl_threshold})")
-  out("  GRPO time split: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in
-                                        result["grpo"]["time_split"].items()))
+  split = result["grpo"]["time_split"]
+  out("  GRPO time split: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in split.items()) +
+      f", other {100 * (1 - sum(split.values())):.0f}% (compiles, held-out evals, host work)")
   out(f"  written: {os.path.join(workdir, 'summary.json')}, {png}")
   return result
