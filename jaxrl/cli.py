@@ -220,15 +220,13 @@ def cmd_model(args, overrides) -> None:
 
 def cmd_sweep(args, overrides) -> None:
   from jaxrl import config as config_lib
-  runs = config_lib.load_sweep(args.config)
+  from jaxrl import launch
   base = args.workdir or os.path.join("runs", os.path.splitext(os.path.basename(
       config_lib.split_spec(args.config)[0]))[0])
   plan = []
-  for i, run in enumerate(runs):
-    # Each run's overrides must apply and validate before anything is launched.
-    config_lib.load_config(args.config, [*overrides, *(f"{k}={v}" for k, v in run.items())])
-    argv = [args.run_command, "--config", args.config, *overrides,
-            *(f"--config.{k}={v}" for k, v in run.items())]
+  # Every run's overrides apply and validate before anything is launched (as jaxrl launch).
+  for i, (run, extra, _) in enumerate(launch.sweep_items(args.config, overrides)):
+    argv = [args.run_command, "--config", args.config, *overrides, *extra]
     workdir = os.path.join(base, f"run{i:03d}")
     if args.run_command not in ("info", "model"):
       argv += ["--workdir", workdir]

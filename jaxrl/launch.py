@@ -51,22 +51,32 @@ def run_name(i: int, overrides: dict[str, Any]) -> str:
   return re.sub(r"[^A-Za-z0-9._=,+-]", "_", name)[:80]
 
 
-def expand(spec: str, *, command: str, root: str, overrides: list[str] = (),
-           sweep: bool = True) -> list[Run]:
-  """The runs of `spec`'s sweep() (one run without `sweep`), each checked against the config."""
-  if command not in TRAINERS:
-    raise ConfigError(f"jaxrl launch --command {command!r}: launch runs trainers that write a "
-                      f"workdir; choose one of {', '.join(TRAINERS)}.")
+def sweep_items(spec: str, overrides: list[str] = (), *, sweep: bool = True):
+  """[(item, its --config.k=v arguments, its config)] for each of `spec`'s sweep() items (one
+  empty item without `sweep`). Every item's config is loaded and validated here, so a bad one
+  is a ConfigError naming it before any run starts. `jaxrl sweep` and `jaxrl launch` share it."""
   items = config_lib.load_sweep(spec) if sweep else [{}]
   if not items:
     raise ConfigError(f"{config_lib.split_spec(spec)[0]}: sweep() yielded no runs.")
-  runs = []
+  out = []
   for i, item in enumerate(items):
     extra = [f"--config.{k}={_value_text(v)}" for k, v in item.items()]
     try:
       config = config_lib.load_config(spec, [*overrides, *extra])
     except ConfigError as e:
       raise ConfigError(f"sweep run {i} ({item}): {e}") from None
+    out.append((item, extra, config))
+  return out
+
+
+def expand(spec: str, *, command: str, root: str, overrides: list[str] = (),
+           sweep: bool = True) -> list[Run]:
+  """The runs of `spec`'s sweep() (one run without `sweep`), each checked against the config."""
+  if command not in TRAINERS:
+    raise ConfigError(f"jaxrl launch --command {command!r}: launch runs trainers that write a "
+                      f"workdir; choose one of {', '.join(TRAINERS)}.")
+  runs = []
+  for i, (item, extra, config) in enumerate(sweep_items(spec, overrides, sweep=sweep)):
     name = run_name(i, item)
     workdir = _join(root, name)
     argv = [command, "--config", spec, *overrides, *extra, "--workdir", workdir]

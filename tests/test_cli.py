@@ -42,6 +42,19 @@ def test_sweep_dry_run_lists_runs(capsys, repo_root, tmp_path):
   assert not any(tmp_path.iterdir())
 
 
+def test_sweep_with_a_bad_run_exits_2_naming_it_before_running_any(capsys, tmp_path):
+  bad = tmp_path / "bad.py"
+  bad.write_text("from jaxrl.train.sft import default_config\n"
+                 "def get_config():\n  return default_config()\n"
+                 "def sweep():\n  yield {'optim.lr': 1e-3}\n  yield {'optim.lrr': 1e-4}\n")
+  with pytest.raises(SystemExit) as e:
+    cli.main(["sweep", "--config", str(bad), "--command", "model", "--workdir", str(tmp_path)])
+  assert e.value.code == 2
+  captured = capsys.readouterr()
+  assert "sweep run 1 ({'optim.lrr': 0.0001})" in captured.err and "optim.lr" in captured.err
+  assert "--- run" not in captured.out  # nothing ran, not even the good first run
+
+
 def test_bad_override_exits_2_with_one_line(capsys, repo_root):
   with pytest.raises(SystemExit) as e:
     cli.main(["model", "--config", os.path.join(repo_root, "configs/tiny.py"),
