@@ -69,12 +69,31 @@ def run_shape(shape, steps):
   return med
 
 
+def anchor_spec() -> dict:
+  """The anchor shape as the TRL harness builds it, read from the same config and preset the
+  jaxrl side runs, so the two cannot drift apart. The harness's prompts are 16 random tokens,
+  the width jaxrl's learner pads the anchor's (shorter) task prompts to."""
+  config = config_lib.load_config(os.path.join(ROOT, "configs/grpo_tiny.py"), SHAPES["anchor"])
+  m, r = config_lib.model_config(config), config.rollout
+  if m.dtype != "float32" or not m.qkv_bias or m.qk_norm or m.rope_scaling is not None:
+    raise SystemExit(f"the TRL harness builds a Qwen2 model in fp32; the anchor preset is {m}")
+  return {"vocab_size": m.vocab_size, "hidden_size": m.embed_dim,
+          "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
+          "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim,
+          "intermediate_size": m.mlp_dim, "tie_word_embeddings": m.tie_embeddings,
+          "max_position_embeddings": m.max_seq_len, "rope_theta": m.rope_theta,
+          "rms_norm_eps": m.norm_eps, "prompts": r.prompts_per_step,
+          "generations": r.group_size, "completion_tokens": r.max_new_tokens,
+          "prompt_tokens": 16, "beta": config.algo.beta}
+
+
 def run_trl(python, steps):
   """TRL's step on the anchor shape, in its own interpreter (see the module docstring)."""
   script = os.path.join(ROOT, "benchmarks", "peers", "trl_grpo_anchor.py")
   env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
   env.pop("XLA_FLAGS", None)
-  proc = subprocess.run([python, script, str(steps)], capture_output=True, text=True, env=env)
+  proc = subprocess.run([python, script, str(steps), json.dumps(anchor_spec())],
+                        capture_output=True, text=True, env=env)
   if proc.returncode != 0:
     raise SystemExit(f"benchmarks/peers/trl_grpo_anchor.py failed under {python} "
                      f"(exit {proc.returncode}); its last output:\n{proc.stderr[-2000:]}")
@@ -96,7 +115,7 @@ def main():
                            text=True)
     if check.returncode != 0:
       raise SystemExit(f"--trl-python {args.trl_python}: cannot import torch and trl there "
-                       f"({check.stderr.strip().splitlines()[-1] if check.stderr else 'no output'})."
+                       f"({(check.stderr.strip().splitlines() or ['no output'])[-1]})."
                        " Make a venv with them: python3.11 -m venv /tmp/peer && "
                        "/tmp/peer/bin/pip install torch==2.13.0 trl==1.16.0")
   print(f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} devices, "

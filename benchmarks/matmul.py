@@ -16,6 +16,7 @@ under that interpreter, after the jax rows.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import time
@@ -24,8 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SHAPES = {"decode": 64, "learner": 4032}
+SHAPES = {"decode": 64, "learner": 4032}  # rows; torch_matmul.py gets these in argv
 D, F = 256, 688
+
+
+def chain_length(rows: int) -> int:
+  return 200 if rows < 1000 else 8
 VARIANTS = {"YNNPACK (default)": {}, "no YNNPACK": {"xla_cpu_experimental_ynn_fusion_type": ""}}
 
 
@@ -56,15 +61,17 @@ def main():
   print(f"jax {jax.__version__} on {jax.device_count()} {jax.default_backend()} device(s), "
         f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; GFLOP/s, fp32")
   for shape, rows in SHAPES.items():
-    chain = 200 if rows < 1000 else 8
+    chain = chain_length(rows)
     for name, options in VARIANTS.items():
       label = f"{shape} [{rows}, {D}] x [{D}, {F}]"
       print(f"{label:36s} jax, {name:28s} {rate(rows, chain, options, args.repeats):6.0f}",
             flush=True)
   if args.torch_python:
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "torch_matmul.py")
-    out = subprocess.run([args.torch_python, script, str(args.repeats)], capture_output=True,
-                         text=True)
+    shapes = {k: [rows, chain_length(rows)] for k, rows in SHAPES.items()}
+    out = subprocess.run([args.torch_python, script, str(args.repeats),
+                          json.dumps({"d": D, "f": F, "shapes": shapes})],
+                         capture_output=True, text=True)
     if out.returncode != 0:
       raise SystemExit(f"{script} failed under {args.torch_python}: {out.stderr[-1500:]}")
     print(out.stdout, end="")

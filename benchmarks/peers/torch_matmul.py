@@ -1,20 +1,20 @@
 """PyTorch's side of benchmarks/matmul.py: the same chained (x @ B) @ C products, fp32, on
-the same shapes, with torch's default CPU threads. Run by matmul.py --torch-python PY."""
+the same shapes (given by matmul.py as JSON in argv[2]), with torch's default CPU threads. Run
+by matmul.py --torch-python PY."""
 
+import json
 import statistics
 import sys
 import time
 
 import torch
 
-D, F = 256, 688
-
 
 def main():
-  repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 15
+  repeats, spec = int(sys.argv[1]), json.loads(sys.argv[2])
+  D, F = spec["d"], spec["f"]
   torch.manual_seed(0)
-  for shape, rows in {"decode": 64, "learner": 4032}.items():
-    chain = 200 if rows < 1000 else 8
+  for shape, (rows, chain) in spec["shapes"].items():
     x = torch.randn(rows, D)
     b, c = torch.randn(D, F) * D**-0.5, torch.randn(F, D) * F**-0.5
 

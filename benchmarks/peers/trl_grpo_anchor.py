@@ -4,10 +4,11 @@ side of `benchmarks/grpo_step.py --trl-python PY`, which runs this file under PY
 PY is a separate interpreter with TRL and PyTorch (never a jaxrl dependency), for example:
     python3.11 -m venv /tmp/peer && /tmp/peer/bin/pip install torch==2.13.0 trl==1.16.0
 
-The shape, built here with no download: a Qwen2-style model of 4,487,424 parameters (vocab 512,
-width 256, 6 layers, 4 query heads, 2 KV heads, head_dim 64, MLP 688, tied embeddings, created
-from a seeded config), 8 prompts of 16 tokens x 8 generations, exactly 64 completion tokens
-(min_new_tokens = max_completion_length), beta 0.04 with a reference model, fp32, one
+The shape comes as JSON in argv[2] from grpo_step.py's anchor_spec(), read from jaxrl's own
+anchor config: on the anchor, a Qwen2-style model of 4,487,424 parameters (vocab 512, width 256,
+6 layers, 4 query heads, 2 KV heads, head_dim 64, MLP 688, tied embeddings, created here from a
+seeded config with no download), 8 prompts of 16 tokens x 8 generations, exactly 64 completion
+tokens (min_new_tokens = max_completion_length), beta 0.04 with a reference model, fp32, one
 generation and one optimizer step per step. Prompts are random word-level tokens; the reward is
 a cheap function of the text, so scoring costs what TRL's own bookkeeping costs.
 
@@ -61,24 +62,26 @@ class StepTimer(TrainerCallback):
 
 
 def main():
-  steps = int(sys.argv[1]) if len(sys.argv) > 1 else 6
-  vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i + 2 for i in range(510)}}
+  steps, spec = int(sys.argv[1]), json.loads(sys.argv[2])
+  model_keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "intermediate_size", "tie_word_embeddings",
+                "max_position_embeddings", "rope_theta", "rms_norm_eps")
+  words = spec["vocab_size"] - 2
+  vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i + 2 for i in range(words)}}
   word_level = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
   word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
   tokenizer = PreTrainedTokenizerFast(tokenizer_object=word_level, pad_token="<pad>",
                                       eos_token="<eos>")
   tokenizer.padding_side = "left"
   torch.manual_seed(0)
-  config = Qwen2Config(vocab_size=512, hidden_size=256, num_hidden_layers=6,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                       intermediate_size=688, tie_word_embeddings=True,
-                       max_position_embeddings=2048, rope_theta=1e6, pad_token_id=0,
-                       eos_token_id=1, bos_token_id=1)
+  config = Qwen2Config(**{k: spec[k] for k in model_keys}, pad_token_id=0, eos_token_id=1,
+                       bos_token_id=1)
   model = Qwen2ForCausalLM(config)
   n_params = sum(p.numel() for p in model.parameters())
   g = torch.Generator().manual_seed(1)
-  prompts = [" ".join(f"t{int(x)}" for x in torch.randint(0, 510, (16,), generator=g))
-             for _ in range(8 * (steps + 2))]
+  prompts = [" ".join(f"t{int(x)}" for x in torch.randint(0, words, (spec["prompt_tokens"],),
+                                                           generator=g))
+             for _ in range(spec["prompts"] * (steps + 2))]
 
   def reward(completions, **_):
     return [float(len(c.split()) % 7) for c in completions]
@@ -88,9 +91,10 @@ def main():
     path = os.path.join(d, "model")
     model.save_pretrained(path)  # TRL builds the reference model from the policy's path
     tokenizer.save_pretrained(path)
-    args = GRPOConfig(output_dir=os.path.join(d, "out"), per_device_train_batch_size=64,
-                      num_generations=8, max_completion_length=64,
-                      generation_kwargs={"min_new_tokens": 64}, beta=0.04,
+    n, t = spec["prompts"] * spec["generations"], spec["completion_tokens"]
+    args = GRPOConfig(output_dir=os.path.join(d, "out"), per_device_train_batch_size=n,
+                      num_generations=spec["generations"], max_completion_length=t,
+                      generation_kwargs={"min_new_tokens": t}, beta=spec["beta"],
                       max_steps=steps + 1, learning_rate=1e-5, logging_steps=1,
                       report_to="none", bf16=False, fp16=False, use_cpu=True,
                       save_strategy="no", seed=0, disable_tqdm=True)
