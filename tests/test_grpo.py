@@ -424,3 +424,36 @@ def test_prompt_stream_saves_learner_state_as_it_is_and_alarms_resume():
   grpo.PromptStream(records, 2, seed=0, learner_state={"kl_coef": beta3}).set_state(
       {"epoch": 0, "pos": 2})
   assert beta3.value == 0.04
+
+
+def test_grouped_batch_accumulates_whole_groups(devices):
+  """optim.accum_steps on the shared-prompt batch: each micro-batch holds whole groups (a
+  prompt with its own G completions), so accumulating gives the one-batch update."""
+  cfg = get_preset("tiny")
+  mesh = make_mesh(devices=jax.devices()[:2])  # 4 prompts per device: 2 per micro-batch
+  rng = np.random.default_rng(3)
+  P, G, Tc = 8, 4, 5
+  prompts = [list(rng.integers(3, 200, size=int(n))) for n in rng.integers(2, 9, size=P)]
+  comps = [list(rng.integers(3, 200, size=int(n))) for n in rng.integers(1, Tc + 1, size=P * G)]
+  rollout = _rollout([prompts[i // G] for i in range(P * G)], comps,
+                     [list(rng.normal(size=len(c)) - 3.0) for c in comps])
+  rollout = dataclasses.replace(rollout, prompt_index=np.repeat(np.arange(P), G))
+  batch = grpo.grouped_learner_batch(rollout, prompt_len=16, group=G, pad_id=0)
+  mask = batch["mask"]
+  batch.update(ref_logp=np.zeros_like(mask) - 3.0, beta=np.full_like(mask, 0.04),
+               adv=np.repeat(rng.normal(size=(P * G, 1)).astype(np.float32), Tc, 1))
+  tx, sched = make_optimizer(optim_section(lr=1e-3, warmup_steps=0, weight_decay=0.0,
+                                           eps=1.0), 10)
+  bs = batch_sharding(mesh, 2, "learner")
+  results = {}
+  for accum in (1, 2):
+    graphdef, state, shd = init_train_state(cfg, mesh, tx, seed=0)
+    loss = grpo.grpo_loss(graphdef, grpo.algo_section(beta=0.04), temperature=1.0, norm_len=Tc)
+    step = make_train_step(loss, tx, sched, shd, bs, mesh=mesh, accum_steps=accum)
+    state, metrics = step(state, put_batch(batch, bs))
+    results[accum] = (jax.device_get(state.params), jax.device_get(metrics))
+  (p1, m1), (p2, m2) = results[1], results[2]
+  for key in ("loss", "kl", "grad_norm", "is_ratio_tokens", "tokens"):
+    assert float(m2[key]) == pytest.approx(float(m1[key]), rel=1e-4, abs=1e-6), key
+  for x, y in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-8)

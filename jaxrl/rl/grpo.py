@@ -540,14 +540,18 @@ def run(config, workdir: str, *, out=print) -> dict:
   length = prompt_len + r.max_new_tokens  # fixed, so the learner's jits compile once
   N = r.prompts_per_step * r.group_size
   replicas = mesh.shape["data"] * mesh.shape["fsdp"]
-  if N % (a.minibatches * replicas):
-    raise ConfigError(f"rollout.prompts_per_step x rollout.group_size = {N} is not divisible "
-                      f"by algo.minibatches x replicas = {a.minibatches * replicas}: adjust them.")
-  grouped = bool(a.shared_prompt_forward) and (
-      r.prompts_per_step % (a.minibatches * replicas) == 0)
+  accum = config.optim.accum_steps
+  split = a.minibatches * replicas * accum  # rows of one micro-batch on one device: N / split
+  if accum < 1 or N % split:
+    raise ConfigError(
+        f"rollout.prompts_per_step x rollout.group_size = {N} is not divisible by "
+        f"algo.minibatches x replicas x optim.accum_steps = {a.minibatches} x {replicas} x "
+        f"{accum}: adjust them.")
+  # Micro-batches of the shared-prompt form hold whole groups (make_train_step's units).
+  grouped = bool(a.shared_prompt_forward) and r.prompts_per_step % split == 0
   if a.shared_prompt_forward and not grouped:
     out(f"shared-prompt forward off: rollout.prompts_per_step={r.prompts_per_step} is not "
-        f"divisible by algo.minibatches x replicas = {a.minibatches * replicas}, so each "
+        f"divisible by algo.minibatches x replicas x optim.accum_steps = {split}, so each "
         f"completion runs with its own copy of its prompt")
   shd = batch_sharding(mesh, 2, "learner")
   logprobs_fn = make_batch_logprobs_fn(graphdef, r.temperature)
@@ -555,8 +559,7 @@ def run(config, workdir: str, *, out=print) -> dict:
   # One update per step with KL in the loss: the update's forward gives the old log-probs.
   fused_old = (a.old_logp_from_update and a.num_iterations * a.minibatches == 1
                and a.kl_in == "loss")
-  update = make_train_step(loss_fn, tx, schedule, shardings, shd, mesh=mesh,
-                           accum_steps=config.optim.accum_steps)
+  update = make_train_step(loss_fn, tx, schedule, shardings, shd, mesh=mesh, accum_steps=accum)
   beta = KLCoefficient(a.beta)
   alarms = Alarms(kl_threshold=config.alarm.kl_threshold, window=config.alarm.window, out=out,
                   min_drop=config.alarm.min_accuracy_drop,

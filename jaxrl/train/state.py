@@ -92,10 +92,16 @@ def make_train_step(loss_fn: Callable, tx, schedule, shardings: TrainState, batc
     if accum_steps == 1:
       grads, loss_sum, weight, sums = grads_and_sums(state.params, batch, key)
     else:
-      # Row b*A + i goes to micro-batch i: every device keeps its own rows, no data moves.
+      # Rows come in units: the batch's shortest leading dimension counts them, and an array
+      # with u times as many rows holds u consecutive rows per unit (GRPO's shared-prompt
+      # batch: one prompt row and its G completion rows). Unit b*A + i goes to micro-batch i:
+      # every device keeps its own rows, no data moves, and a unit is never split.
+      units = min(x.shape[0] for x in jax.tree.leaves(batch))
+
       def split(x):  # [B, ...] -> [A, B/A, ...]
-        x = x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:])
-        return jnp.moveaxis(x, 1, 0)
+        u = x.shape[0] // units
+        x = x.reshape(units // accum_steps, accum_steps, u, *x.shape[1:])
+        return jnp.moveaxis(x, 1, 0).reshape(accum_steps, x.shape[0] * u, *x.shape[3:])
       micro = jax.tree.map(split, batch)
 
       def body(carry, i_mb):
