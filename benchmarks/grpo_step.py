@@ -25,6 +25,11 @@ interpreter: a separate venv with torch and trl, never a jaxrl dependency) after
 the shapes, so both are measured in the same hour of this shared machine, whose speed drifts by
 up to 1.5x over a day. The "vs TRL" column then divides by the TRL median measured in the run;
 without --trl-python it divides by the 2.28 s midpoint of the issue's 2.23-2.33 s anchor.
+
+jaxrl's side runs on tcmalloc when the machine has it, as the `jaxrl` command does (the script
+re-executes itself once; JAXRL_TCMALLOC=0 keeps glibc malloc; see jaxrl/allocator.py). TRL runs
+on glibc malloc, as it does by default; --trl-tcmalloc also times it with the same tcmalloc
+preloaded, in the same rounds, and the summary gives jaxrl's ratio to both.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import tempfile
 
 import jax
 
+from jaxrl import allocator
 from jaxrl import config as config_lib
 from jaxrl.rl import grpo
 from jaxrl.train.rundir import read_metrics
@@ -87,11 +93,17 @@ def anchor_spec() -> dict:
           "prompt_tokens": 16, "beta": config.algo.beta}
 
 
-def run_trl(python, steps):
-  """TRL's step on the anchor shape, in its own interpreter (see the module docstring)."""
+def run_trl(python, steps, tcmalloc=None):
+  """TRL's step on the anchor shape, in its own interpreter (see the module docstring); on
+  glibc malloc as TRL runs by default, or with `tcmalloc` (a library path) preloaded."""
   script = os.path.join(ROOT, "benchmarks", "peers", "trl_grpo_anchor.py")
   env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
   env.pop("XLA_FLAGS", None)
+  preload = [x for x in env.pop("LD_PRELOAD", "").split(":") if x and "tcmalloc" not in x]
+  if tcmalloc:
+    preload.insert(0, tcmalloc)
+  if preload:
+    env["LD_PRELOAD"] = ":".join(preload)
   proc = subprocess.run([python, script, str(steps), json.dumps(anchor_spec())],
                         capture_output=True, text=True, env=env)
   if proc.returncode != 0:
@@ -109,7 +121,10 @@ def main():
                       "anchor shape after each round, in this run")
   p.add_argument("--rounds", type=int, default=1,
                  help="repeat the shapes (and the TRL run) this many times, interleaved")
+  p.add_argument("--trl-tcmalloc", action="store_true",
+                 help="also time TRL with tcmalloc preloaded (as jaxrl runs), each round")
   args = p.parse_args()
+  allocator.ensure()  # jaxrl's side runs as the jaxrl command does (jaxrl/allocator.py)
   if args.trl_python:  # fail before minutes of timing, not after
     check = subprocess.run([args.trl_python, "-c", "import torch, trl"], capture_output=True,
                            text=True)
@@ -119,33 +134,40 @@ def main():
                        " Make a venv with them: python3.11 -m venv /tmp/peer && "
                        "/tmp/peer/bin/pip install torch==2.13.0 trl==1.16.0")
   print(f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} devices, "
-        f"load average {os.getloadavg()[0]:.1f}")
+        f"load average {os.getloadavg()[0]:.1f}, {allocator.describe()}")
+  trl_runs = [("TRL", None)]
+  if args.trl_tcmalloc:
+    if not allocator.loaded():
+      raise SystemExit(f"--trl-tcmalloc: no tcmalloc here to preload ({allocator.describe()})")
+    trl_runs.append(("TRL+tcm", allocator.loaded()))
   print(f"{'shape':13s} {'s/step':>7s} {'gen frac':>9s} {'gen wait':>9s} " +
         " ".join(f"{k + ' s':>9s}" for k in PHASES))
-  results, trl_steps = [], []
+  results, trl_steps = [], {}
   for _ in range(args.rounds):
     for shape in args.shapes.split(","):
       med = run_shape(shape, args.steps)
       results.append((shape, med))
       print(f"{shape:13s} {med['step']:7.2f} {med['frac']:9.2f} {med['wait']:9.3f} " +
             " ".join(f"{med[k]:9.3f}" for k in PHASES), flush=True)
-    if args.trl_python:
-      t = run_trl(args.trl_python, args.steps)
-      trl_steps.append(t["step"])
+    for name, lib in trl_runs if args.trl_python else ():
+      t = run_trl(args.trl_python, args.steps, tcmalloc=lib)
+      trl_steps.setdefault(name, []).append(t["step"])
       # TRL's scoring and reference forward are one phase there: shown under "ref s".
-      print(f"{'TRL ' + t['trl']:13s} {t['step']:7.2f} {t['gen'] / t['step']:9.2f} "
+      print(f"{name + ' ' + t['trl']:13s} {t['step']:7.2f} {t['gen'] / t['step']:9.2f} "
             f"{'-':>9s} {t['gen']:9.3f} {'-':>9s} {t['score_ref']:9.3f} {t['update']:9.3f} "
             f"{'-':>9s}  (score + ref; torch {t['torch']}, {t['threads']} threads, "
             f"{t['params']:,} params, {t['completion_length']:.0f}-token completions)",
             flush=True)
-  trl = statistics.median(trl_steps) if trl_steps else 2.28
-  label = "TRL, this run" if trl_steps else "TRL, issue"
-  print(f"\nmedians over {args.rounds} round(s); vs {label} ({trl:.2f} s/step):")
+  peers = {name: statistics.median(v) for name, v in trl_steps.items()} or {"TRL": 2.28}
+  label = "this run" if trl_steps else "the issue's anchor"
+  print(f"\nmedians over {args.rounds} round(s); TRL from {label}: " +
+        ", ".join(f"{name} {t:.2f} s/step" for name, t in peers.items()))
   for shape in args.shapes.split(","):
     if not shape.startswith("anchor"):
       continue
     step = statistics.median(m["step"] for s, m in results if s == shape)
-    print(f"{shape:13s} {step:7.2f} s/step  {trl / step:5.2f}x TRL")
+    print(f"{shape:13s} {step:7.2f} s/step  " +
+          "  ".join(f"{t / step:5.2f}x {name}" for name, t in peers.items()))
 
 
 if __name__ == "__main__":

@@ -197,6 +197,8 @@ def cmd_info(args, overrides) -> None:
       print(f"{lib:18s} {metadata.version(lib)}")
     except metadata.PackageNotFoundError:
       print(f"{lib:18s} not installed")
+  from jaxrl import allocator
+  print(f"allocator          {allocator.describe()}")
   print(f"backend            {jax.default_backend()}")
   print(f"processes          {jax.process_index()} of {jax.process_count()}")
   devs = jax.devices()
@@ -448,6 +450,13 @@ COMMANDS = {"info": cmd_info, "model": cmd_model, "sweep": cmd_sweep, "plan": cm
 
 
 def main(argv: list[str] | None = None) -> None:
+  if argv is None:  # the console script, not a caller in this process: run on tcmalloc
+    from jaxrl import allocator
+    try:
+      allocator.ensure()
+    except ConfigError as e:
+      print(f"jaxrl: error: {e}", file=sys.stderr)
+      raise SystemExit(2) from None
   argv = list(sys.argv[1:] if argv is None else argv)
   rest, overrides = _split_overrides(argv)
   parser = _parser()

@@ -26,6 +26,26 @@ find_python() {
   return 1
 }
 
+# TCMalloc, which the jaxrl command preloads (jaxrl/allocator.py): on CPU it spares each learner
+# update ~170,000 page faults (anchor step 1.21-1.30 s against 1.39-1.51 on glibc malloc).
+# Installed from the distribution when this runs as root with apt-get; otherwise one hint line.
+# JAXRL_TCMALLOC=0 skips it. jaxrl works the same without it, only slower on CPU.
+have_tcmalloc() {
+  ls /usr/lib/*-linux-gnu/libtcmalloc*.so* /usr/lib64/libtcmalloc*.so* \
+     /usr/lib/libtcmalloc*.so* /usr/local/lib/libtcmalloc*.so* >/dev/null 2>&1
+}
+if [ "$(uname -s)" = Linux ] && [ "${JAXRL_TCMALLOC:-}" != 0 ] && ! have_tcmalloc; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing libtcmalloc-minimal4 with apt-get (JAXRL_TCMALLOC=0 skips this)"
+    DEBIAN_FRONTEND=noninteractive timeout 300 apt-get install -y -q --no-install-recommends \
+      libtcmalloc-minimal4 >/dev/null 2>&1 ||
+      echo "setup: apt-get could not install libtcmalloc-minimal4; jaxrl runs on glibc malloc"
+  else
+    echo "setup: no tcmalloc here, so jaxrl runs on glibc malloc (slower on CPU); to add it:" \
+         "sudo apt-get install libtcmalloc-minimal4"
+  fi
+fi
+
 stamp="$VENV/.jaxrl-installed"
 want="$(cat pyproject.toml requirements.lock | sha256sum | cut -d' ' -f1)"
 if [ -x "$VENV/bin/python" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then

@@ -113,6 +113,9 @@ def start_run(config, workdir: str, *, out=print):
   main = jax.process_index() == 0
   run_dir = RunDir(workdir, write=main)
   run_dir.write_config(config, out=out if main else None)
+  if main:
+    from jaxrl import allocator
+    out(f"memory allocator: {allocator.describe()}")
   return main, config_lib.model_config(config), run_dir, tokenizer_for(config)
 
 
