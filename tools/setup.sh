@@ -37,7 +37,7 @@ have_tcmalloc() {
 if [ "$(uname -s)" = Linux ] && [ "${JAXRL_TCMALLOC:-}" != 0 ] && ! have_tcmalloc; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "setup: installing libtcmalloc-minimal4 with apt-get (JAXRL_TCMALLOC=0 skips this)"
-    DEBIAN_FRONTEND=noninteractive timeout 300 apt-get install -y -q --no-install-recommends \
+    DEBIAN_FRONTEND=noninteractive timeout 180 apt-get install -y -q --no-install-recommends \
       libtcmalloc-minimal4 >/dev/null 2>&1 ||
       echo "setup: apt-get could not install libtcmalloc-minimal4; jaxrl runs on glibc malloc"
   else
