@@ -17,6 +17,7 @@ the arena lock, and big blocks from a thread's own arena are always mmapped.
 `sudo apt-get install libtcmalloc-minimal4` (or google-perftools' tcmalloc of any distro).
 A process that already has a tcmalloc loaded (a notebook kernel started with one) is left as
 it is. Only the console script and the benchmarks re-exec; importing jaxrl never does.
+`python -m jaxrl.allocator CMD ...` runs any command the same way (`make test` runs pytest so).
 """
 
 from __future__ import annotations
@@ -79,22 +80,45 @@ def describe() -> str:
   return f"glibc malloc (no libtcmalloc found: {INSTALL})"
 
 
+def preload_env(lib: str) -> dict[str, str]:
+  """os.environ with `lib` first in LD_PRELOAD (and gperftools' large-allocation report off)."""
+  env = dict(os.environ)
+  env["LD_PRELOAD"] = ":".join(x for x in (lib, env.get("LD_PRELOAD", "")) if x)
+  # gperftools prints a warning with a stack trace for every allocation over 1 GiB by default;
+  # checkpoints of real models allocate that routinely.
+  env.setdefault("TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD", str(1 << 40))
+  return env
+
+
 def ensure() -> None:
   """Re-executes this process once with tcmalloc preloaded, when the platform is Linux, none
   is loaded yet, it was not turned off and one is installed; otherwise returns. Call it first
   thing in a program's main (argv is taken from sys.orig_argv, so `python -m ...`, scripts and
   console scripts all come back as they were started)."""
-  if not sys.platform.startswith("linux") or os.environ.get(_TRIED) or loaded():
+  if not sys.platform.startswith("linux"):
     return
-  lib = find()
-  if lib is None:
+  lib = find()  # first: a bad JAXRL_TCMALLOC is an error even where tcmalloc is loaded
+  if lib is None or os.environ.get(_TRIED) or loaded():
     return
-  env = dict(os.environ)
-  env["LD_PRELOAD"] = ":".join(x for x in (lib, env.get("LD_PRELOAD", "")) if x)
+  env = preload_env(lib)
   env[_TRIED] = "1"
-  # gperftools prints a warning with a stack trace for every allocation over 1 GiB by default;
-  # checkpoints of real models allocate that routinely.
-  env.setdefault("TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD", str(1 << 40))
   sys.stdout.flush()
   sys.stderr.flush()
   os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def main(argv: list[str] | None = None) -> None:
+  """python -m jaxrl.allocator CMD [ARG ...]: runs CMD with tcmalloc preloaded when ensure()
+  would preload it, else as it is (`make test` runs pytest this way)."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if not argv:
+    raise SystemExit("usage: python -m jaxrl.allocator CMD [ARG ...]")
+  try:
+    lib = None if not sys.platform.startswith("linux") or loaded() else find()
+  except ConfigError as e:
+    raise SystemExit(f"jaxrl.allocator: error: {e}") from None
+  os.execvpe(argv[0], argv, preload_env(lib) if lib else dict(os.environ))
+
+
+if __name__ == "__main__":
+  main()

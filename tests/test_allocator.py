@@ -51,7 +51,8 @@ def test_console_script_runs_on_tcmalloc_when_installed():
   # the CLI says so (and a re-exec'd process does not re-exec again: one banner, exit 0)
   res = subprocess.run([sys.executable, "-m", "jaxrl.cli", "info"], capture_output=True,
                        text=True, timeout=120,
-                       env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
+                       env={k: v for k, v in os.environ.items()
+                            if k not in ("LD_PRELOAD", "_JAXRL_TCMALLOC_TRIED")})
   assert res.returncode == 0, res.stderr
   lines = [x for x in res.stdout.splitlines() if x.startswith("allocator")]
   assert len(lines) == 1 and "tcmalloc (" in lines[0], res.stdout
@@ -64,3 +65,17 @@ def test_bad_library_path_is_one_clear_line(tmp_path):
   assert res.returncode == 2
   assert "Traceback" not in res.stderr
   assert "JAXRL_TCMALLOC=" in res.stderr and "nope.so" in res.stderr and "0" in res.stderr
+
+
+def test_module_runs_a_command_on_tcmalloc():
+  """`python -m jaxrl.allocator CMD` (what `make test` runs pytest with)."""
+  env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", allocator.ENV)}
+  cmd = [sys.executable, "-m", "jaxrl.allocator", sys.executable, "-c",
+         "import os; print(os.environ.get('LD_PRELOAD', ''))"]
+  res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+  assert res.returncode == 0, res.stderr
+  lib = allocator.find()
+  assert res.stdout.strip() == (lib or "")
+  off = subprocess.run(cmd, env={**env, allocator.ENV: "0"}, capture_output=True, text=True,
+                       timeout=120)
+  assert off.returncode == 0 and off.stdout.strip() == ""
