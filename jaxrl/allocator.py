@@ -4,8 +4,9 @@ Why it matters on CPU: XLA:CPU gives each call of a compiled program one block f
 temporaries (615 MB for the peer-anchor learner's forward + backward). glibc serves a block
 that size with a fresh mmap from the calling thread's arena and unmaps it when the call ends,
 so every update faults in ~172,000 zeroed 4 KiB pages. TCMalloc keeps the block for the next
-call. Measured on the anchor (benchmarks/grpo_step.py, 2-core CPU VM): update 0.62-0.67 s
-against 0.75-0.78, whole step 1.21-1.30 s against 1.39-1.51; decoding unchanged. glibc's own
+call. Measured on the anchor (benchmarks/grpo_step.py, 2-core CPU VM, two interleaved A/Bs of
+three runs each): steps of 1.21-1.30 s against 1.39-1.51 on glibc, and 1.35-1.38 against
+1.44-1.48 an hour later (update 0.62-0.72 against 0.75-0.79); decoding unchanged. glibc's own
 knobs do not get there: one arena with mmap off removes the faults but slows decoding ~10% on
 the arena lock, and big blocks from a thread's own arena are always mmapped.
 
