@@ -50,12 +50,16 @@ def loaded() -> str | None:
   return None
 
 
+def _turned_off() -> bool:
+  return os.environ.get(ENV, "").strip().lower() in _OFF
+
+
 def find() -> str | None:
   """The library to preload: $JAXRL_TCMALLOC when it names a file, else the first of the usual
   names in the usual folders; None when turned off or not installed."""
-  value = os.environ.get(ENV, "").strip()
-  if value.lower() in _OFF:
+  if _turned_off():
     return None
+  value = os.environ.get(ENV, "").strip()
   if value:
     if not os.path.isfile(value):
       raise ConfigError(f"{ENV}={value!r} is not a file: set it to a libtcmalloc .so, or to 0 "
@@ -74,7 +78,7 @@ def describe() -> str:
   path = loaded()
   if path:
     return f"tcmalloc ({path})"
-  if os.environ.get(ENV, "").strip().lower() in _OFF:
+  if _turned_off():
     return f"glibc malloc ({ENV}=0)"
   if os.environ.get(_TRIED):
     return f"glibc malloc (preloading {os.environ.get('LD_PRELOAD', '?')} did not take)"
@@ -91,15 +95,22 @@ def preload_env(lib: str) -> dict[str, str]:
   return env
 
 
+def _to_preload() -> str | None:
+  """The library a Linux process without tcmalloc should preload, or None. find() runs first,
+  so a bad JAXRL_TCMALLOC is an error even where tcmalloc is already loaded."""
+  if not sys.platform.startswith("linux"):
+    return None
+  lib = find()
+  return None if lib is None or loaded() else lib
+
+
 def ensure() -> None:
   """Re-executes this process once with tcmalloc preloaded, when the platform is Linux, none
   is loaded yet, it was not turned off and one is installed; otherwise returns. Call it first
   thing in a program's main (argv is taken from sys.orig_argv, so `python -m ...`, scripts and
   console scripts all come back as they were started)."""
-  if not sys.platform.startswith("linux"):
-    return
-  lib = find()  # first: a bad JAXRL_TCMALLOC is an error even where tcmalloc is loaded
-  if lib is None or os.environ.get(_TRIED) or loaded():
+  lib = _to_preload()
+  if lib is None or os.environ.get(_TRIED):
     return
   env = preload_env(lib)
   env[_TRIED] = "1"
@@ -115,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
   if not argv:
     raise SystemExit("usage: python -m jaxrl.allocator CMD [ARG ...]")
   try:
-    lib = None if not sys.platform.startswith("linux") or loaded() else find()
+    lib = _to_preload()
   except ConfigError as e:
     raise SystemExit(f"jaxrl.allocator: error: {e}") from None
   os.execvpe(argv[0], argv, preload_env(lib) if lib else dict(os.environ))

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from jaxrl import allocator
 from jaxrl.train.checkpoint import Checkpointer, abstract_state
 from jaxrl.train.rundir import RunDir, logged_before
 
@@ -114,7 +115,6 @@ def start_run(config, workdir: str, *, out=print):
   run_dir = RunDir(workdir, write=main)
   run_dir.write_config(config, out=out if main else None)
   if main:
-    from jaxrl import allocator
     out(f"memory allocator: {allocator.describe()}")
   return main, config_lib.model_config(config), run_dir, tokenizer_for(config)
 
