@@ -32,6 +32,25 @@ def repo_root():
   return ROOT
 
 
+def subprocess_env(devices=8, *, test_flags=True):
+  """This test process's environment (its XLA flags and compilation cache) for a jaxrl
+  subprocess with `devices` fake CPU devices; test_flags=False gives plain XLA flags, as a
+  user's run has. Test modules import it (`from conftest import subprocess_env`)."""
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count") and test_flags]
+  flags.append(f"--xla_force_host_platform_device_count={devices}")
+  return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags))
+
+
+@pytest.fixture
+def free_port():
+  """A TCP port on 127.0.0.1 that was free a moment ago: the coordinator of a two-process run."""
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
 def _session_dir(tmp_path_factory):
   """A folder of this pytest session that every xdist worker shares: the workers' base temp
   dirs are children of the session's, so their parent; without xdist, the base temp itself

@@ -87,7 +87,7 @@ def test_reference_cache_matches_the_live_forward(devices):
   from jaxrl.data.tokenizer import ByteTokenizer
   from jaxrl.models import PRESETS
   from jaxrl.parallel import batch_sharding, init_params, mesh_from_config
-  from jaxrl.train.evaluation import global_array
+  from jaxrl.parallel.distributed import global_array
   config = _config()
   mesh = mesh_from_config(config.mesh)
   graphdef, params = init_params(PRESETS["tiny"], mesh, "learner", seed=0)

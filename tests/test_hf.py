@@ -451,16 +451,13 @@ def test_random_init_without_hf_path(mesh):
   assert cfg.qk_norm and params["layers"][0]["attn"]["q_norm"]["scale"].shape == (32,)
 
 
-def test_two_processes_read_only_their_shards(tmp_path):
+def test_two_processes_read_only_their_shards(tmp_path, free_port):
   """Two processes x 4 CPU devices form one fsdp 2 x tensor 4 mesh: each process reads half of
   every matrix (its fsdp row) and never a whole one, the logits still match transformers, and
   the export (gathered tensor by tensor, written by process 0) is bit-exact."""
-  import socket
   import subprocess
   import sys
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
+  port = free_port
   script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_two_hosts.py")
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   procs = [subprocess.Popen([sys.executable, script, str(i), str(port), fixture("qwen2"),

@@ -4,7 +4,6 @@ two processes x 4 devices matching one process x 8 devices."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,8 @@ import time
 import jax
 import numpy as np
 import pytest
+
+from conftest import subprocess_env
 
 from jaxrl import cli
 from jaxrl import config as config_lib
@@ -55,15 +56,6 @@ cli.main(sys.argv[3:])
 """
 
 
-def _env(devices=8, *, test_flags=True):
-  """The test process's environment (its XLA flags and compilation cache) with `devices` fake
-  CPU devices; test_flags=False gives plain XLA flags, as a user's run has."""
-  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_force_host_platform_device_count") and test_flags]
-  flags.append(f"--xla_force_host_platform_device_count={devices}")
-  return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags))
-
-
 def _final_params(workdir, overrides):
   config = config_lib.load_config(CONFIG, overrides)
   cfg = config_lib.model_config(config)
@@ -91,7 +83,7 @@ def test_sigterm_then_resume_is_bitwise_equal_to_an_uninterrupted_run(repo_root,
   proc = subprocess.Popen(
       [sys.executable, "-c", SLOW_AFTER, str(marker), str(STEPS // 2), "sft", "--config",
        CONFIG, "--workdir", cut, *OVERRIDES],
-      env=_env(), cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      env=subprocess_env(), cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   deadline = time.time() + 300
   while not marker.exists() and proc.poll() is None and time.time() < deadline:
     time.sleep(0.05)
@@ -169,29 +161,23 @@ def test_bad_sft_config_is_one_sentence(repo_root, tmp_path, capsys):
   assert "--workdir is required" in capsys.readouterr().err
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 @pytest.mark.slow
-def test_two_processes_match_one_process(repo_root, tmp_path):
+def test_two_processes_match_one_process(repo_root, tmp_path, free_port):
   """2 processes x 4 CPU devices (gloo) train the same run as 1 process x 8 devices."""
   over = ["--config.train.steps=8", "--config.train.log_every=1", "--config.train.save_every=4",
           "--config.eval.every=8", "--config.data.shards=2"]
   jaxrl = os.path.join(os.path.dirname(sys.executable), "jaxrl")
   one = str(tmp_path / "one")
   res = subprocess.run([jaxrl, "sft", "--config", CONFIG, "--workdir", one, *over],
-                       env=_env(8), cwd=repo_root, capture_output=True, text=True, timeout=600)
+                       env=subprocess_env(8), cwd=repo_root, capture_output=True, text=True, timeout=600)
   assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
 
-  two, port = str(tmp_path / "two"), _free_port()
+  two, port = str(tmp_path / "two"), free_port
   procs = [subprocess.Popen(
       [jaxrl, "sft", "--config", CONFIG, "--workdir", two, *over,
        f"--config.distributed.coordinator_address=127.0.0.1:{port}",
        "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}"],
-      env=_env(4), cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      env=subprocess_env(4), cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
       for i in range(2)]
   outs = [p.communicate(timeout=600)[0] for p in procs]
   for p, out in zip(procs, outs):
@@ -218,7 +204,7 @@ def test_sft_tiny_learns_addition(repo_root, tmp_path):
   res = subprocess.run([jaxrl, "sft", "--config", "configs/sft_tiny.py", "--workdir", wd,
                         "--config.train.steps=500", "--config.eval.every=500",
                         "--config.train.save_every=500"],
-                       env=_env(1, test_flags=False), cwd=repo_root, capture_output=True, text=True,
+                       env=subprocess_env(1, test_flags=False), cwd=repo_root, capture_output=True, text=True,
                        timeout=900)
   assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
   metrics = read_metrics(wd)

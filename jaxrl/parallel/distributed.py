@@ -64,3 +64,29 @@ def maybe_initialize(section=None) -> bool:
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(**kwargs)
   return True
+
+
+def to_host(tree):
+  """The numpy value of every jax.Array in `tree`, the same on every process.
+
+  One process: `jax.device_get`. On a multi-process mesh an array whose shards live on other
+  processes' devices (a sampler's per-slot outputs, a learner's per-row logprobs) cannot be
+  fetched that way; it is all-gathered across processes instead, so that every process sees the
+  whole value and makes the same host-side decisions (which slots to refill, the rewards, the
+  advantages), as the multi-controller runtime needs. Replicated arrays are read locally."""
+  if jax.process_count() == 1:
+    return jax.device_get(tree)
+  from jax.experimental import multihost_utils
+  import numpy as np
+
+  def get(x):
+    if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+      return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+  return jax.tree.map(get, tree)
+
+
+def global_array(x, sharding):
+  """A global array from data every process holds in full (each takes its own shards)."""
+  return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])

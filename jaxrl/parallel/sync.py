@@ -37,6 +37,7 @@ from jax.sharding import Mesh
 
 from jaxrl.errors import ConfigError
 from jaxrl.models import ModelConfig, abstract_model
+from jaxrl.parallel.distributed import global_array, to_host
 from jaxrl.parallel.layouts import tree_shardings
 from jaxrl.parallel.mesh import make_mesh
 
@@ -95,6 +96,20 @@ def make_placement(mesh_section, section=None, *, devices=None) -> Placement:
       raise ConfigError(f"placement.learner_devices={n} must leave devices for both sides of "
                         f"{len(devices)}: choose 1..{len(devices) - 1} (or -1 for half).")
     learner_devs, sampler_devs = devices[:n], devices[n:]
+    if jax.process_count() > 1:
+      # Every process keeps a share of both sides, so that each program (the sampler's, the
+      # learner's) runs on every process, as the multi-controller runtime needs.
+      per = {}
+      for d in devices:
+        per.setdefault(d.process_index, []).append(d)
+      k = n // len(per)
+      if k * len(per) != n or not all(0 < k < len(ds) for ds in per.values()):
+        raise ConfigError(f"placement.learner_devices={n}: on {len(per)} processes each must "
+                          f"give the learner the same share of its devices and keep some for "
+                          f"the sampler; choose a multiple of {len(per)} below {len(devices)} "
+                          "(or -1 for half).")
+      learner_devs = [d for ds in per.values() for d in ds[:k]]
+      sampler_devs = [d for ds in per.values() for d in ds[k:]]
   else:
     raise ConfigError(f"placement.mode={section['mode']!r} is not valid: choose one of "
                       f"{', '.join(PLACEMENTS)}.")
@@ -141,6 +156,12 @@ def sync(params, target_shardings, *, dtype=None, donate: bool = False):
       pass
   if HostReshard.applies(params, target_shardings):
     out = _HOST.reshard(params, target_shardings, min_bytes=HOST_RESHARD_MIN_BYTES)
+  elif _across_device_sets(params, target_shardings):
+    # Multi-controller JAX reshards between different device sets only on TPU (experimental),
+    # so on several processes a disaggregated sync goes through the hosts: each leaf is
+    # gathered whole on every process, which then places its own shards. Correct anywhere;
+    # its cost shows in sync/ms.
+    out = jax.tree.map(lambda x, t: global_array(to_host(x), t), params, target_shardings)
   else:
     # may_alias=False: the sampler copy never shares a buffer with the learner's, so releasing
     # one (SamplerCopy.before_update) can never free the other's memory.
@@ -257,6 +278,13 @@ class HostReshard:
       if len(raws) < self.max_sets:
         raws.append(raw)
     return _aligned_view(raw, shape, dtype)
+
+
+def _across_device_sets(params, target_shardings) -> bool:
+  """Several processes, and some leaf moves to other devices than it is on."""
+  return jax.process_count() > 1 and any(
+      x.sharding.device_set != t.device_set
+      for x, t in zip(jax.tree.leaves(params), jax.tree.leaves(target_shardings)))
 
 
 def host_memory(devices) -> bool:

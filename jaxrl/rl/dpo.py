@@ -48,10 +48,11 @@ from jaxrl.data import ON_BAD_ROW
 from jaxrl.errors import ConfigError
 from jaxrl.models import apply, token_logprobs
 from jaxrl.parallel import batch_sharding, mesh_from_config
+from jaxrl.parallel.distributed import global_array
 from jaxrl.rl import preference_losses as pl
 from jaxrl.train.checkpoint import Checkpointer, restore_params
 from jaxrl.train.data import ShardedBatches, check_batch_size, data_shards
-from jaxrl.train.evaluation import ExactMatch, global_array
+from jaxrl.train.evaluation import ExactMatch
 from jaxrl.train.loop import resume, start_run, train_loop
 from jaxrl.train.optim import make_optimizer
 from jaxrl.train.state import init_train_state, make_train_step, start_from_hf

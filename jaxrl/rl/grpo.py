@@ -46,6 +46,7 @@ from jaxrl.data import read_jsonl
 from jaxrl.errors import ConfigError
 from jaxrl.models import apply, token_logprobs
 from jaxrl.parallel import batch_sharding
+from jaxrl.parallel.distributed import global_array, to_host
 from jaxrl.parallel.sync import Overlap, SamplerCopy, WeightSync, make_placement
 from jaxrl.rewards import RewardSpec, parse_specs, register, score
 from jaxrl.rewards import model as rm_lib
@@ -575,8 +576,12 @@ def run(config, workdir: str, *, out=print) -> dict:
                       batch=config.eval.batch_size, max_new=r.max_new_tokens)
            if held_out and task is not None else None)
 
-  def put(rows):
-    return put_batch(rows, shd)
+  def put(rows, sharding=shd):
+    # Every process holds the whole batch (the rollout and its scores are the same on all of
+    # them, see to_host), so on a multi-process mesh each process takes its own shards of it.
+    if jax.process_count() == 1:
+      return put_batch(rows, sharding)
+    return {k: global_array(np.asarray(v), sharding) for k, v in rows.items()}
 
   def rm_rewards(rollout):
     """weight x the reward models' combined score [N] (each RM normalised first, when asked),
@@ -586,8 +591,9 @@ def run(config, workdir: str, *, out=print) -> dict:
         rollout, length=length, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id)
     dev = put({"tokens": tokens, "positions": positions, "logp_mask": logp_mask})
     scores_mn = rms.score(dev["tokens"], dev["positions"],
-                          put_batch({"last": last}, batch_sharding(mesh, 1, "learner"))["last"],
+                          put({"last": last}, batch_sharding(mesh, 1, "learner"))["last"],
                           dev["logp_mask"])
+    scores_mn = to_host(scores_mn)  # every process scores every row (see to_host)
     raw = np.asarray(rm_lib.ensemble(scores_mn, mode=rm_cfg.ensemble, k=rm_cfg.k))
     value = raw if rm_norm is None else np.asarray(rm_lib.ensemble(
         rm_norm.normalize(scores_mn), mode=rm_cfg.ensemble, k=rm_cfg.k))
@@ -688,11 +694,11 @@ def run(config, workdir: str, *, out=print) -> dict:
       t0 = time.perf_counter()
       old_logp, entropy = jax.block_until_ready(forward(state.params))
       t_score = time.perf_counter() - t0
-      old_np = np.asarray(old_logp)
+      old_np, entropy = to_host((old_logp, entropy))
     t0 = time.perf_counter()
     ref_logp, _ = jax.block_until_ready(forward(reference))
     t_ref = time.perf_counter() - t0
-    ref_np = np.asarray(ref_logp)
+    ref_np = to_host(ref_logp)
     mask = batch["mask"]
     # 5. advantages (KL in the reward shapes them when kl_in == "reward")
     seq_rewards = rewards_bg.reshape(-1)
@@ -728,7 +734,7 @@ def run(config, workdir: str, *, out=print) -> dict:
         for mb in np.array_split(rng.permutation(N), a.minibatches):
           state, m = update(state, put({k: v[mb] for k, v in full.items()}))
           upd.append(m)
-    upd = jax.device_get(upd)
+    upd = to_host(upd)
     t_update = time.perf_counter() - t0
     if a.kl_target > 0:
       beta.value = losses.adaptive_kl_beta(beta.value,

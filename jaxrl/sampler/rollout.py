@@ -29,6 +29,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxrl.errors import ConfigError
+from jaxrl.parallel.distributed import to_host
 from jaxrl.sampler.engine import Engine, bucket, window, window_bucket
 
 
@@ -151,7 +152,7 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
       waiting = {s // n if share_prefix else ("s", s) for s in queue}
       for k in [k for k in prefixes if k not in waiting]:
         del prefixes[k]  # every sample of this prompt is placed: free its prefix
-      firsts = jax.device_get(firsts)
+      firsts = to_host(firsts)
       stats["prefill_s"] += time.perf_counter() - t0
       for bs, ss, first in firsts:
         for b, s, tok, lp, done in zip(bs, ss, first["tokens"], first["logprobs"],
@@ -170,7 +171,7 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
                for s in slot_sample if s >= 0)
     state = engine.grow(state, fit(need))
     state, out = engine.generate_steps(params, state, key, steps=steps_per_call)
-    out = jax.device_get(out)  # the one host sync per steps_per_call tokens
+    out = to_host(out)  # the one host sync per steps_per_call tokens
     stats["decode_s"] += time.perf_counter() - t0
     stats["decode_steps"] += steps_per_call
     stats["slot_steps"] += steps_per_call * slots

@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl.models import apply, init_cache
 from jaxrl.parallel import batch_sharding, cache_sharding
+from jaxrl.parallel.distributed import global_array
 
 
 def make_greedy_decoder(graphdef, cfg, mesh, *, batch: int, prompt_len: int, max_new: int):
@@ -45,11 +46,6 @@ def make_greedy_decoder(graphdef, cfg, mesh, *, batch: int, prompt_len: int, max
     return jnp.concatenate([toks.T, last_tok[:, None]], axis=1)  # [B, max_new]
 
   return jax.jit(decode, out_shardings=replicated)
-
-
-def global_array(x: np.ndarray, sharding):
-  """A global array from data every process holds in full (each takes its own shards)."""
-  return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 
 class ExactMatch:

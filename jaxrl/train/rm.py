@@ -33,9 +33,9 @@ from jaxrl.data import ON_BAD_ROW, prefs
 from jaxrl.errors import ConfigError
 from jaxrl.models import RewardModel, last_index, reward_apply
 from jaxrl.parallel import batch_sharding, mesh_from_config
+from jaxrl.parallel.distributed import global_array
 from jaxrl.train.checkpoint import Checkpointer, restore_params
 from jaxrl.train.data import ShardedBatches, check_batch_size, data_shards
-from jaxrl.train.evaluation import global_array
 from jaxrl.train.loop import resume, start_run, train_loop
 from jaxrl.train.optim import make_optimizer
 from jaxrl.train.state import init_train_state, make_train_step, put_batch, start_from_hf

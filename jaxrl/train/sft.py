@@ -19,10 +19,11 @@ from jaxrl.data import ON_BAD_ROW, read_jsonl, sft_batches
 from jaxrl.errors import ConfigError
 from jaxrl.models import apply, token_logprobs
 from jaxrl.parallel import batch_sharding, mesh_from_config
+from jaxrl.parallel.distributed import global_array
 from jaxrl.tasks import ERROR_MODES
 from jaxrl.train.checkpoint import Checkpointer
 from jaxrl.train.data import ShardedBatches, check_batch_size, data_shards
-from jaxrl.train.evaluation import ExactMatch, global_array, make_eval_loss
+from jaxrl.train.evaluation import ExactMatch, make_eval_loss
 from jaxrl.train.loop import resume, start_run, train_loop
 from jaxrl.train.optim import make_optimizer
 from jaxrl.train.state import init_train_state, make_train_step, put_batch, start_from_hf
