@@ -291,6 +291,23 @@ def test_single_slot_decode_compiles_for_matrix_vector_products(model):
   assert engine._decode(state) is engine._steps  # several slots per shard: the default compile
 
 
+def test_data_parallel_decoding_needs_no_communication(model, devices):
+  """Slots sharded over the data axis decode independently: the compiled decode scan holds no
+  collective. (The cache write as c.at[arange(B), :, pos].set(...) compiled to an all-gather of
+  the index rows per write, 24 per step on this mesh; on a multi-host mesh each is a round trip
+  between hosts.)"""
+  _, cfg, graphdef, _ = model
+  mesh = make_mesh(8, 1, 1)
+  _, params = init_params(cfg, mesh, "sampler", seed=0)
+  engine = Engine(graphdef, cfg, mesh, sampling=SamplingParams(max_new_tokens=12, eos_id=None))
+  state = engine.init_decode_state(16, 32)
+  hlo = engine._steps.lower(params, state, jax.random.key(0), steps=4).compile().as_text()
+  assert "dot(" in hlo  # the real decode program
+  for op in ("all-gather(", "all-reduce(", "all-to-all(", "collective-permute(",
+             "reduce-scatter("):
+    assert op not in hlo, op
+
+
 def test_cache_window_grows_and_a_slot_at_its_end_waits(model):
   """A cache window narrower than the sequence: a slot whose next write would pass its end
   stalls (its outputs are invalid and its state waits) and resumes after Engine.grow, with the

@@ -239,10 +239,13 @@ class Attention(nnx.Module):
     cfg = self.cfg
     dt = q_b1nh.dtype
     B = q_b1nh.shape[0]
-    # Advanced indices on axes 0 and 2 put their broadcast dim first: values are [B, K, H].
-    # A position past the cache's end writes nothing (the sampler feeds one to a slot that is
-    # not generating, so that its cache stays as it was).
-    new_kv = tuple(c.at[jnp.arange(B), :, pos_b].set(x[:, 0].astype(c.dtype), mode="drop")
+    # Slot b's [K, H] goes to position pos_b[b] of its own [K, S, H]: one scatter with the slot
+    # as a batching dimension, so that a mesh sharding the slots partitions it without
+    # communication (written as c.at[arange(B), :, pos_b], the SPMD partitioner all-gathered the
+    # index rows for each write: 12 all-gathers per decode step, each a round trip between
+    # processes on a multi-host mesh). A position past the cache's end writes nothing (the
+    # sampler feeds one to a slot that is not generating, so that its cache stays as it was).
+    new_kv = tuple(_write_positions(c, x[:, 0].astype(c.dtype), pos_b)
                    for c, x in zip(cache, (k_b1kh, v_b1kh)))
     # The barrier keeps each write one in-place update that attention then reads. Without it,
     # at batch 1 XLA duplicated the write into both consumers and copied every cache array
@@ -263,6 +266,16 @@ class Attention(nnx.Module):
     o_fd = self.o[...].astype(dt).reshape(n * cfg.head_dim, cfg.embed_dim)
     out_bd = out_bkgh.reshape(B, n * cfg.head_dim) @ o_fd
     return out_bd[:, None], new_kv
+
+
+def _write_positions(cache_bksh, new_bkh, pos_b):
+  """cache_bksh with new_bkh[b] at [b, :, pos_b[b]]; out-of-range positions are dropped."""
+  dims = jax.lax.ScatterDimensionNumbers(
+      update_window_dims=(1, 2), inserted_window_dims=(2,), scatter_dims_to_operand_dims=(2,),
+      operand_batching_dims=(0,), scatter_indices_batching_dims=(0,))
+  return jax.lax.scatter(cache_bksh, pos_b[:, None], new_bkh, dims,
+                         mode=jax.lax.GatherScatterMode.FILL_OR_DROP, indices_are_sorted=True,
+                         unique_indices=True)
 
 
 class MLP(nnx.Module):
