@@ -293,9 +293,8 @@ def test_single_slot_decode_compiles_for_matrix_vector_products(model):
 
 def test_data_parallel_decoding_needs_no_communication(model, devices):
   """Slots sharded over the data axis decode independently: the compiled decode scan holds no
-  collective. (The cache write as c.at[arange(B), :, pos].set(...) compiled to an all-gather of
-  the index rows per write, 24 per step on this mesh; on a multi-host mesh each is a round trip
-  between hosts.)"""
+  collective. (The cache write as c.at[arange(B), :, pos].set(...) compiled to two all-gathers
+  per write; on a multi-host mesh each is a round trip between hosts.)"""
   _, cfg, graphdef, _ = model
   mesh = make_mesh(8, 1, 1)
   _, params = init_params(cfg, mesh, "sampler", seed=0)

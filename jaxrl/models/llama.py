@@ -241,8 +241,8 @@ class Attention(nnx.Module):
     B = q_b1nh.shape[0]
     # Slot b's [K, H] goes to position pos_b[b] of its own [K, S, H]: one scatter with the slot
     # as a batching dimension, so that a mesh sharding the slots partitions it without
-    # communication (written as c.at[arange(B), :, pos_b], the SPMD partitioner all-gathered the
-    # index rows for each write: 12 all-gathers per decode step, each a round trip between
+    # communication (written as c.at[arange(B), :, pos_b], the SPMD partitioner added two
+    # all-gathers per write, 24 per decode step of the bench preset, each a round trip between
     # processes on a multi-host mesh). A position past the cache's end writes nothing (the
     # sampler feeds one to a slot that is not generating, so that its cache stays as it was).
     new_kv = tuple(_write_positions(c, x[:, 0].astype(c.dtype), pos_b)
