@@ -21,15 +21,6 @@ import pytest  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def pytest_collection_modifyitems(items):
-  """The slow tests (end-to-end learning runs, minutes each) run first, so that the suite's
-  last minutes are short tests that both xdist workers share, not one worker finishing a long
-  run while the other idles. (xdist's default scheduling hands out the first tests round-robin
-  and the rest on demand; its worksteal mode would give all of the slow ones to one worker.)
-  Otherwise the collection order is kept."""
-  items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 @pytest.fixture(scope="session")
 def devices():
   assert jax.device_count() == 8, "conftest must fake 8 CPU devices before jax initialises"

@@ -343,13 +343,15 @@ def test_demo_grpo_raises_heldout_accuracy_above_sft(tmp_path, repo_root):
 @pytest.mark.slow
 def test_two_processes_match_one_process(repo_root, tmp_path, sft_addition, free_port,
                                          devices):
-  """GRPO on a multi-process mesh, as on a TPU pod slice: 2 processes x 4 CPU devices (gloo)
-  train the same run as this process's 8 devices, colocated and disaggregated. Every process reads
+  """GRPO on a multi-process mesh, as on a TPU pod slice: 2 processes x 4 CPU devices (gloo),
+  disaggregated, train the same run as this process's 8 devices colocated. Every process reads
   the sampler's outputs, the log-probs and the scores whole (gathered across processes), so all
   make the same host-side choices, and each feeds its own shards of the batch. (Before, the
-  rollout's first read of a sharded array raised a RuntimeError on every process.)
-  Disaggregated, each process gives half its devices to each side and the sync goes through the
-  hosts (the device sets differ); synchronous, it trains the same run as colocated."""
+  rollout's first read of a sharded array raised a RuntimeError on every process.) Each
+  process gives half its devices to each side and the sync goes through the hosts (the device
+  sets differ); synchronous, disaggregated trains the same run as colocated. Colocated on two
+  processes differs only in the sync (jax.device_put within one device set); it was checked by
+  hand, and is left out to keep the suite within its time."""
   import subprocess
   import sys
   from conftest import subprocess_env
@@ -362,32 +364,30 @@ def test_two_processes_match_one_process(repo_root, tmp_path, sft_addition, free
   m1 = read_metrics(one)
   assert [m["step"] for m in m1] == [0, 1, 2]
   assert m1[1]["reward/std"] > 0  # rewards varied, so the update did something to compare
-  for name, placement in (("colocated", []),
-                          ("disaggregated", ["--config.placement.mode=disaggregated"])):
-    two = str(tmp_path / name)
-    procs = [subprocess.Popen(
-        [jaxrl, *args, *placement, "--workdir", two,
-         f"--config.distributed.coordinator_address=127.0.0.1:{free_port}",
-         "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}"],
-        env=subprocess_env(4), cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True) for i in range(2)]
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    for p, out in zip(procs, outs):
-      assert p.returncode == 0, (name, out[-3000:])
-    assert "step 2/2" in outs[0] and "step 2/2" not in outs[1]  # process 0 reports
-    # Both processes saved their prompt-stream position with the checkpoint.
-    assert sorted(os.listdir(os.path.join(two, "checkpoints", "2", "data"))) == [
-        "commit_success.txt", "process_0-of-2.json", "process_1-of-2.json"]
-    m2 = read_metrics(two)
-    assert [m["step"] for m in m2] == [0, 1, 2], name
-    for a, b in zip(m1, m2):
-      # The same samples, so the same rewards and lengths, to the bit.
-      for key in ("reward/mean", "accuracy", "response_length/mean", "frac_zero_std_groups",
-                  "eval/accuracy"):
-        assert b.get(key) == a.get(key), (name, a["step"], key)
-      for key in ("loss", "grad_norm", "entropy", "kl"):
-        if key in a:
-          assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-6), (name, a["step"], key)
+  two = str(tmp_path / "two")
+  procs = [subprocess.Popen(
+      [jaxrl, *args, "--config.placement.mode=disaggregated", "--workdir", two,
+       f"--config.distributed.coordinator_address=127.0.0.1:{free_port}",
+       "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}"],
+      env=subprocess_env(4), cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+      text=True) for i in range(2)]
+  outs = [p.communicate(timeout=600)[0] for p in procs]
+  for p, out in zip(procs, outs):
+    assert p.returncode == 0, out[-3000:]
+  assert "step 2/2" in outs[0] and "step 2/2" not in outs[1]  # process 0 reports
+  # Both processes saved their prompt-stream position with the checkpoint.
+  assert sorted(os.listdir(os.path.join(two, "checkpoints", "2", "data"))) == [
+      "commit_success.txt", "process_0-of-2.json", "process_1-of-2.json"]
+  m2 = read_metrics(two)
+  assert [m["step"] for m in m2] == [0, 1, 2]
+  for a, b in zip(m1, m2):
+    # The same samples, so the same rewards and lengths, to the bit.
+    for key in ("reward/mean", "accuracy", "response_length/mean", "frac_zero_std_groups",
+                "eval/accuracy"):
+      assert b.get(key) == a.get(key), (a["step"], key)
+    for key in ("loss", "grad_norm", "entropy", "kl"):
+      if key in a:
+        assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-6), (a["step"], key)
 
 
 def test_async_generation_is_one_step_stale_and_otherwise_the_same(repo_root, tmp_path, devices):
