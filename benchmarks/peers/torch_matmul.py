@@ -1,6 +1,6 @@
 """PyTorch's side of benchmarks/matmul.py: the same chained (x @ B) @ C products, fp32, on
-the same shapes (given by matmul.py as JSON in argv[2]), with torch's default CPU threads. Run
-by matmul.py --torch-python PY."""
+the same shapes (given by matmul.py as JSON in argv[2]), with torch's default CPU threads and
+then with each thread count in the spec's "threads" list. Run by matmul.py --torch-python PY."""
 
 import json
 import statistics
@@ -13,8 +13,14 @@ import torch
 def main():
   repeats, spec = int(sys.argv[1]), json.loads(sys.argv[2])
   D, F = spec["d"], spec["f"]
+  for threads in [torch.get_num_threads(), *spec.get("threads", [])]:
+    torch.set_num_threads(threads)
+    time_shapes(spec["shapes"], D, F, repeats)
+
+
+def time_shapes(shapes, D, F, repeats):
   torch.manual_seed(0)
-  for shape, (rows, chain) in spec["shapes"].items():
+  for shape, (rows, chain) in shapes.items():
     x = torch.randn(rows, D)
     b, c = torch.randn(D, F) * D**-0.5, torch.randn(F, D) * F**-0.5
 
@@ -32,7 +38,8 @@ def main():
       times.append(time.perf_counter() - t)
     gflops = 2 * 2 * rows * D * F * chain / statistics.median(times) / 1e9
     label = f"{shape} [{rows}, {D}] x [{D}, {F}]"
-    name = f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    n = torch.get_num_threads()
+    name = f"torch {torch.__version__}, {n} thread{'s' if n > 1 else ''}"
     print(f"{label:36s} {name:33s} {gflops:6.0f}", flush=True)
 
 
