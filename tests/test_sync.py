@@ -200,6 +200,24 @@ def test_bad_placement_is_one_sentence(devices):
     make_placement(MESH_FSDP8, section)
 
 
+def test_disaggregated_split_across_processes():
+  """On several processes each gives the learner the same share of its own devices, so both
+  sides span every process; a count that cannot be shared so is one sentence naming the key."""
+  from types import SimpleNamespace
+  from jaxrl.parallel.sync import split_devices
+  devs = [SimpleNamespace(process_index=i // 4, id=i) for i in range(8)]
+  learner, sampler = split_devices(devs, 4)
+  assert [d.id for d in learner] == [0, 1, 4, 5] and [d.id for d in sampler] == [2, 3, 6, 7]
+  learner, sampler = split_devices(devs, 2)
+  assert [d.id for d in learner] == [0, 4] and [d.id for d in sampler] == [1, 2, 3, 5, 6, 7]
+  for n in (3, 8):  # not a multiple of 2; no sampler devices left
+    with pytest.raises(ConfigError, match=rf"placement.learner_devices={n}: on 2 processes"):
+      split_devices(devs, n)
+  one = [SimpleNamespace(process_index=0, id=i) for i in range(8)]  # one process: the first n
+  assert [[d.id for d in side] for side in split_devices(one, 3)] == [[0, 1, 2],
+                                                                      [3, 4, 5, 6, 7]]
+
+
 def _bytes_per_device():
   gc.collect()
   per = {d: 0 for d in jax.devices()}

@@ -95,21 +95,7 @@ def make_placement(mesh_section, section=None, *, devices=None) -> Placement:
     if not 0 < n < len(devices):
       raise ConfigError(f"placement.learner_devices={n} must leave devices for both sides of "
                         f"{len(devices)}: choose 1..{len(devices) - 1} (or -1 for half).")
-    learner_devs, sampler_devs = devices[:n], devices[n:]
-    if jax.process_count() > 1:
-      # Every process keeps a share of both sides, so that each program (the sampler's, the
-      # learner's) runs on every process, as the multi-controller runtime needs.
-      per = {}
-      for d in devices:
-        per.setdefault(d.process_index, []).append(d)
-      k = n // len(per)
-      if k * len(per) != n or not all(0 < k < len(ds) for ds in per.values()):
-        raise ConfigError(f"placement.learner_devices={n}: on {len(per)} processes each must "
-                          f"give the learner the same share of its devices and keep some for "
-                          f"the sampler; choose a multiple of {len(per)} below {len(devices)} "
-                          "(or -1 for half).")
-      learner_devs = [d for ds in per.values() for d in ds[:k]]
-      sampler_devs = [d for ds in per.values() for d in ds[k:]]
+    learner_devs, sampler_devs = split_devices(devices, n)
   else:
     raise ConfigError(f"placement.mode={section['mode']!r} is not valid: choose one of "
                       f"{', '.join(PLACEMENTS)}.")
@@ -121,6 +107,25 @@ def make_placement(mesh_section, section=None, *, devices=None) -> Placement:
     raise ConfigError(f"placement.sampler_mesh: {e}") from None
   return Placement(section["mode"], Layout(learner, "learner"), Layout(sampler, "sampler"),
                    bool(section["keep_sampler_copy"]))
+
+
+def split_devices(devices, n: int):
+  """The learner's n devices and the sampler's rest, for disaggregated placement. On one
+  process, the first n. Across processes, the same share of every process's devices on each
+  side, so that each program (the sampler's, the learner's) runs on every process, as the
+  multi-controller runtime needs."""
+  per = {}
+  for d in devices:
+    per.setdefault(d.process_index, []).append(d)
+  if len(per) == 1:
+    return devices[:n], devices[n:]
+  k = n // len(per)
+  if k * len(per) != n or not all(0 < k < len(ds) for ds in per.values()):
+    raise ConfigError(f"placement.learner_devices={n}: on {len(per)} processes each must give "
+                      "the learner the same share of its devices and keep some for the "
+                      f"sampler; choose a multiple of {len(per)} below {len(devices)} (or -1 for "
+                      "half).")
+  return ([d for ds in per.values() for d in ds[:k]], [d for ds in per.values() for d in ds[k:]])
 
 
 # ----------------------------------------------------------------------------- the sync
