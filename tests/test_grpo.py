@@ -8,6 +8,8 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import subprocess_env
+
 from jaxrl import config as config_lib
 from jaxrl.models import get_preset
 from jaxrl.parallel import batch_sharding, make_mesh
@@ -354,7 +356,6 @@ def test_two_processes_match_one_process(repo_root, tmp_path, sft_addition, free
   hand, and is left out to keep the suite within its time."""
   import subprocess
   import sys
-  from conftest import subprocess_env
   jaxrl = os.path.join(os.path.dirname(sys.executable), "jaxrl")
   args = ["grpo", "--config", "configs/grpo_tiny.py:runlocal",
           f"--config.init.checkpoint={sft_addition}"]

@@ -20,6 +20,8 @@ from __future__ import annotations
 import os
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxrl.errors import ConfigError
 
@@ -76,8 +78,6 @@ def to_host(tree):
   advantages), as the multi-controller runtime needs. Replicated arrays are read locally."""
   if jax.process_count() == 1:
     return jax.device_get(tree)
-  from jax.experimental import multihost_utils
-  import numpy as np
 
   def get(x):
     if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:

@@ -58,7 +58,7 @@ from jaxrl.train.checkpoint import Checkpointer, restore_params
 from jaxrl.train.evaluation import ExactMatch
 from jaxrl.train.loop import resume, start_run, train_loop
 from jaxrl.train.optim import make_optimizer
-from jaxrl.train.state import init_train_state, make_train_step, put_batch, start_from_hf
+from jaxrl.train.state import init_train_state, make_train_step, start_from_hf
 
 config_lib.CHOICES.update({
     "algo.advantage": adv_lib.ESTIMATORS,
@@ -578,9 +578,7 @@ def run(config, workdir: str, *, out=print) -> dict:
 
   def put(rows, sharding=shd):
     # Every process holds the whole batch (the rollout and its scores are the same on all of
-    # them, see to_host), so on a multi-process mesh each process takes its own shards of it.
-    if jax.process_count() == 1:
-      return put_batch(rows, sharding)
+    # them, see to_host); each takes its own shards of it.
     return {k: global_array(np.asarray(v), sharding) for k, v in rows.items()}
 
   def rm_rewards(rollout):
