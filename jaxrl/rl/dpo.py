@@ -34,6 +34,7 @@ forward and backward over a batch of preference pairs.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 
@@ -48,6 +49,7 @@ from jaxrl.data import ON_BAD_ROW
 from jaxrl.errors import ConfigError
 from jaxrl.models import apply, token_logprobs
 from jaxrl.parallel import batch_sharding, mesh_from_config
+from jaxrl.parallel.cpu_kernels import learner_compiler_options
 from jaxrl.parallel.distributed import global_array
 from jaxrl.rl import preference_losses as pl
 from jaxrl.train.checkpoint import Checkpointer, restore_params
@@ -478,7 +480,10 @@ def run(config, workdir: str, *, out=print) -> dict:
 
   replicated = NamedSharding(mesh, P())
   # Replicated, so every process can read the scores of rows it holds in full.
-  ref_score = jax.jit(lambda p, rows: seq_logps(p, rows)[0], out_shardings=replicated)
+  # The reference's forwards compile with the learner's CPU dot kernels (cpu_kernels).
+  ref_options = learner_compiler_options(mesh.devices.flat)
+  ref_score = jax.jit(lambda p, rows: seq_logps(p, rows)[0], out_shardings=replicated,
+                      compiler_options=ref_options)
   cache = reference = None
   eval_rows = []
   if held_out:
@@ -531,7 +536,7 @@ def run(config, workdir: str, *, out=print) -> dict:
   update = make_train_step(loss_fn, tx, schedule, shardings, batch_shd, mesh=mesh,
                            accum_steps=accum)
   ref_rows = jax.jit(lambda p, rows: seq_logps(p, rows)[0],
-                     out_shardings=shd(rank - 1))
+                     out_shardings=shd(rank - 1), compiler_options=ref_options)
 
   def step_fn(state, batch):
     if reference is not None:  # live: score the batch with the frozen reference first
@@ -548,7 +553,9 @@ def run(config, workdir: str, *, out=print) -> dict:
   # Eval: held-out preference accuracy on pairs; greedy exact match on the task.
   objective = pair_objective(a)
 
-  @jax.jit
+  # The learner's kernels, as the reference's forwards: at step 0 the policy's and the
+  # reference's log-probs then agree to the bit (margins exactly 0).
+  @functools.partial(jax.jit, compiler_options=ref_options)
   def eval_sums(params, rows, ref):
     lp, n = seq_logps(params, rows)
     loss, m = objective(lp, n, ref)

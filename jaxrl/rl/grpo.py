@@ -40,12 +40,14 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxrl import config as config_lib
 from jaxrl.data import read_jsonl
 from jaxrl.errors import ConfigError
 from jaxrl.models import apply, token_logprobs
 from jaxrl.parallel import batch_sharding
+from jaxrl.parallel.cpu_kernels import learner_compiler_options
 from jaxrl.parallel.distributed import global_array, to_host
 from jaxrl.parallel.sync import Overlap, SamplerCopy, WeightSync, make_placement
 from jaxrl.rewards import RewardSpec, parse_specs, register, score
@@ -281,9 +283,12 @@ def batch_logprobs(graphdef, params, batch, temperature: float):
   return token_logprobs(logits, batch["targets"], temperature=temperature)
 
 
-def make_batch_logprobs_fn(graphdef, temperature: float):
-  """Jitted (params, learner batch of either form) -> (log-probs, entropy)."""
-  return jax.jit(lambda params, batch: batch_logprobs(graphdef, params, batch, temperature))
+def make_batch_logprobs_fn(graphdef, temperature: float, *, mesh: Mesh | None = None):
+  """Jitted (params, learner batch of either form) -> (log-probs, entropy), compiled with the
+  learner's CPU dot kernels for `mesh`'s devices (jaxrl.parallel.cpu_kernels)."""
+  devices = jax.devices() if mesh is None else mesh.devices.flat
+  return jax.jit(lambda params, batch: batch_logprobs(graphdef, params, batch, temperature),
+                 compiler_options=learner_compiler_options(devices))
 
 
 def make_logprobs_fn(graphdef, temperature: float):
@@ -555,7 +560,7 @@ def run(config, workdir: str, *, out=print) -> dict:
         f"divisible by algo.minibatches x replicas x optim.accum_steps = {split}, so each "
         f"completion runs with its own copy of its prompt")
   shd = batch_sharding(mesh, 2, "learner")
-  logprobs_fn = make_batch_logprobs_fn(graphdef, r.temperature)
+  logprobs_fn = make_batch_logprobs_fn(graphdef, r.temperature, mesh=mesh)
   loss_fn = grpo_loss(graphdef, a, temperature=r.temperature, norm_len=r.max_new_tokens)
   # One update per step with KL in the loss: the update's forward gives the old log-probs.
   fused_old = (a.old_logp_from_update and a.num_iterations * a.minibatches == 1

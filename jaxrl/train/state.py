@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxrl.models import ModelConfig, Transformer, abstract_model
 from jaxrl.parallel import tree_shardings
+from jaxrl.parallel.cpu_kernels import learner_compiler_options
 
 
 @flax.struct.dataclass
@@ -126,7 +127,8 @@ def make_train_step(loss_fn: Callable, tx, schedule, shardings: TrainState, batc
     return new, metrics
 
   return jax.jit(step_fn, donate_argnums=0, in_shardings=(shardings, batch_shardings),
-                 out_shardings=(shardings, replicated))
+                 out_shardings=(shardings, replicated),
+                 compiler_options=learner_compiler_options(mesh.devices.flat))
 
 
 def put_batch(batch: dict, sharding: NamedSharding) -> dict:

@@ -1,0 +1,66 @@
+"""Which XLA:CPU dot kernels the learner's programs (train steps, batched log-prob forwards)
+compile with, chosen per CPU from side-by-side measurements.
+
+XLA:CPU can run a dot as a YNNPACK fusion (its default) or as its own Eigen-based kernel. Which
+is faster depends on the CPU. On the learner's fp32 shapes (bench preset, the GRPO anchor's
+4,160 token rows), in one process, alternating the two compiles call by call:
+
+- an Intel Xeon with AVX-512 and AMX (2 cores): YNNPACK ahead, forward + backward 0.768 s
+  against 0.807 s (median of 8, 2026-11-30);
+- an AMD EPYC (Zen 3, AVX2, 2 cores): Eigen ahead, the GRPO update 1.39 s against 1.50 s and
+  the reference forward 0.46 s against 0.51 s (median of 7, 2026-11-30 22:15 UTC); a lone
+  [4032, 256] x [256, 688] product 129 against 108 GFLOP/s (`benchmarks/matmul.py`).
+
+So "auto" keeps YNNPACK where the CPU has AVX-512 and uses Eigen dots on x86-64 without it.
+Decoding keeps YNNPACK on both (batch-64 steps are slower without it on both machines); see
+`jaxrl.sampler.engine` for its one-slot exception. `JAXRL_CPU_DOTS` overrides the choice:
+`auto` (default), `ynnpack` or `eigen`. Nothing changes off CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+
+from jaxrl.errors import ConfigError
+
+ENV = "JAXRL_CPU_DOTS"
+CHOICES = ("auto", "ynnpack", "eigen")
+EIGEN_DOTS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+  """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("flags"):
+          return frozenset(line.split(":", 1)[1].split())
+  except OSError:
+    pass
+  return frozenset()
+
+
+def choose(setting: str | None = None, *, machine: str | None = None,
+           flags: frozenset[str] | None = None) -> str:
+  """"ynnpack" or "eigen" for this CPU, from `setting` (default: $JAXRL_CPU_DOTS or auto)."""
+  setting = (os.environ.get(ENV, "auto") if setting is None else setting).strip().lower()
+  if setting not in CHOICES:
+    raise ConfigError(f"environment variable {ENV}={setting!r} is not valid: choose one of "
+                      f"{', '.join(CHOICES)} (or unset it for auto).")
+  if setting != "auto":
+    return setting
+  machine = platform.machine() if machine is None else machine
+  flags = cpu_flags() if flags is None else flags
+  if machine.lower() in ("x86_64", "amd64") and flags and "avx512f" not in flags:
+    return "eigen"
+  return "ynnpack"
+
+
+def learner_compiler_options(devices) -> dict | None:
+  """The `compiler_options` for a learner program on `devices` (None: XLA's defaults)."""
+  if not all(d.platform == "cpu" for d in devices):
+    return None
+  return dict(EIGEN_DOTS) if choose() == "eigen" else None

@@ -1,0 +1,64 @@
+"""The learner's XLA:CPU dot-kernel choice (jaxrl/parallel/cpu_kernels.py)."""
+
+import types
+
+import numpy as np
+import pytest
+
+from jaxrl.config import base_config, model_config
+from jaxrl.errors import ConfigError
+from jaxrl.models import apply, token_logprobs
+from jaxrl.parallel import batch_sharding, cpu_kernels, make_mesh
+from jaxrl.train import init_train_state, make_optimizer, make_train_step, optim_section
+
+AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
+
+
+def test_auto_uses_eigen_dots_on_x86_without_avx512_only():
+  assert cpu_kernels.choose("auto", machine="x86_64", flags=AVX2) == "eigen"
+  assert cpu_kernels.choose("auto", machine="x86_64", flags=AVX2 | {"avx512f"}) == "ynnpack"
+  assert cpu_kernels.choose("auto", machine="aarch64", flags=frozenset({"asimd"})) == "ynnpack"
+  # No /proc/cpuinfo to read: keep XLA's default.
+  assert cpu_kernels.choose("auto", machine="x86_64", flags=frozenset()) == "ynnpack"
+  assert cpu_kernels.choose(" Eigen ", machine="x86_64", flags=AVX2 | {"avx512f"}) == "eigen"
+  assert cpu_kernels.choose("ynnpack", machine="x86_64", flags=AVX2) == "ynnpack"
+
+
+def test_a_bad_setting_names_the_variable(monkeypatch):
+  monkeypatch.setenv(cpu_kernels.ENV, "mkl")
+  with pytest.raises(ConfigError, match=r"JAXRL_CPU_DOTS='mkl' is not valid: choose one of "
+                                        r"auto, ynnpack, eigen"):
+    cpu_kernels.learner_compiler_options([types.SimpleNamespace(platform="cpu")])
+
+
+def test_options_apply_to_cpu_devices_only(monkeypatch):
+  monkeypatch.setenv(cpu_kernels.ENV, "eigen")
+  cpu, gpu = types.SimpleNamespace(platform="cpu"), types.SimpleNamespace(platform="gpu")
+  assert cpu_kernels.learner_compiler_options([cpu, cpu]) == cpu_kernels.EIGEN_DOTS
+  assert cpu_kernels.learner_compiler_options([gpu]) is None
+  monkeypatch.setenv(cpu_kernels.ENV, "ynnpack")
+  assert cpu_kernels.learner_compiler_options([cpu]) is None
+
+
+def _loss_fn(graphdef):
+  def loss_fn(params, batch, key):
+    logits, _ = apply(graphdef, params, batch["inputs"])
+    logp, _ = token_logprobs(logits, batch["targets"])
+    return -logp.sum(), (np.float32(logp.size), {})
+  return loss_fn
+
+
+@pytest.mark.parametrize("setting,ynn", [("eigen", False), ("ynnpack", True)])
+def test_the_train_step_compiles_with_the_chosen_kernels(devices, monkeypatch, setting, ynn):
+  monkeypatch.setenv(cpu_kernels.ENV, setting)
+  cfg = model_config(base_config())
+  mesh = make_mesh()
+  tx, schedule = make_optimizer(optim_section(lr=1e-3, warmup_steps=2), 10)
+  graphdef, state, shardings = init_train_state(cfg, mesh, tx, seed=0)
+  shd = batch_sharding(mesh, 2)
+  step = make_train_step(_loss_fn(graphdef), tx, schedule, shardings, shd, mesh=mesh)
+  rng = np.random.default_rng(0)
+  batch = {k: rng.integers(3, 200, (16, 12)).astype(np.int32) for k in ("inputs", "targets")}
+  hlo = step.lower(state, batch).compile().as_text()
+  assert ("__ynn_fusion" in hlo) == ynn
+  assert " dot(" in hlo or "dot_general" in hlo or "__ynn_fusion" in hlo  # it has products
