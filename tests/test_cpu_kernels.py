@@ -27,8 +27,13 @@ def test_auto_uses_eigen_dots_on_x86_without_avx512_only():
 def test_a_bad_setting_names_the_variable(monkeypatch):
   monkeypatch.setenv(cpu_kernels.ENV, "mkl")
   with pytest.raises(ConfigError, match=r"JAXRL_CPU_DOTS='mkl' is not valid: choose one of "
-                                        r"auto, ynnpack, eigen"):
+                                        r"ynnpack, eigen, auto"):
     cpu_kernels.learner_compiler_options([types.SimpleNamespace(platform="cpu")])
+
+
+def test_the_default_is_xla_own_choice(monkeypatch):
+  monkeypatch.delenv(cpu_kernels.ENV, raising=False)
+  assert cpu_kernels.choose(machine="x86_64", flags=AVX2) == "ynnpack"
 
 
 def test_options_apply_to_cpu_devices_only(monkeypatch):

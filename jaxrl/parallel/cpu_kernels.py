@@ -1,5 +1,6 @@
 """Which XLA:CPU dot kernels the learner's programs (train steps, batched log-prob forwards)
-compile with, chosen per CPU from side-by-side measurements.
+compile with: XLA's default YNNPACK fusions, or, opted into, its own Eigen kernels where they
+were measured faster.
 
 XLA:CPU can run a dot as a YNNPACK fusion (its default) or as its own Eigen-based kernel. Which
 is faster depends on the CPU. On the learner's fp32 shapes (bench preset, the GRPO anchor's
@@ -11,10 +12,13 @@ is faster depends on the CPU. On the learner's fp32 shapes (bench preset, the GR
   the reference forward 0.46 s against 0.51 s (median of 7, 2026-11-30 22:15 UTC); a lone
   [4032, 256] x [256, 688] product 129 against 108 GFLOP/s (`benchmarks/matmul.py`).
 
-So "auto" keeps YNNPACK where the CPU has AVX-512 and uses Eigen dots on x86-64 without it.
-Decoding keeps YNNPACK on both (batch-64 steps are slower without it on both machines); see
-`jaxrl.sampler.engine` for its one-slot exception. `JAXRL_CPU_DOTS` overrides the choice:
-`auto` (default), `ynnpack` or `eigen`. Nothing changes off CPU.
+`JAXRL_CPU_DOTS` picks: `ynnpack` (default: XLA's own choice), `eigen`, or `auto` (Eigen on
+x86-64 without AVX-512, YNNPACK elsewhere). The default stays YNNPACK because on the AMD machine
+the demo's GRPO phase, with every learner program on Eigen dots, raised held-out accuracy by
++0.03 (0.555 -> 0.582) against +0.19 (0.570 -> 0.762) on YNNPACK, and the biased-reward-model
+hacking test's proxy did not rise; one run each, not understood, so the faster kernels stay
+opt-in until it is. Decoding keeps YNNPACK either way (see `jaxrl.sampler.engine` for its
+one-slot exception). Nothing changes off CPU.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ import platform
 from jaxrl.errors import ConfigError
 
 ENV = "JAXRL_CPU_DOTS"
-CHOICES = ("auto", "ynnpack", "eigen")
+CHOICES = ("ynnpack", "eigen", "auto")
+DEFAULT = "ynnpack"
 EIGEN_DOTS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
@@ -45,11 +50,11 @@ def cpu_flags() -> frozenset[str]:
 
 def choose(setting: str | None = None, *, machine: str | None = None,
            flags: frozenset[str] | None = None) -> str:
-  """"ynnpack" or "eigen" for this CPU, from `setting` (default: $JAXRL_CPU_DOTS or auto)."""
-  setting = (os.environ.get(ENV, "auto") if setting is None else setting).strip().lower()
+  """"ynnpack" or "eigen" for this CPU, from `setting` (default: $JAXRL_CPU_DOTS, else ynnpack)."""
+  setting = (os.environ.get(ENV, DEFAULT) if setting is None else setting).strip().lower()
   if setting not in CHOICES:
     raise ConfigError(f"environment variable {ENV}={setting!r} is not valid: choose one of "
-                      f"{', '.join(CHOICES)} (or unset it for auto).")
+                      f"{', '.join(CHOICES)} (or unset it for ynnpack).")
   if setting != "auto":
     return setting
   machine = platform.machine() if machine is None else machine
