@@ -33,13 +33,15 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxrl.parallel.cpu_kernels import EIGEN_DOTS  # noqa: E402
+
 SHAPES = {"decode": 64, "learner": 4032}  # rows; torch_matmul.py gets these in argv
 D, F = 256, 688
 
 
 def chain_length(rows: int) -> int:
   return 200 if rows < 1000 else 8
-VARIANTS = {"YNNPACK (default)": {}, "no YNNPACK": {"xla_cpu_experimental_ynn_fusion_type": ""}}
+VARIANTS = {"YNNPACK (default)": {}, "no YNNPACK": EIGEN_DOTS}
 
 
 def rate(rows: int, chain: int, options: dict, repeats: int) -> float:

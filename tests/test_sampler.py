@@ -265,7 +265,7 @@ def test_sample_command_bad_input_is_one_sentence(tmp_path, capsys, repo_root, c
 
 
 def test_single_slot_decode_compiles_for_matrix_vector_products(model):
-  """On CPU a shard holding one slot decodes under CPU_GEMV_OPTIONS (no YNNPACK fusions, which
+  """On CPU a shard holding one slot decodes under EIGEN_DOTS (no YNNPACK fusions, which
   are slower for matrix-vector products); its tokens equal the default compile's, and its
   logprobs agree to fp32 rounding (the kernels differ, so the sums round differently)."""
   _, cfg, graphdef, _ = model

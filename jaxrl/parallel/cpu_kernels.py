@@ -14,11 +14,11 @@ is faster depends on the CPU. On the learner's fp32 shapes (bench preset, the GR
 
 `JAXRL_CPU_DOTS` picks: `ynnpack` (default: XLA's own choice), `eigen`, or `auto` (Eigen on
 x86-64 without AVX-512, YNNPACK elsewhere). The default stays YNNPACK because on the AMD machine
-the demo's GRPO phase, with every learner program on Eigen dots, raised held-out accuracy by
-+0.03 (0.555 -> 0.582) against +0.19 (0.570 -> 0.762) on YNNPACK, and the biased-reward-model
-hacking test's proxy did not rise; one run each, not understood, so the faster kernels stay
-opt-in until it is. Decoding keeps YNNPACK either way (see `jaxrl.sampler.engine` for its
-one-slot exception). Nothing changes off CPU.
+the demo's SFT phase with Eigen dots ended at held-out loss 0.473 (accuracy 0.555) against
+0.293 (0.570), twice each, and GRPO from that weaker policy gained +0.03 against +0.19; GRPO
+from one SFT checkpoint was bit-identical under both settings. Not understood yet, so the faster
+kernels stay opt-in. Decoding keeps YNNPACK either way, except one-slot shards (`EIGEN_DOTS`,
+see `jaxrl.sampler.engine`). Nothing changes off CPU.
 """
 
 from __future__ import annotations
@@ -32,7 +32,13 @@ from jaxrl.errors import ConfigError
 ENV = "JAXRL_CPU_DOTS"
 CHOICES = ("ynnpack", "eigen", "auto")
 DEFAULT = "ynnpack"
+# Compile options for XLA's own (Eigen / matrix-vector) dots instead of YNNPACK fusions.
 EIGEN_DOTS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def on_cpu(devices) -> bool:
+  """Whether every device is a CPU device (the only place these options mean anything)."""
+  return all(d.platform == "cpu" for d in devices)
 
 
 @functools.cache
@@ -66,6 +72,4 @@ def choose(setting: str | None = None, *, machine: str | None = None,
 
 def learner_compiler_options(devices) -> dict | None:
   """The `compiler_options` for a learner program on `devices` (None: XLA's defaults)."""
-  if not all(d.platform == "cpu" for d in devices):
-    return None
-  return dict(EIGEN_DOTS) if choose() == "eigen" else None
+  return dict(EIGEN_DOTS) if on_cpu(devices) and choose() == "eigen" else None

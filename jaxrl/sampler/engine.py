@@ -49,14 +49,14 @@ from jax.sharding import Mesh
 from jaxrl.models import ModelConfig
 from jaxrl.models.llama import init_cache
 from jaxrl.parallel import batch_sharding, cache_sharding
+from jaxrl.parallel.cpu_kernels import EIGEN_DOTS, on_cpu
 from jaxrl.sampler.sampling import SamplingParams, is_stop, sample_logits, token_keys
 
 DecodeState = dict  # {"cache": [per-layer ([B,K,W,H], [B,K,W,H])], "tokens"|"pos"|"ngen"|"sample"|"max_len": [B] i32, "live": [B] bool}
 Prefix = dict  # {"kv": [per-layer ([P,K,T,H], [P,K,T,H])], "logits": [P,V], "length": [P], "tokens", "logprobs": [P], "key"}
 
-# XLA:CPU compile options for decode steps whose shards hold one slot: no YNNPACK fusions, so
-# dots run as XLA's own matrix-vector kernels (see Engine.__init__). Per compile, not global.
-CPU_GEMV_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+# Decode steps whose shards hold one slot compile with EIGEN_DOTS: no YNNPACK fusions, so dots
+# run as XLA's own matrix-vector kernels (see Engine.__init__). Per compile, not global.
 
 
 class Engine:
@@ -74,9 +74,9 @@ class Engine:
     # 1.01 ms per step). From two slots up the YNNPACK kernels win (batch 2: 1.24 vs 1.38 ms;
     # batch 64: 9.1 vs 17.3 ms), so only single-slot shards compile this way.
     self._steps_gemv = self._steps
-    if all(d.platform == "cpu" for d in mesh.devices.flat):
+    if on_cpu(mesh.devices.flat):
       self._steps_gemv = jax.jit(self._steps_fn, donate_argnums=1, static_argnames="steps",
-                                 compiler_options=CPU_GEMV_OPTIONS)
+                                 compiler_options=EIGEN_DOTS)
     self._inits: dict[tuple[int, int], Callable] = {}  # (slots, length) -> jitted init
     # Not donated: a wider cache cannot reuse the old buffers (they are freed when the caller
     # drops the old state).
