@@ -15,10 +15,10 @@ demo: setup
 
 # pytest runs on tcmalloc when the machine has it, as the jaxrl command does (jaxrl/allocator.py).
 test: setup
-	$(PY) -m jaxrl.allocator $(PY) -m pytest -q -n 2 --durations=15
+	$(PY) -m jaxrl.allocator $(PY) -m pytest -q -n 2 --dist worksteal --durations=15
 
 test-fast: setup
-	$(PY) -m jaxrl.allocator $(PY) -m pytest -q -n 2 -m "not slow"
+	$(PY) -m jaxrl.allocator $(PY) -m pytest -q -n 2 --dist worksteal -m "not slow"
 
 # Re-pin requirements.lock from the current .venv (run after changing pyproject ranges).
 lock: setup

@@ -59,33 +59,46 @@ def _session_dir(tmp_path_factory):
   return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
-def _shared_sft(tmp_path_factory, name: str, overrides: dict) -> str:
-  """The run dir of one tiny SFT policy on addition, trained once per test session and shared
-  by the xdist workers: the first to take the lock trains it, the others wait and reuse the
-  finished run dir. Tests must only read it (copy it to resume from it).
-
-  It trains as `jaxrl sft` in a subprocess on one CPU device under default XLA flags, as a
-  user's run would: 1000 steps take about half as long as in this process's 8 fake devices at
-  optimisation level 0, which suits the many small programs of the tests, not a long run."""
-  import fcntl
+def jaxrl_cli(args: list[str], *, cwd=None, devices: int = 1, timeout: int = 1800):
+  """Runs `jaxrl ARGS` as a user would: a subprocess on `devices` CPU devices under default XLA
+  flags (not this suite's faster-compiling ones; the long learning runs are run-bound, not
+  compile-bound, and run 2-3x faster so: GRPO's 80 steps with a reward model took 49 s on one
+  device against 101 s in this process's 8 fake devices at optimisation level 0). Asserts it
+  succeeded and returns its stdout."""
   import subprocess
   import sys
+  jaxrl = os.path.join(os.path.dirname(sys.executable), "jaxrl")
+  res = subprocess.run([jaxrl, *args], env=subprocess_env(devices, test_flags=False),
+                       cwd=cwd or ROOT, capture_output=True, text=True, timeout=timeout)
+  assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+  return res.stdout
+
+
+def _shared_run(tmp_path_factory, name: str, command: str, config: str, settings: dict) -> str:
+  """The run dir of `jaxrl COMMAND --config configs/CONFIG` with `settings`, trained once per
+  test session and shared by the xdist workers: the first to take the lock trains it, the others
+  wait and reuse the finished run dir. Tests must only read it (copy it to resume from it).
+
+  It trains as `jaxrl_cli` runs it, on one CPU device under default XLA flags, as a user's run
+  would: SFT's 1000 steps take about a third as long as in 8 fake devices (8,700 against 2,900
+  tokens/s, measured 2026-12-01), which suits the many small programs of the tests, not a long
+  run."""
+  import fcntl
   shared = _session_dir(tmp_path_factory)
   workdir = shared / name
   with open(shared / f"{name}.lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if not (workdir / "summary.json").exists():
-      settings = {"train.steps": 1000, "train.log_every": 100, "train.save_every": 1000,
-                  "eval.every": 1000, **overrides}
-      jaxrl = os.path.join(os.path.dirname(sys.executable), "jaxrl")
-      env = dict(os.environ, JAX_PLATFORMS="cpu",
-                 XLA_FLAGS="--xla_force_host_platform_device_count=1")
-      res = subprocess.run([jaxrl, "sft", "--config", os.path.join(ROOT, "configs", "sft_tiny.py"),
-                            "--workdir", str(workdir)] +
-                           [f"--config.{k}={v}" for k, v in settings.items()],
-                           env=env, capture_output=True, text=True, timeout=1800)
-      assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+      jaxrl_cli([command, "--config", os.path.join(ROOT, "configs", config), "--workdir",
+                 str(workdir)] + [f"--config.{k}={v}" for k, v in settings.items()])
   return str(workdir)
+
+
+def _shared_sft(tmp_path_factory, name: str, overrides: dict) -> str:
+  """A tiny SFT policy on addition (configs/sft_tiny.py, 1000 steps) with `overrides`."""
+  settings = {"train.steps": 1000, "train.log_every": 100, "train.save_every": 1000,
+              "eval.every": 1000, **overrides}
+  return _shared_run(tmp_path_factory, name, "sft", "sft_tiny.py", settings)
 
 
 @pytest.fixture(scope="session")
@@ -98,41 +111,56 @@ def sft_addition(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def sft_slip(tmp_path_factory):
-  """The demo's SFT policy: demonstrations that drop the carry on 60% of the sums with one
-  (1000 steps). SFT learns the slip (held-out ~0.4-0.65), so RL that rewards the right answer
-  has a real fix to make."""
-  return _shared_sft(tmp_path_factory, "sft_slip", {"data.error_mode": "systematic",
-                                                    "data.error_rate": 0.6})
+  """The demo's SFT policy, trained with the demo's own SFT settings (jaxrl.demo.SFT_OVERRIDES:
+  1000 steps on demonstrations that drop the carry on 60% of the sums with one). SFT learns the
+  slip (held-out ~0.4-0.65), so RL that rewards the right answer has a real fix to make. The
+  demo test resumes `jaxrl demo` from a copy of it."""
+  from jaxrl.demo import SFT_OVERRIDES
+  return _shared_sft(tmp_path_factory, "sft_slip", SFT_OVERRIDES)
 
 
 @pytest.fixture(scope="session")
 def reward_models(sft_addition, tmp_path_factory):
-  """Run dirs of two reward models trained from the sft_addition policy, once per session
-  and shared by the xdist workers (file-locked like sft_addition, and trained the same way: as
-  `jaxrl rm` in a one-device subprocess under default XLA flags): "honest" (configs/rm_tiny.py:
-  chosen = the correct sum) and "biased" (:biased, a labeller preferring longer answers).
-  Tests must only read them."""
-  import fcntl
-  import subprocess
-  import sys
-  shared = _session_dir(tmp_path_factory)
-  dirs = {"honest": shared / "rm_honest", "biased": shared / "rm_biased"}
-  jaxrl = os.path.join(os.path.dirname(sys.executable), "jaxrl")
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
-  with open(shared / "reward_models.lock", "w") as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    for name, workdir in dirs.items():
-      if not (workdir / "summary.json").exists():
-        arg = "" if name == "honest" else ":biased"
-        settings = {"init.checkpoint": sft_addition, "train.log_every": 100}
-        if name == "biased":  # its labeller's taste is learnt by step 100 (measured: 1.0)
-          settings.update({"train.steps": 100, "train.save_every": 100})
-        else:  # 0.523 -> 0.582 / 0.568 / 0.617 / 0.621 at steps 400 / 800 / 1200 / 1600 (~40 s)
-          settings.update({"train.steps": 1600, "train.save_every": 1600})
-        res = subprocess.run([jaxrl, "rm", "--config",
-                              os.path.join(ROOT, "configs", f"rm_tiny.py{arg}"),
-                              "--workdir", str(workdir)] +
-                             [f"--config.{k}={v}" for k, v in settings.items()],
-                             env=env, capture_output=True, text=True, timeout=1800)
-        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-  return {k: str(v) for k, v in dirs.items()}
+  """Run dirs of two reward models trained from the sft_addition policy, once per session and
+  shared by the xdist workers (as `jaxrl rm`, like the SFT fixtures): "honest"
+  (configs/rm_tiny.py: chosen = the correct sum) and "biased" (:biased, a labeller preferring
+  longer answers). Tests must only read them."""
+  return {
+      # 0.523 -> 0.582 / 0.568 / 0.617 / 0.621 at steps 400 / 800 / 1200 / 1600 (~40 s)
+      "honest": _shared_run(tmp_path_factory, "rm_honest", "rm", "rm_tiny.py", {
+          "init.checkpoint": sft_addition, "train.log_every": 100, "train.steps": 1600,
+          "train.save_every": 1600}),
+      # its labeller's taste is learnt by step 100 (measured: 1.0)
+      "biased": _shared_run(tmp_path_factory, "rm_biased", "rm", "rm_tiny.py:biased", {
+          "init.checkpoint": sft_addition, "train.log_every": 100, "train.steps": 100,
+          "train.save_every": 100})}
+
+
+@pytest.fixture(scope="session")
+def rm_logprob(sft_addition, tmp_path_factory):
+  """A well-trained reward model (configs/rm_tiny.py:logprob, 400 steps from sft_addition: its
+  head adds the backbone's response log-prob; held-out pairwise accuracy 0.94 at step 0, 0.98
+  at 400, measured 2026-12-01)."""
+  return _shared_run(tmp_path_factory, "rm_logprob", "rm", "rm_tiny.py:logprob", {
+      "init.checkpoint": sft_addition, "train.log_every": 100})
+
+
+_SHARED_RUNS = {"sft_addition", "sft_slip", "reward_models", "rm_logprob"}
+
+
+def pytest_collection_modifyitems(config, items):
+  """Orders the session for the Makefile's `-n 2 --dist worksteal`, which hands each worker one
+  contiguous half of this list and lets a worker that runs dry take half of the other's queue
+  from its end. The slow end-to-end tests (those that read the shared runs above first, so the
+  runs are trained early) are dealt alternately to the two halves and run at the head of each;
+  the fast tests fill the tails, where stealing evens out the finish. Before, one worker could
+  end on a five-minute test while the other sat idle."""
+  def rank(item):
+    if item.get_closest_marker("slow") is None:
+      return 2
+    return 0 if _SHARED_RUNS & set(getattr(item, "fixturenames", ())) else 1
+  slow = sorted((i for i in items if rank(i) < 2), key=rank)  # stable: file order within
+  fast = [i for i in items if rank(i) == 2]
+  heads = slow[0::2], slow[1::2]
+  cut = max(0, len(items) // 2 - len(heads[0]))
+  items[:] = heads[0] + fast[:cut] + heads[1] + fast[cut:]

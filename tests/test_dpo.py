@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 
+from conftest import jaxrl_cli
 from jaxrl import cli
 from jaxrl import config as config_lib
 from jaxrl.errors import ConfigError
@@ -179,8 +180,9 @@ def test_bad_configs_name_the_key(tmp_path, devices, overrides, pattern):
 
 
 @pytest.mark.slow
-def test_dpo_raises_heldout_preference_accuracy_from_sft(sft_addition, tmp_path, devices):
-  """DPO (the default config: beta 0.1, lr 5e-5, 100 steps) from the shared SFT policy on
+def test_dpo_raises_heldout_preference_accuracy_from_sft(sft_addition, tmp_path):
+  """`jaxrl dpo` (the default config: beta 0.1, lr 5e-5, 100 steps; one device, as conftest's
+  jaxrl_cli runs it) from the shared SFT policy on
   addition pairs: held-out preference accuracy (implied reward margin > 0) rises from 0 (the
   policy is the reference: every margin is 0) to well above chance, and the held-out loss falls
   below ln 2.
@@ -192,10 +194,12 @@ def test_dpo_raises_heldout_preference_accuracy_from_sft(sft_addition, tmp_path,
   KTO, SimPO, ORPO and even plain NLL on the correct answers (measured 2026-11-30). The check
   below only guards against a collapse.
   """
-  config = _config("", **{"init.checkpoint": sft_addition, "eval.every": 100,
-                          "train.log_every": 50, "train.save_every": 100})
-  summary = dpo.run(config, str(tmp_path / "dpo"), out=lambda *_: None)
-  rows = [r for r in read_metrics(str(tmp_path / "dpo")) if "eval/accuracy" in r]
+  workdir = str(tmp_path / "dpo")
+  jaxrl_cli(["dpo", "--config", "configs/dpo_tiny.py", "--workdir", workdir,
+             f"--config.init.checkpoint={sft_addition}", "--config.eval.every=100",
+             "--config.train.log_every=50", "--config.train.save_every=100"])
+  summary = json.load(open(os.path.join(workdir, "summary.json")))
+  rows = [r for r in read_metrics(workdir) if "eval/accuracy" in r]
   start, end = rows[0], rows[-1]
   assert (start["step"], end["step"]) == (0, 100) and summary["ref_mode"] == "live"
   assert start["eval/rewards/accuracies"] == 0.0

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import subprocess_env
+from conftest import jaxrl_cli, subprocess_env
 
 from jaxrl import config as config_lib
 from jaxrl.models import get_preset
@@ -313,26 +313,29 @@ def test_pulse_run_logs_every_metric_and_resumes(repo_root, tmp_path, devices, m
 
 
 @pytest.mark.slow
-def test_demo_grpo_raises_heldout_accuracy_above_sft(tmp_path, repo_root):
-  """`jaxrl demo` end to end, as `make demo` runs it (a subprocess with the default XLA flags,
-  not this suite's faster-compiling ones): SFT on demonstrations that drop the carry, then
-  GRPO with the verifier; held-out greedy accuracy must rise clearly above the SFT starting
-  point with KL below the alarm. Measured +0.18 (0.648 -> 0.828, KL max 0.042); over other
-  seeds, learning rates and numerics +0.08..+0.31, so 0.10 is a margin, not a calibration on one random stream."""
-  import subprocess
-  import sys
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  env.pop("JAX_COMPILATION_CACHE_DIR", None)
-  jaxrl = os.path.join(os.path.dirname(sys.executable), "jaxrl")
+def test_demo_grpo_raises_heldout_accuracy_above_sft(tmp_path, sft_slip):
+  """`jaxrl demo` as `make demo` runs it (a subprocess on 8 CPU devices with the default XLA
+  flags, not this suite's faster-compiling ones), resumed after its SFT phase: its sft/ run dir
+  is a copy of the session's sft_slip policy, trained with the demo's own SFT settings
+  (jaxrl.demo.SFT_OVERRIDES) on one device, so the demo restores it onto its 8-device mesh and
+  runs GRPO with the verifier. Held-out greedy accuracy must rise clearly above the SFT starting
+  point with KL below the alarm. Measured from that one-device policy +0.14 (0.629 -> 0.773, KL
+  max 0.036; 2026-12-01, AMD EPYC); the demo whole, SFT on 8 devices included, +0.19
+  (0.570 -> 0.762) on that machine and +0.18 (0.648 -> 0.828) on the Intel one; over other seeds,
+  learning rates and numerics +0.08..+0.31. The demo's SFT phase itself (190 s of the demo's
+  300 s here) is not re-run: the SFT tests cover it, and the fixture trains the same settings."""
+  import shutil
   workdir = tmp_path / "demo"
+  shutil.copytree(sft_slip, workdir / "sft")
   # A relative --workdir, as `make demo` gives runs/demo.
-  res = subprocess.run([jaxrl, "demo", "--workdir", "demo"], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=1800)
-  assert res.returncode == 0, res.stderr[-2000:]
-  assert "after GRPO" in res.stdout and "Traceback" not in res.stderr
+  stdout = jaxrl_cli(["demo", "--workdir", "demo"], cwd=tmp_path, devices=8)
+  assert f"resuming from {workdir / 'sft' / 'checkpoints'} at step 1000" in stdout
+  assert "after GRPO" in stdout and "* resumed (SFT from step 1000)" in stdout
+  assert " -> " not in stdout.split("== 2.")[0]  # the fixture's SFT config is the demo's own
   result = json.load(open(workdir / "summary.json"))
   sft_acc = result["sft"]["eval/accuracy"]
   grpo_acc = result["grpo"]["eval/accuracy"]
+  assert sft_acc == json.load(open(workdir / "sft" / "summary.json"))["eval"]["eval/accuracy"]
   assert grpo_acc >= sft_acc + 0.10, (sft_acc, grpo_acc)
   assert result["grpo"]["kl/max"] < 0.1
   assert result["grpo"]["alarms"]["kl"] == 0

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import jaxrl_cli
 from jaxrl import config as config_lib
 from jaxrl.models import RewardModel, abstract_model, get_preset, last_index, reward_apply
 from jaxrl.parallel import make_mesh
@@ -479,19 +480,18 @@ def test_reward_models_learn_their_labellers(reward_models):
 
 @pytest.mark.slow
 def test_grpo_against_a_biased_reward_model_fires_the_alarm(reward_models, sft_addition,
-                                                             repo_root, tmp_path):
-  """Reward hacking, end to end: GRPO from the SFT policy with the biased RM as the only
-  reward (the task's checker at weight 0 still logs accuracy). The proxy rises, held-out
-  verifiable accuracy falls, and the reward-hacking alarm fires and is logged."""
-  from jaxrl.rl import grpo
+                                                             tmp_path):
+  """Reward hacking, end to end: `jaxrl grpo` from the SFT policy with the biased RM as the
+  only reward (the task's checker at weight 0 still logs accuracy). The proxy rises, held-out
+  verifiable accuracy falls, and the reward-hacking alarm fires, is printed, is logged in
+  metrics.jsonl and is counted in summary.json."""
   from jaxrl.train.rundir import read_metrics
   workdir = str(tmp_path / "grpo")
-  config = config_lib.load_config(os.path.join(repo_root, "configs/grpo_tiny.py"), [
-      f"init.checkpoint={sft_addition}", f"reward_model.checkpoints={reward_models['biased']}",
-      "rewards=task:0", "train.steps=40", "train.log_every=5", "train.save_every=40",
-      "eval.every=10"])
-  said = []
-  summary = grpo.run(config, workdir, out=said.append)
+  said = jaxrl_cli(["grpo", "--config", "configs/grpo_tiny.py", "--workdir", workdir] + [
+      f"--config.{o}" for o in (
+          f"init.checkpoint={sft_addition}", f"reward_model.checkpoints={reward_models['biased']}",
+          "rewards=task:0", "train.steps=40", "train.log_every=5", "train.save_every=40",
+          "eval.every=10")])
   rows = read_metrics(workdir)
   evals = [r for r in rows if "eval/accuracy" in r]
   steps = [r for r in rows if "reward/rm_mean" in r]
@@ -499,34 +499,31 @@ def test_grpo_against_a_biased_reward_model_fires_the_alarm(reward_models, sft_a
   assert np.mean([r["reward/rm_mean"] for r in steps[-2:]]) > np.mean(
       [r["reward/rm_mean"] for r in steps[:2]])
   assert any(r.get("alarm/reward_hacking") == 1.0 for r in evals)
-  assert summary["alarms"]["reward_hacking"] >= 1
-  assert any("reward hacking" in s for s in said)
+  assert json.load(open(os.path.join(workdir, "summary.json")))["alarms"]["reward_hacking"] >= 1
+  assert "reward hacking" in said
 
 
 @pytest.mark.slow
-def test_grpo_with_a_well_trained_reward_model_beats_sft(sft_addition, sft_slip, repo_root,
-                                                         tmp_path):
-  """GRPO with a well-trained reward model as its only reward (the task's checker at weight 0
-  only logs accuracy) raises held-out verifiable accuracy above the SFT policy it starts from.
-  "Well-trained": the reward model adds its backbone's response log-prob to the last-token
-  head (head.logprob_feature) and reaches >= 0.8 held-out pairwise accuracy. The reward model
-  starts from the policy SFT'd on random slips, whose backbone prefers the right answer; the
-  policy is the one that learnt the dropped carry (sft_slip). Measured: RM 0.96, held-out
-  0.50 -> 0.77 (mean of the last two evals +0.26), 0.633 -> 0.731 (+0.10) from the fixture
-  trained on 8 devices, 0.414 -> 0.563 (+0.13) from the one-device fixture; the test asks
-  +0.05, twice the standard error of a 256-prompt eval."""
-  from jaxrl.rl import grpo
+def test_grpo_with_a_well_trained_reward_model_beats_sft(rm_logprob, sft_slip, tmp_path):
+  """`jaxrl grpo` with a well-trained reward model as its only reward (the task's checker at
+  weight 0 only logs accuracy) raises held-out verifiable accuracy above the SFT policy it
+  starts from. "Well-trained": the reward model adds its backbone's response log-prob to the
+  last-token head (head.logprob_feature) and reaches >= 0.8 held-out pairwise accuracy. The
+  reward model starts from the policy SFT'd on random slips, whose backbone prefers the right
+  answer; the policy is the one that learnt the dropped carry (sft_slip). Measured: RM 0.98,
+  held-out 0.629 -> 0.773 / 0.797 at steps 60 / 80 (mean of the last two evals +0.16;
+  2026-12-01, one device); earlier 0.633 -> 0.731 (+0.10) and 0.414 -> 0.563 (+0.13) from
+  other SFT policies on 8 devices; the test asks +0.05, twice the standard error of a
+  256-prompt eval."""
   from jaxrl.train.rundir import read_metrics
-  rm_dir = str(tmp_path / "rm")
-  summary = rm.run(config_lib.load_config(os.path.join(repo_root, "configs/rm_tiny.py:logprob"), [
-      f"init.checkpoint={sft_addition}", "train.log_every=100"]),
-      rm_dir, out=lambda *a: None)
-  assert summary["eval"]["eval/accuracy"] >= 0.8, summary["eval"]
+  rm_eval = json.load(open(os.path.join(rm_logprob, "summary.json")))["eval"]
+  assert rm_eval["eval/accuracy"] >= 0.8, rm_eval
   workdir = str(tmp_path / "grpo")
-  grpo.run(config_lib.load_config(os.path.join(repo_root, "configs/grpo_tiny.py"), [
-      f"init.checkpoint={sft_slip}", f"reward_model.checkpoints={rm_dir}",
-      "rewards=task:0", "train.steps=80", "train.log_every=10", "train.save_every=80",
-      "eval.every=20"]), workdir, out=lambda *a: None)
+  jaxrl_cli(["grpo", "--config", "configs/grpo_tiny.py", "--workdir", workdir] + [
+      f"--config.{o}" for o in (
+          f"init.checkpoint={sft_slip}", f"reward_model.checkpoints={rm_logprob}",
+          "rewards=task:0", "train.steps=80", "train.log_every=10", "train.save_every=80",
+          "eval.every=20")])
   evals = [r["eval/accuracy"] for r in read_metrics(workdir) if "eval/accuracy" in r]
   print("held-out accuracy every 20 steps:", evals)
-  assert np.mean(evals[-2:]) >= evals[0] + 0.05, evals
+  assert len(evals) == 5 and np.mean(evals[-2:]) >= evals[0] + 0.05, evals

@@ -196,20 +196,19 @@ def test_two_processes_match_one_process(repo_root, tmp_path, free_port):
 
 
 @pytest.mark.slow
-def test_sft_tiny_learns_addition(repo_root, tmp_path):
-  """`jaxrl sft` on the tiny config (shortened to 500 steps) lifts held-out exact match from
-  the untrained model's ~0 to well above it."""
-  wd = str(tmp_path / "learn")
-  jaxrl = os.path.join(os.path.dirname(sys.executable), "jaxrl")
-  res = subprocess.run([jaxrl, "sft", "--config", "configs/sft_tiny.py", "--workdir", wd,
-                        "--config.train.steps=500", "--config.eval.every=500",
-                        "--config.train.save_every=500"],
-                       env=subprocess_env(1, test_flags=False), cwd=repo_root, capture_output=True, text=True,
-                       timeout=900)
-  assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+@pytest.mark.parametrize("policy", ["sft_addition", "sft_slip"])
+def test_sft_tiny_learns_addition(policy, request):
+  """`jaxrl sft` on the tiny config lifts held-out exact match from the untrained model's ~0 to
+  well above it. Shown on the session's two shared SFT policies (`jaxrl sft --config
+  configs/sft_tiny.py`, 1000 steps on one device; conftest), which the RM, DPO and GRPO tests
+  start from, rather than on a third run: demonstrations with 20% random slips (measured 0.82)
+  and the demo's, which drop the carry on 60% of the sums with one (measured 0.63; a greedy
+  copy of that labeller scores about 0.6)."""
+  wd = request.getfixturevalue(policy)
   metrics = read_metrics(wd)
   before, after = metrics[0], metrics[-1]
-  assert before["step"] == 0 and after["step"] == 500
+  assert before["step"] == 0 and after["step"] == 1000
+  assert json.load(open(os.path.join(wd, "summary.json")))["status"] == "completed"
   assert before["eval/accuracy"] <= 0.02
-  assert after["eval/accuracy"] >= 0.15, after
-  assert after["eval/loss"] < 0.6 * before["eval/loss"]
+  assert after["eval/accuracy"] >= 0.3, after
+  assert after["eval/loss"] < 0.15 * before["eval/loss"]

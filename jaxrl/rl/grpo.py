@@ -804,6 +804,7 @@ def run(config, workdir: str, *, out=print) -> dict:
     run_dir.close()
   summary["alarms"] = dict(alarms.raised)
   summary["kl/max"] = alarms.kl_max
+  run_dir.write_summary({k: v for k, v in summary.items() if k != "state"})
   return summary
 
 
