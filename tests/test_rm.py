@@ -510,9 +510,9 @@ def test_grpo_with_a_well_trained_reward_model_beats_sft(rm_logprob, sft_slip, t
   starts from. "Well-trained": the reward model adds its backbone's response log-prob to the
   last-token head (head.logprob_feature) and reaches >= 0.8 held-out pairwise accuracy. The
   reward model starts from the policy SFT'd on random slips, whose backbone prefers the right
-  answer; the policy is the one that learnt the dropped carry (sft_slip). Measured: RM 0.98,
-  held-out 0.629 -> 0.773 / 0.797 at steps 60 / 80 (mean of the last two evals +0.16;
-  2026-12-01, one device); earlier 0.633 -> 0.731 (+0.10) and 0.414 -> 0.563 (+0.13) from
+  answer; the policy is the one that learnt the dropped carry (sft_slip). Measured: RM 0.93,
+  held-out 0.629 -> 0.801 / 0.809 at steps 60 / 80 (mean of the last two evals +0.18;
+  fresh-clone CI 2026-12-01, one device); earlier 0.633 -> 0.731 (+0.10) and 0.414 -> 0.563 (+0.13) from
   other SFT policies on 8 devices; the test asks +0.05, twice the standard error of a
   256-prompt eval."""
   from jaxrl.train.rundir import read_metrics
