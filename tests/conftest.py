@@ -64,14 +64,14 @@ def jaxrl_cli(args: list[str], *, cwd=None, devices: int = 1, timeout: int = 180
   flags (not this suite's faster-compiling ones; the long learning runs are run-bound, not
   compile-bound, and run 2-3x faster so: GRPO's 80 steps with a reward model took 49 s on one
   device against 101 s in this process's 8 fake devices at optimisation level 0). Asserts it
-  succeeded and returns its stdout."""
+  succeeded and returns the finished process (its .stdout and .stderr)."""
   import subprocess
   import sys
   jaxrl = os.path.join(os.path.dirname(sys.executable), "jaxrl")
   res = subprocess.run([jaxrl, *args], env=subprocess_env(devices, test_flags=False),
                        cwd=cwd or ROOT, capture_output=True, text=True, timeout=timeout)
   assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-  return res.stdout
+  return res
 
 
 def _shared_run(tmp_path_factory, name: str, command: str, config: str, settings: dict) -> str:

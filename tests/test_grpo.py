@@ -328,7 +328,9 @@ def test_demo_grpo_raises_heldout_accuracy_above_sft(tmp_path, sft_slip):
   workdir = tmp_path / "demo"
   shutil.copytree(sft_slip, workdir / "sft")
   # A relative --workdir, as `make demo` gives runs/demo.
-  stdout = jaxrl_cli(["demo", "--workdir", "demo"], cwd=tmp_path, devices=8)
+  res = jaxrl_cli(["demo", "--workdir", "demo"], cwd=tmp_path, devices=8)
+  stdout = res.stdout
+  assert "Traceback" not in res.stderr
   assert f"resuming from {workdir / 'sft' / 'checkpoints'} at step 1000" in stdout
   assert "after GRPO" in stdout and "* resumed (SFT from step 1000)" in stdout
   assert " -> " not in stdout.split("== 2.")[0]  # the fixture's SFT config is the demo's own

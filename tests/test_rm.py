@@ -491,7 +491,7 @@ def test_grpo_against_a_biased_reward_model_fires_the_alarm(reward_models, sft_a
       f"--config.{o}" for o in (
           f"init.checkpoint={sft_addition}", f"reward_model.checkpoints={reward_models['biased']}",
           "rewards=task:0", "train.steps=40", "train.log_every=5", "train.save_every=40",
-          "eval.every=10")])
+          "eval.every=10")]).stdout
   rows = read_metrics(workdir)
   evals = [r for r in rows if "eval/accuracy" in r]
   steps = [r for r in rows if "reward/rm_mean" in r]

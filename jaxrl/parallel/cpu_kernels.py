@@ -16,8 +16,10 @@ is faster depends on the CPU. On the learner's fp32 shapes (bench preset, the GR
 x86-64 without AVX-512, YNNPACK elsewhere). The default stays YNNPACK because on the AMD machine
 the demo's SFT phase with Eigen dots ended at held-out loss 0.473 (accuracy 0.555) against
 0.293 (0.570), twice each, and GRPO from that weaker policy gained +0.03 against +0.19; GRPO
-from one SFT checkpoint was bit-identical under both settings. Not understood yet, so the faster
-kernels stay opt-in. Decoding keeps YNNPACK either way, except one-slot shards (`EIGEN_DOTS`,
+from one SFT checkpoint was bit-identical under both settings. That SFT is chaotic in the
+numerics (one device against eight: held-out 0.629 against 0.570) and two seeds under YNNPACK
+alone span held-out loss 0.231-0.459, but Eigen ended behind in all three pairs measured
+(2026-12-01), so a small systematic effect is not ruled out and the faster kernels stay opt-in. Decoding keeps YNNPACK either way, except one-slot shards (`EIGEN_DOTS`,
 see `jaxrl.sampler.engine`). Nothing changes off CPU.
 """
 

@@ -594,12 +594,10 @@ def run(config, workdir: str, *, out=print) -> dict:
         total_steps=config.train.steps, run=run_dir, ckpt=ckpt,
         log_every=config.train.log_every, save_every=config.train.save_every,
         eval_every=config.eval.every, eval_fn=evaluate,
-        tokens_fn=lambda b: int(np.count_nonzero(b["segment_ids"])), out=out)
+        tokens_fn=lambda b: int(np.count_nonzero(b["segment_ids"])),
+        summary_extra=lambda: {"data": report, "ref_mode": mode}, out=out)
   finally:
     ckpt.close()
     run_dir.close()
-  summary["data"] = report
-  summary["ref_mode"] = mode
-  run_dir.write_summary({k: v for k, v in summary.items() if k != "state"})
   summary["samples"] = exact.samples if exact is not None else []
   return summary

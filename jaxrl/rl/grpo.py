@@ -796,15 +796,13 @@ def run(config, workdir: str, *, out=print) -> dict:
         state=state, step_fn=step_fn, batches=stream, put=lambda b: b, total_steps=total,
         run=run_dir, ckpt=ckpt, log_every=config.train.log_every,
         save_every=config.train.save_every, eval_every=config.eval.every, eval_fn=evaluate,
-        out=out, updates_per_step=a.num_iterations * a.minibatches)
+        out=out, updates_per_step=a.num_iterations * a.minibatches,
+        summary_extra=lambda: {"alarms": dict(alarms.raised), "kl/max": alarms.kl_max})
   finally:
     if overlap is not None:
       overlap.close()
     ckpt.close()
     run_dir.close()
-  summary["alarms"] = dict(alarms.raised)
-  summary["kl/max"] = alarms.kl_max
-  run_dir.write_summary({k: v for k, v in summary.items() if k != "state"})
   return summary
 
 

@@ -55,9 +55,6 @@ from jaxrl.sampler.sampling import SamplingParams, is_stop, sample_logits, token
 DecodeState = dict  # {"cache": [per-layer ([B,K,W,H], [B,K,W,H])], "tokens"|"pos"|"ngen"|"sample"|"max_len": [B] i32, "live": [B] bool}
 Prefix = dict  # {"kv": [per-layer ([P,K,T,H], [P,K,T,H])], "logits": [P,V], "length": [P], "tokens", "logprobs": [P], "key"}
 
-# Decode steps whose shards hold one slot compile with EIGEN_DOTS: no YNNPACK fusions, so dots
-# run as XLA's own matrix-vector kernels (see Engine.__init__). Per compile, not global.
-
 
 class Engine:
   """Prefill / insert / generate for one model architecture, mesh and sampling setting."""

@@ -160,13 +160,15 @@ def train_loop(*, state, step_fn: Callable, batches, put: Callable, total_steps:
                run: RunDir, ckpt: Checkpointer | None, log_every: int, save_every: int,
                eval_every: int = 0, eval_fn: Callable | None = None,
                tokens_fn: Callable | None = None, updates_per_step: int = 1,
-               out=print) -> dict:
+               summary_extra: Callable[[], dict] | None = None, out=print) -> dict:
   """Runs steps until `total_steps`, an interrupt, or a non-finite loss. Returns the summary
   (also written to DIR/summary.json): status, step, last metrics, wall time.
 
   put(batch) turns a process-local numpy batch into global device arrays; tokens_fn(batch)
   counts its real (non-padding) tokens for `perf/tokens_per_s`. `total_steps` and the logged
   steps count calls of step_fn, each making `updates_per_step` optimizer updates.
+  summary_extra() gives a trainer's own summary fields (its data report, GRPO's alarms), read
+  when the summary is written, so they land in summary.json however the loop ended.
   """
   main = jax.process_index() == 0
   step = int(jax.device_get(state.step)) // updates_per_step
@@ -243,6 +245,6 @@ def train_loop(*, state, step_fn: Callable, batches, put: Callable, total_steps:
       ckpt.wait()  # async writes must land before the process exits
     summary = {"status": status, "step": step, "start_step": start_step,
                "total_steps": total_steps, "wall_s": time.perf_counter() - t_start,
-               "metrics": last, "eval": evals}
+               "metrics": last, "eval": evals, **(summary_extra() if summary_extra else {})}
     run.write_summary(summary)
   return {**summary, "state": state}

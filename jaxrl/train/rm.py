@@ -294,10 +294,9 @@ def run(config, workdir: str, *, out=print) -> dict:
         run=run_dir, ckpt=ckpt, log_every=config.train.log_every,
         save_every=config.train.save_every, eval_every=config.eval.every,
         eval_fn=lambda params, step: evaluate_pairs(params),
-        tokens_fn=lambda b: int(np.count_nonzero(b["segment_ids"])), out=out)
+        tokens_fn=lambda b: int(np.count_nonzero(b["segment_ids"])),
+        summary_extra=lambda: {"data": info}, out=out)
   finally:
     ckpt.close()
     run_dir.close()
-  summary["data"] = info
-  run_dir.write_summary({k: v for k, v in summary.items() if k != "state"})
   return summary
