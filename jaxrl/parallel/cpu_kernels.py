@@ -13,14 +13,18 @@ is faster depends on the CPU. On the learner's fp32 shapes (bench preset, the GR
   [4032, 256] x [256, 688] product 129 against 108 GFLOP/s (`benchmarks/matmul.py`).
 
 `JAXRL_CPU_DOTS` picks: `ynnpack` (default: XLA's own choice), `eigen`, or `auto` (Eigen on
-x86-64 without AVX-512, YNNPACK elsewhere). The default stays YNNPACK because on the AMD machine
-the demo's SFT phase with Eigen dots ended at held-out loss 0.473 (accuracy 0.555) against
-0.293 (0.570), twice each, and GRPO from that weaker policy gained +0.03 against +0.19; GRPO
-from one SFT checkpoint was bit-identical under both settings. That SFT is chaotic in the
-numerics (one device against eight: held-out 0.629 against 0.570) and two seeds under YNNPACK
-alone span held-out loss 0.231-0.459, but Eigen ended behind in all three pairs measured
-(2026-12-01), so a small systematic effect is not ruled out and the faster kernels stay opt-in. Decoding keeps YNNPACK either way, except one-slot shards (`EIGEN_DOTS`,
-see `jaxrl.sampler.engine`). Nothing changes off CPU.
+x86-64 without AVX-512, YNNPACK elsewhere). The default stays YNNPACK because SFT learns worse
+with Eigen dots on the AMD machine. The demo's SFT phase ended at held-out loss 0.473
+(accuracy 0.555) against 0.293 (0.570), twice each, and GRPO from that weaker policy gained
++0.03 against +0.19 (GRPO from one SFT checkpoint was bit-identical under both settings). The
+demo's SFT settings on one device, seeds 0-6 (2026-12-01), held-out loss YNNPACK / Eigen:
+0.231 / 0.242, 0.459 / 0.620, 0.547 / 0.742, 0.433 / 0.424, 0.907 / 0.994, 0.625 / 0.704,
+0.507 / 0.665. Eigen is behind in 6 of 7 seeds (7 of 8 pairs with the 8-device one), 0.09 on
+average, while one kernel's seeds alone span 0.23-0.91: that SFT is chaotic in the numerics, but
+the sign is systematic, and both kernels' gradients are at float32 rounding (5.4e-7 and 2.2e-7
+from float64, relative L2, one batch of the tiny preset), so the cause is not understood.
+Decoding keeps YNNPACK either way, except one-slot shards (`EIGEN_DOTS`, see
+`jaxrl.sampler.engine`). Nothing changes off CPU.
 """
 
 from __future__ import annotations
