@@ -19,7 +19,7 @@ with Eigen dots on the AMD machine. The demo's SFT phase ended at held-out loss 
 +0.03 against +0.19 (GRPO from one SFT checkpoint was bit-identical under both settings). The
 demo's SFT settings on one device, seeds 0-6 (2026-12-01), held-out loss YNNPACK / Eigen:
 0.231 / 0.242, 0.459 / 0.620, 0.547 / 0.742, 0.433 / 0.424, 0.907 / 0.994, 0.625 / 0.704,
-0.507 / 0.665. Eigen is behind in 6 of 7 seeds (7 of 8 pairs with the 8-device one), 0.09 on
+0.507 / 0.665. Eigen is behind in 6 of 7 seeds (7 of 8 pairs with the 8-device one), 0.10 on
 average, while one kernel's seeds alone span 0.23-0.91: that SFT is chaotic in the numerics, but
 the sign is systematic, and both kernels' gradients are at float32 rounding (5.4e-7 and 2.2e-7
 from float64, relative L2, one batch of the tiny preset), so the cause is not understood.
