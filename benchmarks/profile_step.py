@@ -1,0 +1,146 @@
+"""Where a GRPO step's time goes, kernel by kernel: a `jax.profiler` trace of real steps,
+summed per compiled program and per XLA:CPU kernel.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=1 .venv/bin/python benchmarks/profile_step.py
+    ... benchmarks/profile_step.py --shape demo --steps 4 --top 20
+
+Runs `jaxrl grpo` on one of benchmarks/grpo_step.py's shapes (default: the peer anchor) under
+the profiler and prints, per GRPO step:
+  * each program (the update's train step, the reference forward, the decode loop, prefill,
+    ...): how many times it ran and the summed time of its kernels;
+  * each program's kernels by kind: YNNPACK dot fusions, XLA's own (Eigen) dots, and the
+    rest (elementwise and reduction fusions, copies, scatters);
+  * the --top kernels of each of the three big programs, with their result shape and the jax
+    operation they came from (read from XLA's dump of the optimised programs). A decode
+    loop's `while` entry is the loop thunk's own event, outside its body's kernels (the
+    per-iteration condition and dispatch): half the demo shape's tiny decode loop, ~2% of the
+    anchor's.
+Times are the kernels' own event durations. XLA:CPU runs independent kernels of one program
+concurrently and a YNNPACK kernel spans both cores, so per-program sums can exceed the wall
+time: compare kernels within a program, and programs by their share, not against a clock.
+benchmarks/grpo_step.py gives the wall-clock split. The warm-up step is included (its
+programs run as every later step's do; compiling is not a kernel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import re
+import shutil
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DUMP = tempfile.mkdtemp(prefix="jaxrl_profile_")
+# XLA reads its flags once, at backend start: the dump of the optimised programs (for shapes
+# and source lines) must be asked for before jax initialises.
+os.environ["XLA_FLAGS"] = " ".join([
+    os.environ.get("XLA_FLAGS", ""), f"--xla_dump_to={DUMP}", "--xla_dump_hlo_pass_re=^$",
+    "--xla_dump_hlo_module_re=.*(step_fn|lambda|_fn).*"])
+
+import jax  # noqa: E402
+
+sys.path.insert(0, ROOT)
+from benchmarks.grpo_step import SHAPES  # noqa: E402
+from jaxrl import config as config_lib  # noqa: E402
+from jaxrl.rl import grpo  # noqa: E402
+
+BIG = ("jit_step_fn", "jit__lambda", "jit__steps_fn")  # update, reference forward, decode loop
+NAMES = {"jit_step_fn": "update (train step)", "jit__lambda": "reference forward",
+         "jit__steps_fn": "decode loop", "jit__prefill_fn": "prefill",
+         "jit__insert_fn": "insert", "jit__grow_fn": "grow cache window", "jit_init": "init"}
+
+
+def kind(op: str) -> str:
+  if op.startswith("ynn_fusion"):
+    return "dot, YNNPACK"
+  if op.startswith(("dot", "dot_general")):
+    return "dot, XLA/Eigen"
+  return "other (elementwise, reductions, copies)"
+
+
+def hlo_ops(dump: str) -> dict[tuple[str, str], tuple[str, str]]:
+  """(program id, op) -> (result shape, the jax operation it came from), from XLA's dump."""
+  out = {}
+  for path in glob.glob(os.path.join(dump, "module_*.cpu_after_optimizations.txt")):
+    pid = str(int(os.path.basename(path).split(".")[0].split("_")[1]))
+    with open(path) as f:
+      for line in f:
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = (\S+)", line)
+        if m:
+          src = re.search(r'op_name="([^"]*)"', line)
+          out[pid, m.group(1)] = (m.group(2), src.group(1) if src else "")
+  return out
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--shape", default="anchor", choices=sorted(SHAPES))
+  p.add_argument("--steps", type=int, default=3)
+  p.add_argument("--top", type=int, default=12)
+  args = p.parse_args()
+  overrides = SHAPES[args.shape] + [f"train.steps={args.steps}", "train.log_every=1",
+                                    "train.save_every=1000", "eval.every=0", "mesh.fsdp=-1",
+                                    "placement.sampler_mesh.data=-1"]
+  config = config_lib.load_config(os.path.join(ROOT, "configs/grpo_tiny.py"), overrides)
+  trace = os.path.join(DUMP, "trace")
+  print(f"profiling {args.steps} GRPO steps of the {args.shape} shape "
+        f"({jax.device_count()} {jax.default_backend()} device(s))", flush=True)
+  with tempfile.TemporaryDirectory() as workdir:
+    jax.profiler.start_trace(trace)
+    try:
+      grpo.run(config, workdir, out=lambda *a: None)
+    finally:
+      jax.profiler.stop_trace()
+  data = jax.profiler.ProfileData.from_file(
+      sorted(glob.glob(os.path.join(trace, "**", "*.xplane.pb"), recursive=True))[-1])
+  ms = collections.defaultdict(float)  # (module, program id, op) -> ms
+  runs = collections.defaultdict(set)  # module -> run ids
+  for plane in data.planes:
+    for line in plane.lines:
+      for ev in line.events:
+        st = {k: str(v) for k, v in ev.stats}
+        if "hlo_module" in st:
+          ms[st["hlo_module"], st.get("program_id", ""), ev.name] += ev.duration_ns / 1e6
+          runs[st["hlo_module"]].add(st.get("run_id"))
+  ops = hlo_ops(DUMP)
+  n = args.steps
+  per_module = collections.Counter()
+  for (mod, _, _), t in ms.items():
+    per_module[mod] += t / n
+  total = sum(per_module.values())
+  print(f"\nkernel time per GRPO step, by program (summed kernel events; see the docstring)")
+  print(f"{'program':28s} {'runs/step':>9s} {'ms/step':>9s} {'share':>6s}")
+  for mod, t in per_module.most_common():
+    if t >= 0.5:
+      print(f"{NAMES.get(mod, mod):28s} {len(runs[mod]) / n:9.1f} {t:9.1f} {t / total:6.1%}")
+  for mod in BIG:
+    # One program can be compiled more than once (the decode loop once per cache window):
+    # a kernel's time is summed over those compiles, its shape read from one of them.
+    per_op, pids = collections.Counter(), {}
+    for (m, pid, op), t in ms.items():
+      if m == mod:
+        per_op[op] += t / n
+        pids[op] = pid
+    rows = [(t, pids[op], op) for op, t in per_op.most_common()]
+    if not rows:
+      continue
+    by_kind = collections.Counter()
+    for t, _, op in rows:
+      by_kind[kind(op)] += t
+    mod_t = sum(by_kind.values())
+    print(f"\n{NAMES[mod]}: {mod_t:.1f} ms/step; " + ", ".join(
+        f"{k} {v / mod_t:.0%}" for k, v in by_kind.most_common()))
+    for t, pid, op in rows[:args.top]:
+      shape, src = ops.get((pid, op), ("?", ""))
+      print(f"  {t:8.2f} ms  {op:28s} {shape[:30]:30s} {src[-60:]}")
+
+
+if __name__ == "__main__":
+  try:
+    main()
+  finally:
+    shutil.rmtree(DUMP, ignore_errors=True)
