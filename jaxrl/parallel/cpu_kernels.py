@@ -20,9 +20,10 @@ with Eigen dots on the AMD machine. The demo's SFT phase ended at held-out loss 
 demo's SFT settings on one device, seeds 0-6 (2026-12-01), held-out loss YNNPACK / Eigen:
 0.231 / 0.242, 0.459 / 0.620, 0.547 / 0.742, 0.433 / 0.424, 0.907 / 0.994, 0.625 / 0.704,
 0.507 / 0.665. Eigen is behind in 6 of 7 seeds (7 of 8 pairs with the 8-device one), 0.10 on
-average, while one kernel's seeds alone span 0.23-0.91: that SFT is chaotic in the numerics, but
-the sign is systematic, and both kernels' gradients are at float32 rounding (5.4e-7 and 2.2e-7
-from float64, relative L2, one batch of the tiny preset), so the cause is not understood.
+average, while one kernel's seeds alone span 0.23-0.91. That SFT is chaotic in the numerics, and
+8 pairs do not prove a systematic effect (a sign test gives p ~ 0.07, two-sided), but they give
+no evidence against one; both kernels' gradients are at float32 rounding (5.4e-7 and 2.2e-7
+from float64, relative L2, one batch of the tiny preset), so a cause, if any, is not understood.
 Decoding keeps YNNPACK either way, except one-slot shards (`EIGEN_DOTS`, see
 `jaxrl.sampler.engine`). Nothing changes off CPU.
 """
