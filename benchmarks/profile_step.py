@@ -8,8 +8,8 @@ Runs `jaxrl grpo` on one of benchmarks/grpo_step.py's shapes (default: the peer 
 the profiler and prints, per GRPO step:
   * each program (the update's train step, the reference forward, the decode loop, prefill,
     ...): how many times it ran and the summed time of its kernels;
-  * each program's kernels by kind: YNNPACK dot fusions, XLA's own (Eigen) dots, and the
-    rest (elementwise and reduction fusions, copies, scatters);
+  * each program's kernels by kind: YNNPACK dot fusions, YNNPACK reductions, XLA's own
+    (Eigen) dots, and the rest (elementwise and reduction fusions, copies, scatters);
   * the --top kernels of each of the three big programs, with their result shape and the jax
     operation they came from (read from XLA's dump of the optimised programs). A decode
     loop's `while` entry is the loop thunk's own event, outside its body's kernels (the
@@ -54,12 +54,14 @@ NAMES = {"jit_step_fn": "update (train step)", "jit__lambda": "reference forward
          "jit__insert_fn": "insert", "jit__grow_fn": "grow cache window", "jit_init": "init"}
 
 
-def kind(op: str) -> str:
+def kind(op: str, src: str) -> str:
+  """A kernel's kind from its name and source op: YNNPACK fusions also run some reductions
+  (e.g. log-softmax's max), which are not dots."""
   if op.startswith("ynn_fusion"):
-    return "dot, YNNPACK"
+    return "dot, YNNPACK" if "dot_general" in src else "YNNPACK reduction"
   if op.startswith(("dot", "dot_general")):
     return "dot, XLA/Eigen"
-  return "other (elementwise, reductions, copies)"
+  return "other (elementwise, copies, scatters)"
 
 
 def hlo_ops(dump: str) -> dict[tuple[str, str], tuple[str, str]]:
@@ -129,8 +131,8 @@ def main():
     if not rows:
       continue
     by_kind = collections.Counter()
-    for t, _, op in rows:
-      by_kind[kind(op)] += t
+    for t, pid, op in rows:
+      by_kind[kind(op, ops.get((pid, op), ("", ""))[1])] += t
     mod_t = sum(by_kind.values())
     print(f"\n{NAMES[mod]}: {mod_t:.1f} ms/step; " + ", ".join(
         f"{k} {v / mod_t:.0%}" for k, v in by_kind.most_common()))

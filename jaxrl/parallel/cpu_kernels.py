@@ -13,17 +13,17 @@ is faster depends on the CPU. On the learner's fp32 shapes (bench preset, the GR
   [4032, 256] x [256, 688] product 129 against 108 GFLOP/s (`benchmarks/matmul.py`).
 
 `JAXRL_CPU_DOTS` picks: `ynnpack` (default: XLA's own choice), `eigen`, or `auto` (Eigen on
-x86-64 without AVX-512, YNNPACK elsewhere). The default stays YNNPACK because SFT learns worse
-with Eigen dots on the AMD machine. The demo's SFT phase ended at held-out loss 0.473
-(accuracy 0.555) against 0.293 (0.570), twice each, and GRPO from that weaker policy gained
-+0.03 against +0.19 (GRPO from one SFT checkpoint was bit-identical under both settings). The
-demo's SFT settings on one device, seeds 0-6 (2026-12-01), held-out loss YNNPACK / Eigen:
-0.231 / 0.242, 0.459 / 0.620, 0.547 / 0.742, 0.433 / 0.424, 0.907 / 0.994, 0.625 / 0.704,
-0.507 / 0.665. Eigen is behind in 6 of 7 seeds (7 of 8 pairs with the 8-device one), 0.10 on
-average, while one kernel's seeds alone span 0.23-0.91. That SFT is chaotic in the numerics, and
-8 pairs do not prove a systematic effect (a sign test gives p ~ 0.07, two-sided), but they give
-no evidence against one; both kernels' gradients are at float32 rounding (5.4e-7 and 2.2e-7
-from float64, relative L2, one batch of the tiny preset), so a cause, if any, is not understood.
+x86-64 without AVX-512, YNNPACK elsewhere). The default stays YNNPACK for the demo's sake:
+on the AMD machine the demo's SFT phase (seed 0, 8 devices) with Eigen dots ends at held-out
+loss 0.473 (accuracy 0.555) against 0.293 (0.570), twice each, and GRPO from that policy
+gains +0.03 against +0.19 (GRPO from one SFT checkpoint was bit-identical under both
+settings). Over seeds it looks like the draw of a chaotic SFT, not a worse kernel: the demo's SFT settings on
+one device, seeds 0-11 (2026-12-01), held-out loss YNNPACK / Eigen 0.231 / 0.242,
+0.459 / 0.620, 0.547 / 0.742, 0.433 / 0.424, 0.907 / 0.994, 0.625 / 0.704, 0.507 / 0.665,
+0.399 / 0.670, 1.000 / 0.920, 0.574 / 0.264, 0.588 / 0.504, 0.434 / 0.420: Eigen behind in 7
+of 12, by 0.04 +- 0.05 (mean, standard error) against a spread of 0.23-1.00 over seeds;
+held-out accuracy 0.399 against 0.387 on average. Making Eigen the default on such CPUs wants
+a demo whose GRPO gain does not hang on one SFT draw first.
 Decoding keeps YNNPACK either way, except one-slot shards (`EIGEN_DOTS`, see
 `jaxrl.sampler.engine`). Nothing changes off CPU.
 """
