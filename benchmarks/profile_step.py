@@ -54,27 +54,32 @@ NAMES = {"jit_step_fn": "update (train step)", "jit__lambda": "reference forward
          "jit__insert_fn": "insert", "jit__grow_fn": "grow cache window", "jit_init": "init"}
 
 
-def kind(op: str, src: str) -> str:
-  """A kernel's kind from its name and source op: YNNPACK fusions also run some reductions
-  (e.g. log-softmax's max), which are not dots."""
+def kind(op: str, has_dot: bool) -> str:
+  """A kernel's kind: YNNPACK fusions also run reductions (e.g. log-softmax's max)."""
   if op.startswith("ynn_fusion"):
-    return "dot, YNNPACK" if "dot_general" in src else "YNNPACK reduction"
+    return "dot, YNNPACK" if has_dot else "YNNPACK reduction"
   if op.startswith(("dot", "dot_general")):
     return "dot, XLA/Eigen"
   return "other (elementwise, copies, scatters)"
 
 
-def hlo_ops(dump: str) -> dict[tuple[str, str], tuple[str, str]]:
-  """(program id, op) -> (result shape, the jax operation it came from), from XLA's dump."""
+def hlo_ops(dump: str) -> dict[tuple[str, str], tuple[str, str, bool]]:
+  """(program id, op) -> (result shape, the jax operation it came from, whether it computes a
+  dot, itself or in the fused computation it calls), from XLA's dump."""
   out = {}
   for path in glob.glob(os.path.join(dump, "module_*.cpu_after_optimizations.txt")):
     pid = str(int(os.path.basename(path).split(".")[0].split("_")[1]))
     with open(path) as f:
-      for line in f:
-        m = re.match(r"\s*(?:ROOT )?%(\S+) = (\S+)", line)
-        if m:
-          src = re.search(r'op_name="([^"]*)"', line)
-          out[pid, m.group(1)] = (m.group(2), src.group(1) if src else "")
+      text = f.read()
+    with_dot = {m.group(1) for m in re.finditer(r"^%(\S+) .*?^}", text, re.M | re.S)
+                if re.search(r"= \S+ dot\(", m.group(0))}
+    for line in text.splitlines():
+      m = re.match(r"\s*(?:ROOT )?%(\S+) = (\S+)", line)
+      if m:
+        src = re.search(r'op_name="([^"]*)"', line)
+        called = re.search(r"calls=%([\w.\-]+)", line)
+        has_dot = " dot(" in line or bool(called and called.group(1) in with_dot)
+        out[pid, m.group(1)] = (m.group(2), src.group(1) if src else "", has_dot)
   return out
 
 
@@ -83,6 +88,8 @@ def main():
   p.add_argument("--shape", default="anchor", choices=sorted(SHAPES))
   p.add_argument("--steps", type=int, default=3)
   p.add_argument("--top", type=int, default=12)
+  p.add_argument("--kind", default="", help="list only kernels whose kind contains this, e.g. "
+                 "'reduction' or 'Eigen'")
   args = p.parse_args()
   overrides = SHAPES[args.shape] + [f"train.steps={args.steps}", "train.log_every=1",
                                     "train.save_every=1000", "eval.every=0", "mesh.fsdp=-1",
@@ -132,12 +139,13 @@ def main():
       continue
     by_kind = collections.Counter()
     for t, pid, op in rows:
-      by_kind[kind(op, ops.get((pid, op), ("", ""))[1])] += t
+      by_kind[kind(op, ops.get((pid, op), ("", "", False))[2])] += t
     mod_t = sum(by_kind.values())
     print(f"\n{NAMES[mod]}: {mod_t:.1f} ms/step; " + ", ".join(
         f"{k} {v / mod_t:.0%}" for k, v in by_kind.most_common()))
-    for t, pid, op in rows[:args.top]:
-      shape, src = ops.get((pid, op), ("?", ""))
+    shown = [r for r in rows if args.kind in kind(r[2], ops.get((r[1], r[2]), ("", "", False))[2])]
+    for t, pid, op in shown[:args.top]:
+      shape, src, _ = ops.get((pid, op), ("?", "", False))
       print(f"  {t:8.2f} ms  {op:28s} {shape[:30]:30s} {src[-60:]}")
 
 
