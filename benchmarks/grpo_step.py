@@ -60,11 +60,18 @@ SHAPES["anchor-async"] = SHAPES["anchor-disagg"] + ["rollout.async_generation=Tr
 PHASES = ("gen", "score", "ref", "update", "sync")
 
 
-def run_shape(shape, steps):
-  overrides = SHAPES[shape] + [f"train.steps={steps + 1}", "train.log_every=1",
+def shape_config(shape: str, steps: int):
+  """configs/grpo_tiny.py on `shape` for `steps` GRPO steps, logging every step, with no
+  held-out evals or checkpoints in between, on every device (benchmarks/profile_step.py runs
+  the same)."""
+  overrides = SHAPES[shape] + [f"train.steps={steps}", "train.log_every=1",
                                "train.save_every=1000", "eval.every=0",
                                "mesh.fsdp=-1", "placement.sampler_mesh.data=-1"]
-  config = config_lib.load_config(os.path.join(ROOT, "configs/grpo_tiny.py"), overrides)
+  return config_lib.load_config(os.path.join(ROOT, "configs/grpo_tiny.py"), overrides)
+
+
+def run_shape(shape, steps):
+  config = shape_config(shape, steps + 1)
   with tempfile.TemporaryDirectory() as workdir:
     grpo.run(config, workdir, out=lambda *a: None)
     rows = [r for r in read_metrics(workdir) if "timing_s/gen" in r][1:]  # drop warm-up

@@ -44,8 +44,7 @@ os.environ["XLA_FLAGS"] = " ".join([
 import jax  # noqa: E402
 
 sys.path.insert(0, ROOT)
-from benchmarks.grpo_step import SHAPES  # noqa: E402
-from jaxrl import config as config_lib  # noqa: E402
+from benchmarks.grpo_step import SHAPES, shape_config  # noqa: E402
 from jaxrl.rl import grpo  # noqa: E402
 
 BIG = ("jit_step_fn", "jit__lambda", "jit__steps_fn")  # update, reference forward, decode loop
@@ -91,10 +90,7 @@ def main():
   p.add_argument("--kind", default="", help="list only kernels whose kind contains this, e.g. "
                  "'reduction' or 'Eigen'")
   args = p.parse_args()
-  overrides = SHAPES[args.shape] + [f"train.steps={args.steps}", "train.log_every=1",
-                                    "train.save_every=1000", "eval.every=0", "mesh.fsdp=-1",
-                                    "placement.sampler_mesh.data=-1"]
-  config = config_lib.load_config(os.path.join(ROOT, "configs/grpo_tiny.py"), overrides)
+  config = shape_config(args.shape, args.steps)
   trace = os.path.join(DUMP, "trace")
   print(f"profiling {args.steps} GRPO steps of the {args.shape} shape "
         f"({jax.device_count()} {jax.default_backend()} device(s))", flush=True)
