@@ -1,6 +1,7 @@
 """Every test runs on CPU with 8 fake devices, so each sharding path runs here."""
 
 import os
+import sys
 import tempfile
 
 # Optimisation level 0 compiles the tiny test programs about 4x faster on CPU and runs them
@@ -19,6 +20,8 @@ import jax  # noqa: E402  (after the flags above)
 import pytest  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The `jaxrl` console script of the environment running the tests.
+JAXRL = os.path.join(os.path.dirname(sys.executable), "jaxrl")
 
 
 @pytest.fixture(scope="session")
@@ -66,9 +69,7 @@ def jaxrl_cli(args: list[str], *, cwd=None, devices: int = 1, timeout: int = 180
   device against 101 s in this process's 8 fake devices at optimisation level 0). Asserts it
   succeeded and returns the finished process (its .stdout and .stderr)."""
   import subprocess
-  import sys
-  jaxrl = os.path.join(os.path.dirname(sys.executable), "jaxrl")
-  res = subprocess.run([jaxrl, *args], env=subprocess_env(devices, test_flags=False),
+  res = subprocess.run([JAXRL, *args], env=subprocess_env(devices, test_flags=False),
                        cwd=cwd or ROOT, capture_output=True, text=True, timeout=timeout)
   assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
   return res

@@ -2,10 +2,10 @@
 
 import os
 import subprocess
-import sys
 
 import pytest
 
+from conftest import JAXRL
 from jaxrl import cli
 
 
@@ -66,8 +66,7 @@ def test_bad_override_exits_2_with_one_line(capsys, repo_root):
 
 def test_console_script_errors_have_no_traceback(repo_root):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  jaxrl = os.path.join(os.path.dirname(sys.executable), "jaxrl")
-  res = subprocess.run([jaxrl, "model", "--config", "configs/tiny.py",
+  res = subprocess.run([JAXRL, "model", "--config", "configs/tiny.py",
                         "--config.mesh.data=3", "--config.mesh.fsdp=1"],
                        cwd=repo_root, env=env, capture_output=True, text=True, timeout=120)
   assert res.returncode == 2

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import jaxrl_cli, subprocess_env
+from conftest import JAXRL, jaxrl_cli, subprocess_env
 
 from jaxrl import config as config_lib
 from jaxrl.models import get_preset
@@ -360,8 +360,6 @@ def test_two_processes_match_one_process(repo_root, tmp_path, sft_addition, free
   processes differs only in the sync (jax.device_put within one device set); it was checked by
   hand, and is left out to keep the suite within its time."""
   import subprocess
-  import sys
-  jaxrl = os.path.join(os.path.dirname(sys.executable), "jaxrl")
   args = ["grpo", "--config", "configs/grpo_tiny.py:runlocal",
           f"--config.init.checkpoint={sft_addition}"]
   one = str(tmp_path / "one")
@@ -372,7 +370,7 @@ def test_two_processes_match_one_process(repo_root, tmp_path, sft_addition, free
   assert m1[1]["reward/std"] > 0  # rewards varied, so the update did something to compare
   two = str(tmp_path / "two")
   procs = [subprocess.Popen(
-      [jaxrl, *args, "--config.placement.mode=disaggregated", "--workdir", two,
+      [JAXRL, *args, "--config.placement.mode=disaggregated", "--workdir", two,
        f"--config.distributed.coordinator_address=127.0.0.1:{free_port}",
        "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}"],
       env=subprocess_env(4), cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

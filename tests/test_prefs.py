@@ -3,11 +3,11 @@
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from conftest import JAXRL
 from jaxrl.data import ByteTokenizer, read_jsonl, sft_batches
 from jaxrl.data.prefs import (clean_prefs, fingerprint, kto_batches, normalize_text,
                               prefs_batches, read_kto, read_prefs, task_prefs)
@@ -209,8 +209,7 @@ def test_chat_records_use_the_tokenizers_chat_template(tmp_path):
 
 def test_cli_data_prefs(tmp_path, repo_root):
   out = tmp_path / "p.jsonl"
-  jaxrl = os.path.join(os.path.dirname(sys.executable), "jaxrl")
-  res = subprocess.run([jaxrl, "data", "prefs", "--task", "addition", "--n", "20", "--bias",
+  res = subprocess.run([JAXRL, "data", "prefs", "--task", "addition", "--n", "20", "--bias",
                         "longer", "--bias-rate", "0.5", "--out", str(out)],
                        capture_output=True, text=True, cwd=repo_root)
   assert res.returncode == 0, res.stderr

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import subprocess_env
+from conftest import JAXRL, subprocess_env
 
 from jaxrl import cli
 from jaxrl import config as config_lib
@@ -166,15 +166,14 @@ def test_two_processes_match_one_process(repo_root, tmp_path, free_port):
   """2 processes x 4 CPU devices (gloo) train the same run as 1 process x 8 devices."""
   over = ["--config.train.steps=8", "--config.train.log_every=1", "--config.train.save_every=4",
           "--config.eval.every=8", "--config.data.shards=2"]
-  jaxrl = os.path.join(os.path.dirname(sys.executable), "jaxrl")
   one = str(tmp_path / "one")
-  res = subprocess.run([jaxrl, "sft", "--config", CONFIG, "--workdir", one, *over],
+  res = subprocess.run([JAXRL, "sft", "--config", CONFIG, "--workdir", one, *over],
                        env=subprocess_env(8), cwd=repo_root, capture_output=True, text=True, timeout=600)
   assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
 
   two, port = str(tmp_path / "two"), free_port
   procs = [subprocess.Popen(
-      [jaxrl, "sft", "--config", CONFIG, "--workdir", two, *over,
+      [JAXRL, "sft", "--config", CONFIG, "--workdir", two, *over,
        f"--config.distributed.coordinator_address=127.0.0.1:{port}",
        "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}"],
       env=subprocess_env(4), cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
