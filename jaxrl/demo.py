@@ -78,7 +78,9 @@ def run(workdir: str = "runs/demo", *, overrides: list[str] = (), out=print) -> 
   steps = [r for r in rows if "timing_s/gen" in r]
   split = {k: sum(r[f"timing_s/{k}"] for r in steps) for k in
            ("gen", "score", "ref", "update", "sync")}
-  total = sum(r["timing_s/step"] for r in steps) or 1.0
+  # Each logged step's own wall time (timing_s/step is the mean over the log interval, so a
+  # slow step between two logged ones, e.g. a compile, would skew the shares).
+  total = sum(r.get("timing_s/step_wall", r["timing_s/step"]) for r in steps) or 1.0
   kl = [r["kl"] for r in steps]
   # The max over every step (the alarm's view, restored on resume), not just the logged ones;
   # the logged rows are folded in too, for a run resumed from an older checkpoint without it.
@@ -114,6 +116,7 @@ def run(workdir: str = "runs/demo", *, overrides: list[str] = (), out=print) -> 
         f"{gcfg.alarm.kl_threshold})")
   split = result["grpo"]["time_split"]
   out("  GRPO time split: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in split.items()) +
-      f", other {100 * (1 - sum(split.values())):.0f}% (compiles, held-out evals, host work)")
+      f", other {100 * (1 - sum(split.values())):.0f}% (host work between them; over the "
+      f"logged steps, every {gcfg.train.log_every}th)")
   out(f"  written: {os.path.join(workdir, 'summary.json')}, {png}")
   return result

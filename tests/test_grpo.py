@@ -189,6 +189,58 @@ def test_shared_prompt_forward_equals_the_joined_forward(devices):
       jax.tree.leaves(p0), jax.tree.leaves(jax.device_get(init.params)))) > 1e-6
 
 
+def test_completion_width_is_a_capped_power_of_two():
+  assert [grpo.completion_width(n, 8) for n in (1, 4, 5, 8)] == [8, 8, 8, 8]  # the demo's
+  assert [grpo.completion_width(n, 64) for n in (4, 16, 17, 33, 64)] == [16, 16, 32, 64, 64]
+  assert grpo.completion_width(600, 1000) == 1000 and grpo.completion_width(300, 1000) == 512
+
+
+def test_padding_completions_to_a_fixed_width_changes_no_update(devices):
+  """The learner batch's completions padded to completion_width (so the learner compiles
+  once per width, not per longest length) give the same log-probs and the same update."""
+  cfg = get_preset("tiny")
+  mesh = make_mesh()
+  rng = np.random.default_rng(3)
+  P, G = 8, 2
+  prompts = [list(rng.integers(3, 200, size=int(n))) for n in rng.integers(2, 9, size=P)]
+  comps = [list(rng.integers(3, 200, size=int(n))) for n in rng.integers(1, 6, size=P * G)]
+  rollout = _rollout([prompts[i // G] for i in range(P * G)], comps,
+                     [list(rng.normal(size=len(c)) - 3.0) for c in comps])
+  rollout = dataclasses.replace(rollout, prompt_index=np.repeat(np.arange(P), G))
+  Tc = rollout.completion_ids.shape[1]
+  tx, sched = make_optimizer(optim_section(lr=1e-3, warmup_steps=0, weight_decay=0.0,
+                                           eps=1.0), 10)
+  a = grpo.algo_section(beta=0.04)
+  bs = batch_sharding(mesh, 2, "learner")
+  adv = rng.normal(size=(P * G, 1)).astype(np.float32)
+  out = {}
+  for width in (None, 16):
+    batch = grpo.grouped_learner_batch(rollout, prompt_len=16, group=G, pad_id=0, width=width)
+    W = batch["mask"].shape[1]
+    assert W == (width or Tc)
+    assert not batch["mask"][:, Tc:].any() and not batch["sampler_logp"][:, Tc:].any()
+    graphdef, state, shd = init_train_state(cfg, mesh, tx, seed=0)
+    logp = np.asarray(grpo.make_batch_logprobs_fn(graphdef, 1.0)(
+        state.params, put_batch({k: batch[k] for k in ("prompt", "prompt_len", "completion")},
+                                bs))[0])
+    full = {**batch, "ref_logp": np.zeros_like(batch["mask"]),
+            "beta": np.full_like(batch["mask"], 0.04), "adv": np.repeat(adv, W, 1)}
+    step = make_train_step(grpo.grpo_loss(graphdef, a, temperature=1.0, norm_len=8), tx, sched,
+                           shd, bs, mesh=mesh)
+    state, metrics = step(state, put_batch(full, bs))
+    out[width] = (logp[:, :Tc], batch["mask"][:, :Tc], jax.device_get(state.params),
+                  jax.device_get(metrics))
+  (l0, m0, p0, x0), (l1, m1, p1, x1) = out[None], out[16]
+  np.testing.assert_array_equal(m0, m1)
+  np.testing.assert_allclose(l1[m1 > 0], l0[m0 > 0], atol=2e-5)
+  for key in ("loss", "kl", "grad_norm", "tokens"):
+    assert float(x1[key]) == pytest.approx(float(x0[key]), rel=1e-4, abs=1e-6), key
+  for x, y in zip(jax.tree.leaves(p0), jax.tree.leaves(p1)):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-8)
+  with pytest.raises(ValueError, match="shorter than the rollout's longest completion"):
+    grpo.grouped_learner_batch(rollout, prompt_len=16, group=G, pad_id=0, width=Tc - 1)
+
+
 def test_dynamic_sampling_refills_zero_variance_groups():
   G = 2
   first = _rollout([[1, 5]] * 4, [[7, 2], [7, 2], [8, 2], [9, 2]])

@@ -248,15 +248,26 @@ def learner_batch(rollout, *, length: int, pad_id: int) -> dict[str, np.ndarray]
           "mask": mask, "sampler_logp": sampler_logp}
 
 
-def grouped_learner_batch(rollout, *, prompt_len: int, group: int,
-                          pad_id: int) -> dict[str, np.ndarray]:
+def grouped_learner_batch(rollout, *, prompt_len: int, group: int, pad_id: int,
+                          width: int | None = None) -> dict[str, np.ndarray]:
   """Rollout -> the shared-prompt form: each group's prompt once, its G completions after it.
 
   prompt [P, prompt_len] right-padded, prompt_len [P, 1], completion [N, Tc] (the targets:
   index t holds completion token t), and mask / sampler_logp [N, Tc] on the completion's own
-  index (see Transformer.grouped_hidden). Rows p*G .. p*G+G-1 must share prompt p.
+  index (see Transformer.grouped_hidden). Rows p*G .. p*G+G-1 must share prompt p. Tc is
+  `width` (completions right-padded to it, masked out; see completion_width), or the
+  rollout's longest completion.
   """
   N, Tc = rollout.completion_ids.shape
+  if width is not None:
+    if width < Tc:
+      raise ValueError(f"grouped_learner_batch: width={width} is shorter than the rollout's "
+                       f"longest completion ({Tc} tokens)")
+    pad = ((0, 0), (0, width - Tc))
+    rollout = dataclasses.replace(
+        rollout, completion_ids=np.pad(rollout.completion_ids, pad, constant_values=pad_id),
+        logprobs=np.pad(rollout.logprobs, pad))
+    Tc = width
   P = N // group
   first = np.arange(P) * group
   if not all((rollout.prompt_index[first[p]:first[p] + group] ==
@@ -270,6 +281,15 @@ def grouped_learner_batch(rollout, *, prompt_len: int, group: int,
   completion = np.where(mask > 0, rollout.completion_ids, pad_id).astype(np.int32)
   return {"prompt": prompt, "prompt_len": lengths[:, None], "completion": completion,
           "mask": mask, "sampler_logp": (rollout.logprobs * mask).astype(np.float32)}
+
+
+def completion_width(longest: int, max_new_tokens: int) -> int:
+  """The completion width of a shared-prompt learner batch: the power of two >= the rollout's
+  longest completion (at least 16), capped at rollout.max_new_tokens. The learner's jits
+  compile once per width, so a run compiles them at most log2(max_new_tokens / 16) + 1 times
+  instead of once per new longest length (each ~10 s for the demo's reference forward and
+  update on 8 CPU devices), at the cost of computing up to twice the completion positions."""
+  return max(min(bucket(longest, minimum=16), max_new_tokens), longest)
 
 
 def batch_logprobs(graphdef, params, batch, temperature: float):
@@ -678,8 +698,9 @@ def run(config, workdir: str, *, out=print) -> dict:
       sampler_copy.before_update()  # colocated: its memory goes to the update
     # 4. reference and old log-probs
     if grouped:
-      batch = grouped_learner_batch(rollout, prompt_len=prompt_len, group=r.group_size,
-                                    pad_id=tokenizer.pad_id)
+      batch = grouped_learner_batch(
+          rollout, prompt_len=prompt_len, group=r.group_size, pad_id=tokenizer.pad_id,
+          width=completion_width(rollout.completion_ids.shape[1], r.max_new_tokens))
       inputs = ("prompt", "prompt_len", "completion")
     else:
       batch = learner_batch(rollout, length=length, pad_id=tokenizer.pad_id)
