@@ -31,9 +31,10 @@ def test_a_bad_setting_names_the_variable(monkeypatch):
     cpu_kernels.learner_compiler_options([types.SimpleNamespace(platform="cpu")])
 
 
-def test_the_default_is_xla_own_choice(monkeypatch):
+def test_the_default_is_auto(monkeypatch):
   monkeypatch.delenv(cpu_kernels.ENV, raising=False)
-  assert cpu_kernels.choose(machine="x86_64", flags=AVX2) == "ynnpack"
+  assert cpu_kernels.choose(machine="x86_64", flags=AVX2) == "eigen"
+  assert cpu_kernels.choose(machine="x86_64", flags=AVX2 | {"avx512f"}) == "ynnpack"
 
 
 def test_options_apply_to_cpu_devices_only(monkeypatch):

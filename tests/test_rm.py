@@ -484,20 +484,23 @@ def test_grpo_against_a_biased_reward_model_fires_the_alarm(reward_models, sft_a
   """Reward hacking, end to end: `jaxrl grpo` from the SFT policy with the biased RM as the
   only reward (the task's checker at weight 0 still logs accuracy). The proxy rises, held-out
   verifiable accuracy falls, and the reward-hacking alarm fires, is printed, is logged in
-  metrics.jsonl and is counted in summary.json."""
+  metrics.jsonl and is counted in summary.json. Every step is logged: one step's proxy is the
+  mean over 16 prompts x 8 samples and moves by ~0.25 from step to step, so the rise is read
+  from the first and last 10 steps (measured 2026-12-01, AMD EPYC: -3.62 -> -3.42, held-out
+  0.816 -> 0.738; comparing two logged steps at each end, every 5th, missed it once)."""
   from jaxrl.train.rundir import read_metrics
   workdir = str(tmp_path / "grpo")
   said = jaxrl_cli(["grpo", "--config", "configs/grpo_tiny.py", "--workdir", workdir] + [
       f"--config.{o}" for o in (
           f"init.checkpoint={sft_addition}", f"reward_model.checkpoints={reward_models['biased']}",
-          "rewards=task:0", "train.steps=40", "train.log_every=5", "train.save_every=40",
+          "rewards=task:0", "train.steps=40", "train.log_every=1", "train.save_every=40",
           "eval.every=10")]).stdout
   rows = read_metrics(workdir)
   evals = [r for r in rows if "eval/accuracy" in r]
-  steps = [r for r in rows if "reward/rm_mean" in r]
+  proxy = [r["reward/rm_mean"] for r in rows if "reward/rm_mean" in r]
+  assert len(proxy) == 40
   assert evals[-1]["eval/accuracy"] < evals[0]["eval/accuracy"] - 0.05, evals
-  assert np.mean([r["reward/rm_mean"] for r in steps[-2:]]) > np.mean(
-      [r["reward/rm_mean"] for r in steps[:2]])
+  assert np.mean(proxy[-10:]) > np.mean(proxy[:10]), proxy
   assert any(r.get("alarm/reward_hacking") == 1.0 for r in evals)
   assert json.load(open(os.path.join(workdir, "summary.json")))["alarms"]["reward_hacking"] >= 1
   assert "reward hacking" in said
@@ -510,9 +513,10 @@ def test_grpo_with_a_well_trained_reward_model_beats_sft(rm_logprob, sft_slip, t
   starts from. "Well-trained": the reward model adds its backbone's response log-prob to the
   last-token head (head.logprob_feature) and reaches >= 0.8 held-out pairwise accuracy. The
   reward model starts from the policy SFT'd on random slips, whose backbone prefers the right
-  answer; the policy is the one that learnt the dropped carry (sft_slip). Measured: RM 0.93,
-  held-out 0.629 -> 0.801 / 0.809 at steps 60 / 80 (mean of the last two evals +0.18;
-  fresh-clone CI 2026-12-01, one device); earlier 0.633 -> 0.731 (+0.10) and 0.414 -> 0.563 (+0.13) from
+  answer; the policy is the one that learnt the dropped carry (sft_slip). Measured: RM 0.95,
+  held-out 0.656 -> 0.816 / 0.828 at steps 60 / 80 (+0.17; the demo's lr-1e-3 SFT policy,
+  Eigen dots, 2026-12-01); RM 0.93, 0.629 -> 0.801 / 0.809 (+0.18; its earlier lr-3e-3
+  policy, fresh-clone CI 2026-12-01, one device); earlier 0.633 -> 0.731 (+0.10) and 0.414 -> 0.563 (+0.13) from
   other SFT policies on 8 devices; the test asks +0.05, twice the standard error of a
   256-prompt eval."""
   from jaxrl.train.rundir import read_metrics
