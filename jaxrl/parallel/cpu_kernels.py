@@ -25,7 +25,7 @@ that recipe on one device (2026-12-01), held-out loss YNNPACK / Eigen 0.231 / 0.
 of 12, by 0.04 +- 0.05 (mean, standard error), against a spread of 0.23-1.00 over seeds;
 held-out accuracy 0.399 against 0.387 on average. The demo's SFT now runs at lr 1e-3
 (jaxrl.demo), which ends at 0.47-0.66 over seeds 0-5 with YNNPACK and 0.51-0.66 over seeds
-0-3 with Eigen dots, and GRPO gains +0.13..+0.19 from either.
+0-3 with Eigen dots, and GRPO gains +0.12..+0.19 from either.
 Decoding keeps YNNPACK either way, except one-slot shards (`EIGEN_DOTS`, see
 `jaxrl.sampler.engine`). Nothing changes off CPU.
 """
