@@ -45,6 +45,16 @@ def _rollout(prompts, completions, logprobs=None):
                  finish_reasons=["stop"] * N, prompt_index=np.arange(N), stats={})
 
 
+def _group_rollout(rng, P, G, Tc):
+  """P random prompts of 2-8 tokens, each with G random completions of 1..Tc tokens (rows
+  p*G .. p*G+G-1 share prompt p), with sampler log-probs near -3."""
+  prompts = [list(rng.integers(3, 200, size=int(n))) for n in rng.integers(2, 9, size=P)]
+  comps = [list(rng.integers(3, 200, size=int(n))) for n in rng.integers(1, Tc + 1, size=P * G)]
+  rollout = _rollout([prompts[i // G] for i in range(P * G)], comps,
+                     [list(rng.normal(size=len(c)) - 3.0) for c in comps])
+  return dataclasses.replace(rollout, prompt_index=np.repeat(np.arange(P), G))
+
+
 def test_learner_batch_aligns_completion_targets():
   ro = _rollout([[1, 10, 11], [1, 12]], [[20, 2], [21, 22, 2]], [[-0.5, -0.1], [-1, -2, -3]])
   b = grpo.learner_batch(ro, length=6, pad_id=0)
@@ -137,12 +147,7 @@ def test_shared_prompt_forward_equals_the_joined_forward(devices):
   mesh = make_mesh()
   rng = np.random.default_rng(2)
   P, G, Tc = 8, 2, 5
-  prompts = [list(rng.integers(3, 200, size=int(n))) for n in rng.integers(2, 9, size=P)]
-  lengths = rng.integers(1, Tc + 1, size=P * G)
-  comps = [list(rng.integers(3, 200, size=int(n))) for n in lengths]
-  rollout = _rollout([prompts[i // G] for i in range(P * G)], comps,
-                     [list(rng.normal(size=len(c)) - 3.0) for c in comps])
-  rollout = dataclasses.replace(rollout, prompt_index=np.repeat(np.arange(P), G))
+  rollout = _group_rollout(rng, P, G, Tc)
   joined = grpo.learner_batch(rollout, length=16 + Tc, pad_id=0)
   grouped = grpo.grouped_learner_batch(rollout, prompt_len=16, group=G, pad_id=0)
   # eps = 1 makes Adam's first step lr * g / (|g| + 1): linear in small gradients, so float
@@ -202,11 +207,7 @@ def test_padding_completions_to_a_fixed_width_changes_no_update(devices):
   mesh = make_mesh()
   rng = np.random.default_rng(3)
   P, G = 8, 2
-  prompts = [list(rng.integers(3, 200, size=int(n))) for n in rng.integers(2, 9, size=P)]
-  comps = [list(rng.integers(3, 200, size=int(n))) for n in rng.integers(1, 6, size=P * G)]
-  rollout = _rollout([prompts[i // G] for i in range(P * G)], comps,
-                     [list(rng.normal(size=len(c)) - 3.0) for c in comps])
-  rollout = dataclasses.replace(rollout, prompt_index=np.repeat(np.arange(P), G))
+  rollout = _group_rollout(rng, P, G, 5)
   Tc = rollout.completion_ids.shape[1]
   tx, sched = make_optimizer(optim_section(lr=1e-3, warmup_steps=0, weight_decay=0.0,
                                            eps=1.0), 10)
