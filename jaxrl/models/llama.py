@@ -18,6 +18,8 @@ heads, K kv heads, G = N // K, H head dim, F mlp, V vocab.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import jax
@@ -33,6 +35,33 @@ from jaxrl.models.config import ModelConfig, RopeScaling
 # [2, B, K, S, H] array before each attention dot: at batch 64 on the bench shape, one
 # layer's decode attention took 0.81 ms with the stacked array, 0.24 ms with the pair.
 KVCache = list[tuple[jax.Array, jax.Array]]
+
+# How the residual stream [B, T, D] is sharded while a learner program traces: set by
+# jaxrl.parallel.activation_sharding (rows over the batch axes), None elsewhere. Layers never
+# name mesh axes; the model only marks where the stream's layout is pinned (after the embedding
+# and after each block). Without the pin, GSPMD propagated the learner layout's parameters,
+# whose embed dimension is split over the same axes as the batch, into the activations: every
+# device ran the whole batch on its D-slice and all-reduced each product's output (the bench
+# preset, B x T = 64 x 128 on fsdp=8: 347 MiB of all-reduce per step instead of 17 MiB of
+# weight all-gathers, 4x the step time; tests/test_sharding.py counts them).
+_ROW_SHARDING: contextvars.ContextVar = contextvars.ContextVar("jaxrl_row_sharding",
+                                                               default=None)
+
+
+@contextlib.contextmanager
+def row_sharding(constrain):
+  """While tracing inside this context, the residual stream goes through `constrain` (a
+  function of a [B, ...] array) after the embedding and after each block."""
+  token = _ROW_SHARDING.set(constrain)
+  try:
+    yield
+  finally:
+    _ROW_SHARDING.reset(token)
+
+
+def _pin_rows(x):
+  constrain = _ROW_SHARDING.get()
+  return x if constrain is None else constrain(x)
 
 
 def _dtype(name: str):
@@ -368,11 +397,12 @@ class Transformer(nnx.Module):
     if positions_bt is None:
       positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
     rope = self._rope(positions_bt)
-    x = self._embed(tokens_bt)
+    x = _pin_rows(self._embed(tokens_bt))
     new_cache = []
     for i, layer in enumerate(self.layers):
       x, kv = layer(x, positions_bt, rope, segment_ids=segment_ids_bt,
                     cache=None if cache is None else cache[i])
+      x = _pin_rows(x)
       new_cache.append(kv)
     return self.final_norm(x), new_cache
 
@@ -393,12 +423,13 @@ class Transformer(nnx.Module):
     pos_n = jnp.repeat(prompt_len_p, G)[:, None] + jnp.arange(Tc - 1)[None, :]
     rope_p, rope_n = self._rope(pos_p), self._rope(pos_n)
     valid_ps = jnp.arange(Tp)[None, :] < prompt_len_p[:, None]
-    x_p, x_n = self._embed(prompt_pt), self._embed(completion_nt[:, :-1])
+    x_p, x_n = _pin_rows(self._embed(prompt_pt)), _pin_rows(self._embed(completion_nt[:, :-1]))
     for layer in self.layers:
       # The prompt's own pass first (its padding comes after every real token, so it never
       # reaches a real position), then the completions attend to its valid keys.
       x_p, kv_p = layer(x_p, pos_p, rope_p)
       x_n, _ = layer(x_n, pos_n, rope_n, prompt=(*kv_p, valid_ps))
+      x_p, x_n = _pin_rows(x_p), _pin_rows(x_n)
     last_p = jnp.take_along_axis(x_p, (prompt_len_p - 1)[:, None, None], axis=1)  # [P, 1, D]
     h = jnp.concatenate([jnp.repeat(last_p, G, axis=0), x_n], axis=1)
     return self.final_norm(h)

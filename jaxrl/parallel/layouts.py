@@ -13,6 +13,7 @@ it; query heads are the exception, since an uneven head split is a config mistak
 
 from __future__ import annotations
 
+import functools
 from functools import partial
 
 import jax
@@ -22,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxrl.errors import ConfigError, check_choice
 from jaxrl.models import CACHE_AXES, ModelConfig, Transformer, abstract_model, cache_shape
+from jaxrl.models.llama import row_sharding
 
 Rule = str | tuple[str, ...] | None
 
@@ -117,6 +119,40 @@ def batch_sharding(mesh: Mesh, ndim: int = 2, layout: str = "learner") -> NamedS
   """Sharding of a [B, ...] batch: B over the layout's batch axes."""
   rule = get_rules(layout)["batch"]
   return NamedSharding(mesh, P(rule, *([None] * (ndim - 1))))
+
+
+def activation_sharding(mesh: Mesh, layout: str = "learner"):
+  """A context for tracing a full-sequence program (a train step, a reference or reward
+  forward): the model's residual stream [B, T, D] keeps its rows split over the layout's batch
+  axes and D whole, as FSDP needs: each device runs its own rows and all-gathers each weight
+  it multiplies (see jaxrl.models.llama.row_sharding).
+
+  A batch whose rows the axes do not divide is left to propagation, as is every array on a mesh
+  without batch parallelism (one device, or tensor only), so those programs are unchanged.
+  Cached decoding (the sampler, the greedy eval) does not use it: a decode step has a few rows,
+  and for them the partial products' all-reduce moves less than the weights would."""
+  rule = get_rules(layout)["batch"]
+  axes = (rule,) if isinstance(rule, str) else tuple(rule or ())
+  ways = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+
+  def constrain(x):
+    if ways == 1 or x.shape[0] % ways:
+      return x
+    spec = P(rule, *[None] * (x.ndim - 1))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+  return row_sharding(constrain)
+
+
+def shard_activations(fn, mesh: Mesh, layout: str = "learner"):
+  """`fn`, traced under activation_sharding(mesh, layout): wrap it before jax.jit."""
+
+  @functools.wraps(fn)
+  def traced(*args, **kwargs):
+    with activation_sharding(mesh, layout):
+      return fn(*args, **kwargs)
+
+  return traced
 
 
 # ----------------------------------------------------------------------------- inspection

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl.errors import ConfigError, check_choice
 from jaxrl.models import RewardModel, abstract_model, reward_apply
-from jaxrl.parallel import tree_shardings
+from jaxrl.parallel import shard_activations, tree_shardings
 
 ENSEMBLES = ("mean", "min", "mean_minus_std")
 
@@ -151,7 +151,7 @@ class RewardModels:
                                      logp_mask_bt=logp_mask_nt)
                         for g, p in zip(self.graphdefs, params_m)])
 
-    self._score = jax.jit(score_all, out_shardings=replicated)
+    self._score = jax.jit(shard_activations(score_all, mesh), out_shardings=replicated)
 
   @classmethod
   def load(cls, paths, mesh, tokenizer, *, layout: str = "learner") -> "RewardModels":

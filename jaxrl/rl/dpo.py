@@ -48,7 +48,7 @@ from jaxrl import config as config_lib
 from jaxrl.data import ON_BAD_ROW
 from jaxrl.errors import ConfigError
 from jaxrl.models import apply, token_logprobs
-from jaxrl.parallel import batch_sharding, mesh_from_config
+from jaxrl.parallel import batch_sharding, mesh_from_config, shard_activations
 from jaxrl.parallel.cpu_kernels import learner_compiler_options
 from jaxrl.parallel.distributed import global_array
 from jaxrl.rl import preference_losses as pl
@@ -482,8 +482,8 @@ def run(config, workdir: str, *, out=print) -> dict:
   # Replicated, so every process can read the scores of rows it holds in full.
   # The reference's forwards compile with the learner's CPU dot kernels (cpu_kernels).
   ref_options = learner_compiler_options(mesh.devices.flat)
-  ref_score = jax.jit(lambda p, rows: seq_logps(p, rows)[0], out_shardings=replicated,
-                      compiler_options=ref_options)
+  ref_forward = shard_activations(lambda p, rows: seq_logps(p, rows)[0], mesh)
+  ref_score = jax.jit(ref_forward, out_shardings=replicated, compiler_options=ref_options)
   cache = reference = None
   eval_rows = []
   if held_out:
@@ -535,8 +535,7 @@ def run(config, workdir: str, *, out=print) -> dict:
   loss_fn = kto_loss(graphdef, a) if kto else pair_loss(graphdef, a)
   update = make_train_step(loss_fn, tx, schedule, shardings, batch_shd, mesh=mesh,
                            accum_steps=accum)
-  ref_rows = jax.jit(lambda p, rows: seq_logps(p, rows)[0],
-                     out_shardings=shd(rank - 1), compiler_options=ref_options)
+  ref_rows = jax.jit(ref_forward, out_shardings=shd(rank - 1), compiler_options=ref_options)
 
   def step_fn(state, batch):
     if reference is not None:  # live: score the batch with the frozen reference first
@@ -556,6 +555,7 @@ def run(config, workdir: str, *, out=print) -> dict:
   # The learner's kernels, as the reference's forwards: at step 0 the policy's and the
   # reference's log-probs then agree to the bit (margins exactly 0).
   @functools.partial(jax.jit, compiler_options=ref_options)
+  @functools.partial(shard_activations, mesh=mesh)
   def eval_sums(params, rows, ref):
     lp, n = seq_logps(params, rows)
     loss, m = objective(lp, n, ref)

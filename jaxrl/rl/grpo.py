@@ -46,7 +46,7 @@ from jaxrl import config as config_lib
 from jaxrl.data import read_jsonl
 from jaxrl.errors import ConfigError
 from jaxrl.models import apply, token_logprobs
-from jaxrl.parallel import batch_sharding
+from jaxrl.parallel import batch_sharding, shard_activations
 from jaxrl.parallel.cpu_kernels import learner_compiler_options
 from jaxrl.parallel.distributed import global_array, to_host
 from jaxrl.parallel.sync import Overlap, SamplerCopy, WeightSync, make_placement
@@ -306,9 +306,13 @@ def batch_logprobs(graphdef, params, batch, temperature: float):
 def make_batch_logprobs_fn(graphdef, temperature: float, *, mesh: Mesh | None = None):
   """Jitted (params, learner batch of either form) -> (log-probs, entropy), compiled with the
   learner's CPU dot kernels for `mesh`'s devices (jaxrl.parallel.cpu_kernels)."""
-  devices = jax.devices() if mesh is None else mesh.devices.flat
-  return jax.jit(lambda params, batch: batch_logprobs(graphdef, params, batch, temperature),
-                 compiler_options=learner_compiler_options(devices))
+  def logprobs(params, batch):
+    return batch_logprobs(graphdef, params, batch, temperature)
+
+  if mesh is None:
+    return jax.jit(logprobs, compiler_options=learner_compiler_options(jax.devices()))
+  return jax.jit(shard_activations(logprobs, mesh),
+                 compiler_options=learner_compiler_options(mesh.devices.flat))
 
 
 def make_logprobs_fn(graphdef, temperature: float):

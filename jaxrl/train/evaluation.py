@@ -7,13 +7,15 @@ so evaluating needs no weight sync into the sampler and no sampler KV cache.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl.models import apply, init_cache
-from jaxrl.parallel import batch_sharding, cache_sharding
+from jaxrl.parallel import batch_sharding, cache_sharding, shard_activations
 from jaxrl.parallel.distributed import global_array
 
 
@@ -92,6 +94,7 @@ def make_eval_loss(loss_fn, mesh):
   replicated = NamedSharding(mesh, P())
 
   @jax.jit
+  @functools.partial(shard_activations, mesh=mesh)
   def sums(params, batch):
     loss_sum, (weight, _) = loss_fn(params, batch, jax.random.key(0))
     return jax.lax.with_sharding_constraint(jnp.stack([loss_sum, weight]), replicated)

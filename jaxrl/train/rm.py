@@ -32,7 +32,7 @@ from jaxrl import config as config_lib
 from jaxrl.data import ON_BAD_ROW, prefs
 from jaxrl.errors import ConfigError
 from jaxrl.models import RewardModel, last_index, reward_apply
-from jaxrl.parallel import batch_sharding, mesh_from_config
+from jaxrl.parallel import batch_sharding, mesh_from_config, shard_activations
 from jaxrl.parallel.distributed import global_array
 from jaxrl.train.checkpoint import Checkpointer, restore_params
 from jaxrl.train.data import ShardedBatches, check_batch_size, data_shards
@@ -152,7 +152,8 @@ class PairEval:
     self.batches, self.n = batches, n_pairs
     self.margin, self.center_coef = margin, center_coef
     replicated = NamedSharding(mesh, P())
-    self.scores = jax.jit(lambda p, b: pair_scores(graphdef, p, b), out_shardings=replicated)
+    self.scores = jax.jit(shard_activations(lambda p, b: pair_scores(graphdef, p, b), mesh),
+                          out_shardings=replicated)
 
   def __call__(self, params) -> dict[str, float]:
     if not self.batches:

@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxrl.models import ModelConfig, Transformer, abstract_model
-from jaxrl.parallel import tree_shardings
+from jaxrl.parallel import shard_activations, tree_shardings
 from jaxrl.parallel.cpu_kernels import learner_compiler_options
 
 
@@ -126,7 +126,8 @@ def make_train_step(loss_fn: Callable, tx, schedule, shardings: TrainState, batc
     new = TrainState(params=params, opt_state=opt_state, step=state.step + 1, rng=state.rng)
     return new, metrics
 
-  return jax.jit(step_fn, donate_argnums=0, in_shardings=(shardings, batch_shardings),
+  return jax.jit(shard_activations(step_fn, mesh), donate_argnums=0,
+                 in_shardings=(shardings, batch_shardings),
                  out_shardings=(shardings, replicated),
                  compiler_options=learner_compiler_options(mesh.devices.flat))
 
