@@ -26,8 +26,8 @@ from jaxrl import config as config_lib
 from jaxrl.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Measured (jaxrl demo, 8 devices, 2026-12-01, AMD EPYC): held-out 0.660 after SFT -> 0.797
-# after GRPO, KL max 0.065; +0.12..+0.19 over the six SFT draws of this recipe measured.
+# Measured (jaxrl demo, 8 devices, 2026-12-01, AMD EPYC): held-out 0.629 after SFT -> 0.805
+# after GRPO, KL max 0.070; +0.12..+0.19 over the seven SFT draws of this recipe measured.
 # Random slips (error_mode "random") are hidden by greedy decoding and left GRPO little to fix
 # (0.00..+0.10 over seeds): README, "The demo".
 # SFT at lr 1e-3, not sft_tiny's 3e-3: on these noisy demonstrations 3e-3 ended anywhere from
