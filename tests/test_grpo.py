@@ -330,6 +330,13 @@ def test_pulse_run_logs_every_metric_and_resumes(repo_root, tmp_path, devices, m
   assert [r["step"] for r in rows] == [1, 2]
   for name in STEP_METRICS:
     assert all(name in r for r in rows), name
+  # Model TFLOP/s per phase (jaxrl.models.flops): the reference forward and the update count
+  # the same batch, the update as forward + backward (3 forwards) per iteration.
+  iters = config_lib.load_config(spec, adaptive).algo.num_iterations
+  for r in rows:
+    assert all(r[f"perf/tflops/{k}"] > 0 for k in ("gen", "ref", "update")), r
+    assert (r["perf/tflops/update"] * r["timing_s/update"] == pytest.approx(
+        3 * iters * r["perf/tflops/ref"] * r["timing_s/ref"], rel=1e-6))
   assert "eval/accuracy" in rows[-1]
   assert all(np.isfinite(r["loss"]) for r in rows)
   assert rows[0]["is_ratio/mean"] == pytest.approx(1.0, abs=1e-3)  # sampler == learner

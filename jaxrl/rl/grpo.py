@@ -46,6 +46,7 @@ from jaxrl import config as config_lib
 from jaxrl.data import read_jsonl
 from jaxrl.errors import ConfigError
 from jaxrl.models import apply, token_logprobs
+from jaxrl.models.flops import rollout_flops
 from jaxrl.parallel import batch_sharding, shard_activations
 from jaxrl.parallel.cpu_kernels import learner_compiler_options
 from jaxrl.parallel.distributed import global_array, to_host
@@ -659,15 +660,23 @@ def run(config, workdir: str, *, out=print) -> dict:
   def generate_and_score(params_s, prompts, step):
     """Steps 2-3: sample and score, refilling zero-variance groups when asked."""
     t0 = time.perf_counter()
-    rollout, rewards, reward_stats = sample(params_s, prompts, step, 0)
+    flops = []  # the model FLOPs of every rollout sampled, refills included
+
+    def sample_counted(batch_prompts, round_):
+      ro, rw, st = sample(params_s, batch_prompts, step, round_)
+      flops.append(rollout_flops(cfg, ro))
+      return ro, rw, st
+
+    rollout, rewards, reward_stats = sample_counted(prompts, 0)
     rewards_bg = rewards.reshape(-1, r.group_size)
     zero = np.asarray(adv_lib.zero_std_groups(rewards_bg=rewards_bg))
     frac_zero = float(zero.mean())
     gen_stats = rollout_metrics(rollout)
     if a.filter_zero_std and zero.any():
-      rollout, rewards_bg = _refill(rollout, rewards_bg, zero, lambda p, i: sample(
-          params_s, p, step, i), stream, a.max_refill_rounds, r.group_size)
+      rollout, rewards_bg = _refill(rollout, rewards_bg, zero, sample_counted, stream,
+                                    a.max_refill_rounds, r.group_size)
     t_gen = time.perf_counter() - t0 - reward_stats["timing_s/reward"]
+    gen_stats["perf/tflops/gen"] = sum(flops) / max(t_gen, 1e-9) / 1e12
     return rollout, rewards_bg, reward_stats, gen_stats, frac_zero, t_gen
 
   # Async generation: the rollout for the next step's prompts, started during this step's
@@ -770,6 +779,9 @@ def run(config, workdir: str, *, out=print) -> dict:
                                            target=a.kl_target, horizon=a.kl_horizon,
                                            n_steps=N)
     n_tok = max(mask.sum(), 1.0)
+    # Model FLOPs of one learner forward over this batch (jaxrl.models.flops); a backward
+    # costs two forwards.
+    fwd_flops = rollout_flops(cfg, rollout, share_prompt=grouped)
     metrics = {
         "loss": float(np.mean([u["loss"] for u in upd])),
         "grad_norm": float(np.mean([u["grad_norm"] for u in upd])),
@@ -796,6 +808,8 @@ def run(config, workdir: str, *, out=print) -> dict:
         "timing_s/score": t_score + reward_stats["timing_s/reward"],
         "timing_s/ref": t_ref, "timing_s/update": t_update,
         "timing_s/sync": weight_sync.last.ms / 1e3,
+        "perf/tflops/ref": fwd_flops / max(t_ref, 1e-9) / 1e12,
+        "perf/tflops/update": 3 * a.num_iterations * fwd_flops / max(t_update, 1e-9) / 1e12,
         **weight_sync.last.metrics(), **gen_stats, **reward_stats,
     }
     step_s = time.perf_counter() - t_step
