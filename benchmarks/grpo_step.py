@@ -13,7 +13,9 @@ Two shapes, each run for --steps steps after one warm-up step (compiles) that is
           synchronous and with async generation (step k+1's rollout overlaps step k's update).
           They need at least 2 devices: run them with --xla_force_host_platform_device_count=2.
 Prints the median step time, perf/gen_fraction and the median of each timing_s/* phase (gen is
-the rollout's own time; with async generation the learner waits only timing_s/gen_wait).
+the rollout's own time; with async generation the learner waits only timing_s/gen_wait), and
+at the end each phase's model GFLOP/s (the perf/tflops/* metrics, jaxrl/models/flops.py), TRL's
+counted the same way for the work its step does.
 
 The peer, side by side:
 
@@ -45,6 +47,7 @@ import jax
 
 from jaxrl import allocator
 from jaxrl import config as config_lib
+from jaxrl.models import flops
 from jaxrl.rl import grpo
 from jaxrl.train.rundir import read_metrics
 
@@ -58,6 +61,7 @@ SHAPES = {
 SHAPES["anchor-disagg"] = SHAPES["anchor"] + ["placement.mode=disaggregated"]
 SHAPES["anchor-async"] = SHAPES["anchor-disagg"] + ["rollout.async_generation=True"]
 PHASES = ("gen", "score", "ref", "update", "sync")
+FLOP_PHASES = ("gen", "ref", "update")
 
 
 def shape_config(shape: str, steps: int):
@@ -79,7 +83,23 @@ def run_shape(shape, steps):
   med["step"] = statistics.median(r["timing_s/step"] for r in rows)
   med["frac"] = statistics.median(r["perf/gen_fraction"] for r in rows)
   med["wait"] = statistics.median(r["timing_s/gen_wait"] for r in rows)
+  for k in FLOP_PHASES:
+    med[f"gflops/{k}"] = statistics.median(r[f"perf/tflops/{k}"] for r in rows) * 1e3
   return med
+
+
+def trl_gflops(t: dict) -> dict:
+  """TRL's model GFLOP/s by phase on the anchor, counted as jaxrl counts its own
+  (jaxrl.models.flops) for the work TRL's step does: every row feeds its own prompt (HF
+  generate and TRL's forwards have no shared prompt), the reference forward once (its phase
+  also holds the cheap scoring), and the update one forward and one backward."""
+  spec = anchor_spec()
+  rows = spec["prompts"] * spec["generations"]
+  tokens, pairs = flops.sequence_counts([spec["prompt_tokens"]] * rows,
+                                        [t["completion_length"]] * rows, share_prompt=False)
+  fwd = flops.forward_flops(config_lib.model_config(shape_config("anchor", 1)), tokens=tokens,
+                            pairs=pairs) / 1e9
+  return {"gen": fwd / t["gen"], "ref": fwd / t["score_ref"], "update": 3 * fwd / t["update"]}
 
 
 def anchor_spec() -> dict:
@@ -149,7 +169,7 @@ def main():
     trl_runs.append(("TRL+tcm", allocator.loaded()))
   print(f"{'shape':13s} {'s/step':>7s} {'gen frac':>9s} {'gen wait':>9s} " +
         " ".join(f"{k + ' s':>9s}" for k in PHASES))
-  results, trl_steps = [], {}
+  results, trl_steps, trl_rates = [], {}, {}
   for _ in range(args.rounds):
     for shape in args.shapes.split(","):
       med = run_shape(shape, args.steps)
@@ -159,6 +179,7 @@ def main():
     for name, lib in trl_runs if args.trl_python else ():
       t = run_trl(args.trl_python, args.steps, tcmalloc=lib)
       trl_steps.setdefault(name, []).append(t["step"])
+      trl_rates.setdefault(name, []).append(trl_gflops(t))
       # TRL's scoring and reference forward are one phase there: shown under "ref s".
       print(f"{name + ' ' + t['trl']:13s} {t['step']:7.2f} {t['gen'] / t['step']:9.2f} "
             f"{'-':>9s} {t['gen']:9.3f} {'-':>9s} {t['score_ref']:9.3f} {t['update']:9.3f} "
@@ -175,6 +196,17 @@ def main():
     step = statistics.median(m["step"] for s, m in results if s == shape)
     print(f"{shape:13s} {step:7.2f} s/step  " +
           "  ".join(f"{t / step:5.2f}x {name}" for name, t in peers.items()))
+  # Model GFLOP/s by phase (jaxrl.models.flops): the same work counted the same way on both
+  # sides, so it says how close each phase runs to the machine's product rate.
+  print(f"\nmodel GFLOP/s by phase (medians; jaxrl counts each group's prompt once, as it runs "
+        f"them)\n{'':13s} " + " ".join(f"{k:>9s}" for k in FLOP_PHASES))
+  for shape in dict.fromkeys(s for s, _ in results):
+    print(f"{shape:13s} " + " ".join(
+        f"{statistics.median(m[f'gflops/{k}'] for s, m in results if s == shape):9.1f}"
+        for k in FLOP_PHASES))
+  for name, rates in trl_rates.items():
+    print(f"{name:13s} " + " ".join(f"{statistics.median(r[k] for r in rates):9.1f}"
+                                    for k in FLOP_PHASES))
 
 
 if __name__ == "__main__":
