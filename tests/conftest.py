@@ -167,3 +167,16 @@ def pytest_collection_modifyitems(config, items):
   heads = slow[0::2], slow[1::2]
   cut = max(0, len(items) // 2 - len(heads[0]))
   items[:] = heads[0] + fast[:cut] + heads[1] + fast[cut:]
+
+
+def assert_model_flops_per_token(row, cfg, seq_len: int, forwards: int, *, lm_head=True):
+  """A trainer's logged perf/tflops and perf/tokens_per_s share their clock, so their ratio is
+  the model FLOPs per token the step spent (jaxrl.models.flops): `forwards` forward passes'
+  worth (3 for a forward and backward), between their matrix products alone and those plus
+  attention over a whole row of seq_len."""
+  from jaxrl.models.flops import matmul_weights
+  per_token = row["perf/tflops"] * 1e12 / row["perf/tokens_per_s"]
+  weights = matmul_weights(cfg, lm_head=lm_head)
+  per_key = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
+  assert forwards * 2 * weights < per_token < forwards * (2 * weights + per_key * seq_len), (
+      row["step"], per_token)

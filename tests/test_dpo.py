@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import jaxrl_cli
+from conftest import assert_model_flops_per_token, jaxrl_cli
 from jaxrl import cli
 from jaxrl import config as config_lib
 from jaxrl.errors import ConfigError
@@ -44,6 +44,9 @@ def test_cli_runlocal_writes_the_run_dir(tmp_path, devices, capsys):
     assert np.isfinite(rows[-1][k]), k
   evals = [r for r in rows if "eval/rewards/accuracies" in r]
   assert [r["step"] for r in evals] == [0, 3, 6]
+  config = _config()
+  for r in rows[1:]:  # the policy's forward and backward, the live reference's forward
+    assert_model_flops_per_token(r, config_lib.model_config(config), config.data.seq_len, 4)
   # At step 0 the policy is the reference: every implied reward is 0 and the loss ln 2.
   assert evals[0]["eval/loss"] == pytest.approx(np.log(2), abs=1e-6)
   assert evals[0]["eval/rewards/margins"] == 0.0

@@ -83,3 +83,11 @@ def test_rollout_flops_count_a_shared_prompt_once():
   assert each - shared == pytest.approx(saved)
   tokens, pairs = sequence_counts(prompt_lengths, lengths, rollout.prompt_index)
   assert shared == forward_flops(cfg, tokens=tokens, pairs=pairs)
+
+
+def test_a_reward_backbone_leaves_out_the_lm_head():
+  cfg = get_preset("tiny")
+  assert matmul_weights(cfg) - matmul_weights(cfg, lm_head=False) == cfg.vocab_size * cfg.embed_dim
+  assert (forward_flops(cfg, tokens=10, pairs=0) - forward_flops(cfg, tokens=10, pairs=0,
+                                                                  lm_head=False)
+          == 2 * 10 * cfg.vocab_size * cfg.embed_dim)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import jaxrl_cli
+from conftest import assert_model_flops_per_token, jaxrl_cli
 from jaxrl import config as config_lib
 from jaxrl.models import RewardModel, abstract_model, get_preset, last_index, reward_apply
 from jaxrl.parallel import make_mesh
@@ -182,6 +182,10 @@ def test_rm_pulse_run_logs_fingerprint_and_resumes(repo_root, tmp_path, devices)
   for name in ("loss", "loss/bt", "accuracy", "reward_chosen", "reward_rejected", "margin",
                "grad_norm", "lr"):
     assert name in rows[-1], name
+  config = config_lib.load_config(spec)
+  for r in rows[1:]:  # the backbone's forward and backward; no LM head without the feature
+    assert_model_flops_per_token(r, config_lib.model_config(config), config.data.seq_len, 3,
+                                 lm_head=False)
   # The data's fingerprint and cleaning report, beside the config and in the summary.
   data = json.load(open(os.path.join(workdir, "data.json")))
   saved = json.load(open(os.path.join(workdir, "summary.json")))

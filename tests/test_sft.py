@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import JAXRL, subprocess_env
+from conftest import JAXRL, assert_model_flops_per_token, subprocess_env
 
 from jaxrl import cli
 from jaxrl import config as config_lib
@@ -115,7 +115,11 @@ def test_sigterm_then_resume_is_bitwise_equal_to_an_uninterrupted_run(repo_root,
   assert any("eval/accuracy" in m for m in after)
   # The run directory DESIGN.md promises.
   assert json.load(open(os.path.join(full, "config.json")))["train"]["steps"] == STEPS
-  assert {"loss", "lr", "grad_norm", "timing_s/step", "perf/tokens_per_s"} <= set(ma[-1])
+  assert {"loss", "lr", "grad_norm", "timing_s/step", "perf/tokens_per_s",
+          "perf/tflops"} <= set(ma[-1])
+  config = config_lib.load_config(CONFIG, [o.removeprefix("--config.") for o in OVERRIDES])
+  for m in ma[1:]:  # a forward and a backward per step
+    assert_model_flops_per_token(m, config_lib.model_config(config), config.data.seq_len, 3)
   assert os.listdir(os.path.join(full, "tb"))[0].startswith("events.out.tfevents.")
   steps_kept = sorted(int(s) for s in os.listdir(os.path.join(full, "checkpoints"))
                       if s.isdigit())

@@ -27,17 +27,19 @@ import numpy as np
 from jaxrl.models.config import ModelConfig
 
 
-def matmul_weights(cfg: ModelConfig) -> int:
-  """Weights that take part in a matrix product per token (biases and norms excluded)."""
+def matmul_weights(cfg: ModelConfig, *, lm_head: bool = True) -> int:
+  """Weights that take part in a matrix product per token (biases and norms excluded);
+  lm_head=False leaves out the [V, D] head (a reward model's backbone computes no logits)."""
   d, n, k, h, f = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
   layer = d * n * h + 2 * d * k * h + n * h * d + 3 * d * f
-  return cfg.num_layers * layer + cfg.vocab_size * d
+  return cfg.num_layers * layer + (cfg.vocab_size * d if lm_head else 0)
 
 
-def forward_flops(cfg: ModelConfig, *, tokens: float, pairs: float) -> float:
+def forward_flops(cfg: ModelConfig, *, tokens: float, pairs: float,
+                  lm_head: bool = True) -> float:
   """FLOPs of a forward pass that feeds `tokens` tokens with `pairs` (query, key) pairs."""
   attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
-  return 2.0 * matmul_weights(cfg) * tokens + float(attention) * pairs
+  return 2.0 * matmul_weights(cfg, lm_head=lm_head) * tokens + float(attention) * pairs
 
 
 def sequence_counts(prompt_lengths, completion_lengths, prompt_index=None, *,
@@ -63,3 +65,19 @@ def rollout_flops(cfg: ModelConfig, rollout, *, share_prompt: bool = True) -> fl
   tokens, pairs = sequence_counts(rollout.prompt_lengths, rollout.lengths,
                                   rollout.prompt_index, share_prompt=share_prompt)
   return forward_flops(cfg, tokens=tokens, pairs=pairs)
+
+
+def packed_counts(segment_ids, positions) -> tuple[float, float]:
+  """(tokens, pairs) fed by rows of packed examples (jaxrl.data.pipeline's segment_ids, 0 on
+  padding, and positions, restarting per example): a real token at position p attends to the
+  p + 1 keys of its own example."""
+  real = np.asarray(segment_ids) > 0
+  return float(real.sum()), float((np.asarray(positions)[real] + 1).sum())
+
+
+def packed_flops(cfg: ModelConfig, batch: dict, prefix: str = "", *,
+                 lm_head: bool = True) -> float:
+  """Model FLOPs of one forward pass over a packed batch's rows (any leading shape: SFT rows
+  [B, S], preference pairs [B, 2, S]); `prefix` picks other rows of the same batch ("kl_")."""
+  tokens, pairs = packed_counts(batch[prefix + "segment_ids"], batch[prefix + "positions"])
+  return forward_flops(cfg, tokens=tokens, pairs=pairs, lm_head=lm_head)

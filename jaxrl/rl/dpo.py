@@ -48,6 +48,7 @@ from jaxrl import config as config_lib
 from jaxrl.data import ON_BAD_ROW
 from jaxrl.errors import ConfigError
 from jaxrl.models import apply, token_logprobs
+from jaxrl.models.flops import packed_flops
 from jaxrl.parallel import batch_sharding, mesh_from_config, shard_activations
 from jaxrl.parallel.cpu_kernels import learner_compiler_options
 from jaxrl.parallel.distributed import global_array
@@ -545,6 +546,17 @@ def run(config, workdir: str, *, out=print) -> dict:
         batch["kl_ref_logps"] = ref_rows(reference, {k: batch["kl_" + k] for k in ROW_KEYS})
     return update(state, batch)
 
+  def step_flops(batch):
+    """Model FLOPs of one step (jaxrl.models.flops): the policy's forward and backward over
+    the rows, its forward over KTO's mismatched rows (no gradient), and the live reference's
+    forwards over both."""
+    rows = to_rows(batch)
+    live = int(reference is not None)
+    total = (3 + live) * packed_flops(cfg, rows)
+    if "kl_segment_ids" in rows:
+      total += (1 + live) * packed_flops(cfg, rows, "kl_")
+    return total
+
   ckpt = Checkpointer(run_dir.checkpoints, keep=config.train.keep_checkpoints,
                       async_save=config.train.async_checkpoints)
   state, start = resume(ckpt, state, shardings, batches, run_dir, out=out)
@@ -594,7 +606,7 @@ def run(config, workdir: str, *, out=print) -> dict:
         total_steps=config.train.steps, run=run_dir, ckpt=ckpt,
         log_every=config.train.log_every, save_every=config.train.save_every,
         eval_every=config.eval.every, eval_fn=evaluate,
-        tokens_fn=lambda b: int(np.count_nonzero(b["segment_ids"])),
+        tokens_fn=lambda b: int(np.count_nonzero(b["segment_ids"])), flops_fn=step_flops,
         summary_extra=lambda: {"data": report, "ref_mode": mode}, out=out)
   finally:
     ckpt.close()

@@ -159,14 +159,17 @@ def _first_bad(pending: list[tuple[int, dict]]) -> tuple[int, str, float] | None
 def train_loop(*, state, step_fn: Callable, batches, put: Callable, total_steps: int,
                run: RunDir, ckpt: Checkpointer | None, log_every: int, save_every: int,
                eval_every: int = 0, eval_fn: Callable | None = None,
-               tokens_fn: Callable | None = None, updates_per_step: int = 1,
+               tokens_fn: Callable | None = None, flops_fn: Callable | None = None,
+               updates_per_step: int = 1,
                summary_extra: Callable[[], dict] | None = None, out=print) -> dict:
   """Runs steps until `total_steps`, an interrupt, or a non-finite loss. Returns the summary
   (also written to DIR/summary.json): status, step, last metrics, wall time.
 
   put(batch) turns a process-local numpy batch into global device arrays; tokens_fn(batch)
-  counts its real (non-padding) tokens for `perf/tokens_per_s`. `total_steps` and the logged
-  steps count calls of step_fn, each making `updates_per_step` optimizer updates.
+  counts its real (non-padding) tokens for `perf/tokens_per_s`, and flops_fn(batch) the model
+  FLOPs the step spends on it (jaxrl.models.flops) for `perf/tflops`, over the whole mesh (the
+  MFU numerator). `total_steps` and the logged steps count calls of step_fn, each making
+  `updates_per_step` optimizer updates.
   summary_extra() gives a trainer's own summary fields (its data report, GRPO's alarms), read
   when the summary is written, so they land in summary.json however the loop ended.
   """
@@ -178,7 +181,7 @@ def train_loop(*, state, step_fn: Callable, batches, put: Callable, total_steps:
   # A resumed run starts from what it logged before (a finished one re-run keeps its numbers).
   last, evals = logged_before(run.workdir, step) if step > 0 else ({}, {})
   status = "failed"  # until the loop ends normally or is interrupted
-  t_last, steps_since, tokens_since = time.perf_counter(), 0, 0
+  t_last, steps_since, tokens_since, flops_since = time.perf_counter(), 0, 0, 0.0
   try:
     with Interrupts() as interrupts:
       if step == 0 and eval_fn is not None and eval_every > 0:
@@ -189,6 +192,7 @@ def train_loop(*, state, step_fn: Callable, batches, put: Callable, total_steps:
       while step < total_steps:
         batch = next(batches)
         tokens_since += tokens_fn(batch) * jax.process_count() if tokens_fn else 0
+        flops_since += flops_fn(batch) * jax.process_count() if flops_fn else 0.0
         state, metrics = step_fn(state, put(batch))
         step += 1
         steps_since += 1
@@ -217,6 +221,8 @@ def train_loop(*, state, step_fn: Callable, batches, put: Callable, total_steps:
         last["timing_s/step"] = dt / steps_since
         if tokens_fn:
           last["perf/tokens_per_s"] = tokens_since / dt
+        if flops_fn:
+          last["perf/tflops"] = flops_since / dt / 1e12
         if do_eval:
           t0 = time.perf_counter()
           evals = eval_fn(state.params, step)
@@ -230,7 +236,7 @@ def train_loop(*, state, step_fn: Callable, batches, put: Callable, total_steps:
                 f"{k}={_fmt(v)}" for k, v in evals.items()))
         if do_save:
           ckpt.save(step, state, batches.get_state())
-        t_last, steps_since, tokens_since = time.perf_counter(), 0, 0
+        t_last, steps_since, tokens_since, flops_since = time.perf_counter(), 0, 0, 0.0
         if stop:
           status = "interrupted"
           sig = signal.Signals(interrupts.signum).name if interrupts.signum else "a signal"

@@ -32,6 +32,7 @@ from jaxrl import config as config_lib
 from jaxrl.data import ON_BAD_ROW, prefs
 from jaxrl.errors import ConfigError
 from jaxrl.models import RewardModel, last_index, reward_apply
+from jaxrl.models.flops import packed_flops
 from jaxrl.parallel import batch_sharding, mesh_from_config, shard_activations
 from jaxrl.parallel.distributed import global_array
 from jaxrl.train.checkpoint import Checkpointer, restore_params
@@ -296,6 +297,9 @@ def run(config, workdir: str, *, out=print) -> dict:
         save_every=config.train.save_every, eval_every=config.eval.every,
         eval_fn=lambda params, step: evaluate_pairs(params),
         tokens_fn=lambda b: int(np.count_nonzero(b["segment_ids"])),
+        # The backbone's (the scalar head is D per row); its LM head only for the log-prob
+        # feature.
+        flops_fn=lambda b: 3 * packed_flops(cfg, b, lm_head=bool(config.head.logprob_feature)),
         summary_extra=lambda: {"data": info}, out=out)
   finally:
     ckpt.close()

@@ -18,6 +18,7 @@ from jaxrl import config as config_lib
 from jaxrl.data import ON_BAD_ROW, read_jsonl, sft_batches
 from jaxrl.errors import ConfigError
 from jaxrl.models import apply, token_logprobs
+from jaxrl.models.flops import packed_flops
 from jaxrl.parallel import batch_sharding, mesh_from_config
 from jaxrl.parallel.distributed import global_array
 from jaxrl.tasks import ERROR_MODES
@@ -171,7 +172,8 @@ def run(config, workdir: str, *, out=print) -> dict:
         state=state, step_fn=step_fn, batches=batches, put=put, total_steps=total,
         run=run_dir, ckpt=ckpt, log_every=config.train.log_every,
         save_every=config.train.save_every, eval_every=config.eval.every, eval_fn=evaluate,
-        tokens_fn=lambda b: int(np.count_nonzero(b["segment_ids"])), out=out)
+        tokens_fn=lambda b: int(np.count_nonzero(b["segment_ids"])),
+        flops_fn=lambda b: 3 * packed_flops(cfg, b), out=out)
   finally:
     ckpt.close()
     run_dir.close()
