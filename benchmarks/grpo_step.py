@@ -183,7 +183,8 @@ def main():
       # TRL's scoring and reference forward are one phase there: shown under "ref s".
       print(f"{name + ' ' + t['trl']:13s} {t['step']:7.2f} {t['gen'] / t['step']:9.2f} "
             f"{'-':>9s} {t['gen']:9.3f} {'-':>9s} {t['score_ref']:9.3f} {t['update']:9.3f} "
-            f"{'-':>9s}  (score + ref; torch {t['torch']}, {t['threads']} threads, "
+            f"{'-':>9s}  (score + ref; torch {t['torch']}, transformers "
+            f"{t.get('transformers', '?')}, {t['threads']} threads, "
             f"{t['params']:,} params, {t['completion_length']:.0f}-token completions)",
             flush=True)
   peers = {name: statistics.median(v) for name, v in trl_steps.items()} or {"TRL": 2.28}

@@ -26,6 +26,7 @@ import tempfile
 import time
 
 import torch
+import transformers
 import trl
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -112,6 +113,7 @@ def main():
   update = [s - a for s, a in zip(step, ph["gen_score_ref"][1:])]
   med = statistics.median
   print(json.dumps({"trl": trl.__version__, "torch": torch.__version__,
+                    "transformers": transformers.__version__,
                     "threads": torch.get_num_threads(), "params": n_params,
                     "completion_length": lengths[-1], "steps": len(step),
                     "step": med(step), "gen": med(gen), "score_ref": med(score_ref),
