@@ -174,9 +174,8 @@ def assert_model_flops_per_token(row, cfg, seq_len: int, forwards: int, *, lm_he
   the model FLOPs per token the step spent (jaxrl.models.flops): `forwards` forward passes'
   worth (3 for a forward and backward), between their matrix products alone and those plus
   attention over a whole row of seq_len."""
-  from jaxrl.models.flops import matmul_weights
+  from jaxrl.models.flops import forward_flops
   per_token = row["perf/tflops"] * 1e12 / row["perf/tokens_per_s"]
-  weights = matmul_weights(cfg, lm_head=lm_head)
-  per_key = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
-  assert forwards * 2 * weights < per_token < forwards * (2 * weights + per_key * seq_len), (
-      row["step"], per_token)
+  low = forwards * forward_flops(cfg, tokens=1, pairs=0, lm_head=lm_head)
+  high = forwards * forward_flops(cfg, tokens=1, pairs=seq_len, lm_head=lm_head)
+  assert low < per_token < high, (row["step"], per_token)

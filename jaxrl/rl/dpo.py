@@ -526,8 +526,17 @@ def run(config, workdir: str, *, out=print) -> dict:
     eval_ref.append(cache.lookup(rows) if cache is not None else
                     np.asarray(ref_score(reference, global_rows(rows))))
 
+  # The loop counts a batch's FLOPs (step_flops) just before it puts it: both read the rows
+  # of one to_rows call, whose KTO mismatched rows are a Python loop over the batch.
+  last = {}
+
+  def rows_of(batch):
+    if last.get("batch") is not batch:
+      last.update(batch=batch, rows=to_rows(batch))
+    return last["rows"]
+
   def put(batch):
-    rows = to_rows(batch)
+    rows = dict(rows_of(batch))
     if cache is not None:
       rows["ref_logps"] = cache.lookup({k: rows[k] for k in ROW_KEYS})
     return {k: jax.make_array_from_process_local_data(batch_shd[k], v)
@@ -550,7 +559,7 @@ def run(config, workdir: str, *, out=print) -> dict:
     """Model FLOPs of one step (jaxrl.models.flops): the policy's forward and backward over
     the rows, its forward over KTO's mismatched rows (no gradient), and the live reference's
     forwards over both."""
-    rows = to_rows(batch)
+    rows = rows_of(batch)
     live = int(reference is not None)
     total = (3 + live) * packed_flops(cfg, rows)
     if "kl_segment_ids" in rows:
