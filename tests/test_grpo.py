@@ -172,9 +172,14 @@ def test_shared_prompt_forward_equals_the_joined_forward(devices):
       # joined row n holds completion token t at target index len(prompt) - 1 + t
       logp = np.stack([logp[n, rollout.prompt_lengths[n] - 1:][:Tc] for n in range(P * G)])
     else:
-      logp = np.asarray(grpo.make_batch_logprobs_fn(graphdef, 1.0)(
-          state.params, put_batch({k: batch[k] for k in ("prompt", "prompt_len", "completion")},
-                                  bs))[0])
+      dev = put_batch({k: batch[k] for k in ("prompt", "prompt_len", "completion")}, bs)
+      logp, entropy = grpo.make_batch_logprobs_fn(graphdef, 1.0)(state.params, dev)
+      # The reference forward's form skips the entropy, and gives the same log-probs.
+      ref_logp, no_entropy = grpo.make_batch_logprobs_fn(graphdef, 1.0, entropy=False)(
+          state.params, dev)
+      assert no_entropy is None and entropy.shape == ref_logp.shape
+      np.testing.assert_allclose(np.asarray(ref_logp), np.asarray(logp), rtol=0, atol=1e-6)
+      logp = np.asarray(logp)
     mask = batch["mask"]
     full = {**batch, "ref_logp": np.zeros_like(mask), "beta": np.full_like(mask, 0.04),
             "adv": np.repeat(rng.normal(size=(P * G, 1)).astype(np.float32), mask.shape[1], 1)

@@ -304,11 +304,15 @@ def batch_logprobs(graphdef, params, batch, temperature: float):
   return token_logprobs(logits, batch["targets"], temperature=temperature)
 
 
-def make_batch_logprobs_fn(graphdef, temperature: float, *, mesh: Mesh | None = None):
+def make_batch_logprobs_fn(graphdef, temperature: float, *, mesh: Mesh | None = None,
+                           entropy: bool = True):
   """Jitted (params, learner batch of either form) -> (log-probs, entropy), compiled with the
-  learner's CPU dot kernels for `mesh`'s devices (jaxrl.parallel.cpu_kernels)."""
+  learner's CPU dot kernels for `mesh`'s devices (jaxrl.parallel.cpu_kernels). entropy=False
+  returns (log-probs, None) and skips the entropy's pass over the vocabulary (the reference
+  forward's case: nothing reads the reference's entropy)."""
   def logprobs(params, batch):
-    return batch_logprobs(graphdef, params, batch, temperature)
+    logp, ent = batch_logprobs(graphdef, params, batch, temperature)
+    return logp, ent if entropy else None
 
   if mesh is None:
     return jax.jit(logprobs, compiler_options=learner_compiler_options(jax.devices()))
@@ -585,11 +589,13 @@ def run(config, workdir: str, *, out=print) -> dict:
         f"divisible by algo.minibatches x replicas x optim.accum_steps = {split}, so each "
         f"completion runs with its own copy of its prompt")
   shd = batch_sharding(mesh, 2, "learner")
-  logprobs_fn = make_batch_logprobs_fn(graphdef, r.temperature, mesh=mesh)
   loss_fn = grpo_loss(graphdef, a, temperature=r.temperature, norm_len=r.max_new_tokens)
   # One update per step with KL in the loss: the update's forward gives the old log-probs.
   fused_old = (a.old_logp_from_update and a.num_iterations * a.minibatches == 1
                and a.kl_in == "loss")
+  # The reference's forward and, without fused_old, the policy's (whose entropy is logged).
+  logprobs_fn = make_batch_logprobs_fn(graphdef, r.temperature, mesh=mesh,
+                                       entropy=not fused_old)
   update = make_train_step(loss_fn, tx, schedule, shardings, shd, mesh=mesh, accum_steps=accum)
   beta = KLCoefficient(a.beta)
   alarms = Alarms(kl_threshold=config.alarm.kl_threshold, window=config.alarm.window, out=out,
