@@ -16,6 +16,8 @@ tokens only; compile time is excluded (one warm-up call each), and each figure i
    roughly geometric (mean ~30 tokens, capped at 256), so a static batch waits for its longest.
 3. Group insert: n = 8 samples of long prompts, prefilled once per prompt (group insert) vs once
    per sample.
+4. Decode attention: the GRPO anchor's rollout with XLA's attention and with jaxrl's CPU kernel
+   (jaxrl/models/decode_attention.py), alternating call by call.
 
 The mesh is one CPU device (jax's intra-op threads use both cores): on 2 cores, splitting a
 4.5M model over fake devices only adds collectives.
@@ -24,6 +26,7 @@ The mesh is one CPU device (jax's intra-op threads use both cores): on 2 cores, 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 
@@ -90,7 +93,9 @@ def main():
   p.add_argument("--quick", action="store_true")
   p.add_argument("--steps-per-call", type=int, default=32)
   p.add_argument("--repeats", type=int, default=3)
-  p.add_argument("--skip", default="", help="comma list of sections to skip: naive,cb,group")
+  p.add_argument("--skip", default="",
+                 help="comma list of sections to skip: naive,cb,group,attention")
+  p.add_argument("--attention-pairs", type=int, default=10)
   args = p.parse_args()
   batches = [1, 16] if args.quick else [int(b) for b in args.batches.split(",")]
   skip = set(args.skip.split(","))
@@ -187,6 +192,48 @@ def main():
     print(f"group insert cuts prefill work {a['prefill_tokens'] / b['prefill_tokens']:.0f}x "
           f"(tokens) and prefill time {a['prefill_s'] / b['prefill_s']:.1f}x; samples identical: "
           f"{bool((res[True].completion_ids == res[False].completion_ids).all())}")
+
+  # ---- 4. decode attention: XLA's against jaxrl's CPU kernel (jaxrl/models/decode_attention.cc)
+  if "attention" not in skip:
+    attention_ab(graphdef, params, cfg, mesh, args.attention_pairs)
+
+
+def attention_ab(graphdef, params, cfg, mesh, pairs):
+  """The GRPO anchor's rollout (8 prompts x 8 samples, exactly 64 tokens, 64 slots, 16 steps
+  per call) with XLA's decode attention and with the CPU kernel, the two alternating call by
+  call in this process (the machine's speed drifts between runs), and the same with each
+  rollout timed alone."""
+  from jaxrl.models import decode_attention
+
+  if not decode_attention.available():
+    print("\n4. decode attention: the CPU kernel is unavailable here (see above); skipped")
+    return
+  sp = SamplingParams(temperature=1.0, max_new_tokens=64, eos_id=None)
+  kernel = Engine(graphdef, cfg, mesh, sampling=sp)
+  xla = Engine(graphdef, cfg, mesh, sampling=sp)
+  xla._attention_kernel = lambda state: None  # XLA's batched products and masked softmax
+  rng = np.random.default_rng(3)
+  prompts = [rng.integers(3, 259, size=int(rng.integers(10, 20))).tolist() for _ in range(8)]
+  runs = {}
+  for name, engine in (("xla", xla), ("kernel", kernel)):
+    runs[name] = functools.partial(generate, engine, params, prompts, n=8, slots=64,
+                                   steps_per_call=16, max_prompt_len=32)
+  out = {name: run() for name, run in runs.items()}  # compiles
+  times = {name: [] for name in runs}
+  for _ in range(pairs):
+    for name, run in runs.items():
+      t0 = time.perf_counter()
+      run()
+      times[name].append(time.perf_counter() - t0)
+  same = float((out["xla"].completion_ids == out["kernel"].completion_ids).mean())
+  print(f"\n4. decode attention on the GRPO anchor's rollout (8 prompts x 8, exactly 64 tokens, "
+        f"64 slots), {pairs} alternating pairs, ms per rollout")
+  print(f"{'attention':>10} {'median':>8} {'min':>8} {'max':>8}")
+  for name, ts in times.items():
+    ms = np.asarray(ts) * 1e3
+    print(f"{name:>10} {np.median(ms):8.0f} {ms.min():8.0f} {ms.max():8.0f}")
+  ratio = np.median(times["xla"]) / np.median(times["kernel"])
+  print(f"kernel: {ratio:.2f}x XLA's rollout speed; tokens equal to XLA's: {same:.4f}")
 
 
 if __name__ == "__main__":

@@ -64,6 +64,25 @@ def _pin_rows(x):
   return x if constrain is None else constrain(x)
 
 
+# The decode step's attention kernel while the sampler traces its decode steps: set by
+# jaxrl.sampler.engine to jaxrl.models.decode_attention's CPU kernel where it runs (a function
+# of q [B, K, G, H], keys and values [B, K, S, H] and positions [B]), None elsewhere (XLA's
+# batched products and masked softmax, _cached_attention).
+_DECODE_ATTENTION: contextvars.ContextVar = contextvars.ContextVar("jaxrl_decode_attention",
+                                                                   default=None)
+
+
+@contextlib.contextmanager
+def decode_attention_kernel(fn):
+  """While tracing inside this context, single-token cached attention calls `fn` (None: XLA's
+  own attention)."""
+  token = _DECODE_ATTENTION.set(fn)
+  try:
+    yield
+  finally:
+    _DECODE_ATTENTION.reset(token)
+
+
 def _dtype(name: str):
   return jnp.bfloat16 if name == "bfloat16" else jnp.float32
 
@@ -282,19 +301,29 @@ class Attention(nnx.Module):
     new_kv = jax.lax.optimization_barrier(new_kv)
     keys_bksh, values_bksh = (c.astype(dt) for c in new_kv)
     n, kh = cfg.num_heads, cfg.num_kv_heads
-    S = keys_bksh.shape[2]
     q_bkgh = q_b1nh.reshape(B, kh, n // kh, cfg.head_dim)
-    logits_bkgs = jnp.einsum("BKGH,BKSH->BKGS", q_bkgh, keys_bksh,
-                             preferred_element_type=jnp.float32) * cfg.head_dim**-0.5
-    mask_bs = jnp.arange(S)[None, :] <= pos_b[:, None]
-    logits_bkgs = jnp.where(mask_bs[:, None, None, :], logits_bkgs, jnp.finfo(jnp.float32).min)
-    probs_bkgs = jax.nn.softmax(logits_bkgs, axis=-1).astype(dt)
-    out_bkgh = jnp.einsum("BKGS,BKSH->BKGH", probs_bkgs, values_bksh)
+    kernel = _DECODE_ATTENTION.get()
+    if kernel is not None:
+      out_bkgh = kernel(q_bkgh, keys_bksh, values_bksh, pos_b).astype(dt)
+    else:
+      out_bkgh = _cached_attention(q_bkgh, keys_bksh, values_bksh, pos_b, cfg.head_dim)
     # As one [B, N*H] x [N*H, D] matmul over row-major reshapes (free): written as the general
     # path's einsum, XLA:CPU transposed the whole o weight every decode step.
     o_fd = self.o[...].astype(dt).reshape(n * cfg.head_dim, cfg.embed_dim)
     out_bd = out_bkgh.reshape(B, n * cfg.head_dim) @ o_fd
     return out_bd[:, None], new_kv
+
+
+def _cached_attention(q_bkgh, keys_bksh, values_bksh, pos_b, head_dim):
+  """Slot b's G query heads per KV head attend to its cache positions <= pos_b[b], as batched
+  matmuls over (B, K) that read the cache as stored: [B, K, G, H]."""
+  S = keys_bksh.shape[2]
+  logits_bkgs = jnp.einsum("BKGH,BKSH->BKGS", q_bkgh, keys_bksh,
+                           preferred_element_type=jnp.float32) * head_dim**-0.5
+  mask_bs = jnp.arange(S)[None, :] <= pos_b[:, None]
+  logits_bkgs = jnp.where(mask_bs[:, None, None, :], logits_bkgs, jnp.finfo(jnp.float32).min)
+  probs_bkgs = jax.nn.softmax(logits_bkgs, axis=-1).astype(q_bkgh.dtype)
+  return jnp.einsum("BKGS,BKSH->BKGH", probs_bkgs, values_bksh)
 
 
 def _write_positions(cache_bksh, new_bkh, pos_b):
