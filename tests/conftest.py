@@ -149,22 +149,33 @@ def rm_logprob(sft_addition, tmp_path_factory):
 
 
 _SHARED_RUNS = {"sft_addition", "sft_slip", "reward_models", "rm_logprob"}
+# Which of the two workers trains each shared run: a test that reads several goes to the worker
+# of the first it reads in this order (the runs built on others first). The reward models
+# both start from sft_addition, trained first on worker 0; worker 1 trains sft_slip, runs the
+# demo test, and finds sft_addition done by then. Dealt alternately by file order instead, a
+# test on each worker wanted `reward_models` at about the same time, and one worker sat on its
+# lock while the other trained it (setups of 111 and 117 s, CI at 14812a9, 2026-12-02).
+_BUILDER = {"reward_models": 0, "rm_logprob": 1, "sft_addition": 0, "sft_slip": 1}
 
 
 def pytest_collection_modifyitems(config, items):
   """Orders the session for the Makefile's `-n 2 --dist worksteal`, which hands each worker one
   contiguous half of this list and lets a worker that runs dry take half of the other's queue
-  from its end. The slow end-to-end tests (those that read the shared runs above first, so the
-  runs are trained early) are dealt alternately to the two halves and run at the head of each;
-  the fast tests fill the tails, where stealing evens out the finish. Before, one worker could
-  end on a five-minute test while the other sat idle."""
-  def rank(item):
-    if item.get_closest_marker("slow") is None:
-      return 2
-    return 0 if _SHARED_RUNS & set(getattr(item, "fixturenames", ())) else 1
-  slow = sorted((i for i in items if rank(i) < 2), key=rank)  # stable: file order within
-  fast = [i for i in items if rank(i) == 2]
-  heads = slow[0::2], slow[1::2]
+  from its end. The slow end-to-end tests that read the shared runs above go first, each to the
+  worker that trains the run it needs (_BUILDER), so the runs are trained early and neither
+  worker waits on the other's; the other slow tests follow, dealt alternately (worker 1, with
+  the shorter head, first); the fast tests fill the tails, where stealing evens out the finish.
+  Before, one worker could end on a five-minute test while the other sat idle."""
+  def worker(item):
+    used = _SHARED_RUNS & set(getattr(item, "fixturenames", ()))
+    return next((_BUILDER[r] for r in _BUILDER if r in used), None)
+
+  slow = [i for i in items if i.get_closest_marker("slow") is not None]
+  fast = [i for i in items if i.get_closest_marker("slow") is None]
+  heads = ([i for i in slow if worker(i) == 0], [i for i in slow if worker(i) == 1])
+  rest = [i for i in slow if worker(i) is None]
+  heads[1].extend(rest[0::2])
+  heads[0].extend(rest[1::2])
   cut = max(0, len(items) // 2 - len(heads[0]))
   items[:] = heads[0] + fast[:cut] + heads[1] + fast[cut:]
 
