@@ -23,6 +23,10 @@
 #include <memory>
 #include <thread>
 
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -37,13 +41,66 @@ inline v8 Load(const float* p) {
   return r;
 }
 
+inline v8 Splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
+
 inline float Sum(v8 x) {
   float s = 0.f;
   for (int i = 0; i < 8; ++i) s += x[i];
   return s;
 }
 
+typedef int32_t vi8 __attribute__((vector_size(32)));
+
+// e^x for x <= 0, 8 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor
+// polynomial (relative error < 2e-7), 2^n built in the exponent bits. Inputs below -87 (the
+// smallest normal's log) give ~1e-38 instead of 0: a softmax weight that small changes
+// nothing. std::exp one lane at a time was most of the kernel's time.
+inline v8 ExpNonPositive(v8 x) {
+  const v8 lo = Splat(-87.f);
+  x = x < lo ? lo : x;
+  const v8 magic = Splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
+  const v8 n = (x * Splat(1.44269504f) + magic) - magic;
+  const v8 r = (x - n * Splat(0.693145752f)) - n * Splat(1.42860677e-6f);
+  v8 p = Splat(1.f / 720);
+  p = p * r + Splat(1.f / 120);
+  p = p * r + Splat(1.f / 24);
+  p = p * r + Splat(1.f / 6);
+  p = p * r + Splat(0.5f);
+  p = p * r + Splat(1.f);
+  p = p * r + Splat(1.f);
+  const vi8 bits = (__builtin_convertvector(n, vi8) + 127) << 23;
+  v8 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
 constexpr int kMaxChunks = 32;  // head_dim up to 256
+
+// The dot products of q [H] (pre-scaled, as C chunks) with 8 consecutive keys [8, H]: one
+// accumulator per key over the chunks, then one transpose-and-add of the 8 accumulators
+// (summing each to one lane one at a time cost more than the products on AVX2).
+inline v8 Dot8(const v8* qv, const float* k, int64_t H, int C) {
+  v8 a[8];
+  for (int j = 0; j < 8; ++j) a[j] = qv[0] * Load(k + j * H);
+  for (int c = 1; c < C; ++c) {
+    const v8 qc = qv[c];
+    for (int j = 0; j < 8; ++j) a[j] += qc * Load(k + j * H + 8 * c);
+  }
+#if defined(__AVX__)
+  __m256 t0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]);
+  __m256 t1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
+  __m256 t2 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]);
+  __m256 t3 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1);  // [k0..k3 low halves | k0..k3 high halves]
+  const __m256 u1 = _mm256_hadd_ps(t2, t3);  // the same for k4..k7
+  return (v8)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                           _mm256_permute2f128_ps(u0, u1, 0x31));
+#else
+  v8 r;
+  for (int j = 0; j < 8; ++j) r[j] = Sum(a[j]);
+  return r;
+#endif
+}
 
 // One (slot, KV head): G queries [G, H] against keys and values [S, H], positions [0, n).
 // C = H / 8 vector chunks; logits is scratch of G * n floats.
@@ -55,18 +112,9 @@ inline void Attend(const float* q, const float* k, const float* v, int64_t G, in
     for (int c = 0; c < C; ++c) qv[c] = Load(q + g * H + 8 * c) * scale;
     float* l = logits + g * n;
     int64_t s = 0;
-    // Four keys at a time: four independent accumulators keep the FMA pipes busy.
-    for (; s + 4 <= n; s += 4) {
-      const float* k0 = k + s * H;
-      v8 a0 = qv[0] * Load(k0), a1 = qv[0] * Load(k0 + H);
-      v8 a2 = qv[0] * Load(k0 + 2 * H), a3 = qv[0] * Load(k0 + 3 * H);
-      for (int c = 1; c < C; ++c) {
-        a0 += qv[c] * Load(k0 + 8 * c);
-        a1 += qv[c] * Load(k0 + H + 8 * c);
-        a2 += qv[c] * Load(k0 + 2 * H + 8 * c);
-        a3 += qv[c] * Load(k0 + 3 * H + 8 * c);
-      }
-      l[s] = Sum(a0), l[s + 1] = Sum(a1), l[s + 2] = Sum(a2), l[s + 3] = Sum(a3);
+    for (; s + 8 <= n; s += 8) {
+      const v8 d = Dot8(qv, k + s * H, H, C);
+      std::memcpy(l + s, &d, sizeof(d));
     }
     for (; s < n; ++s) {
       v8 a = qv[0] * Load(k + s * H);
@@ -77,9 +125,15 @@ inline void Attend(const float* q, const float* k, const float* v, int64_t G, in
     float mx = l[0];
     for (int64_t s = 1; s < n; ++s) mx = std::max(mx, l[s]);
     float total = 0.f;
-    for (int64_t s = 0; s < n; ++s) {
-      l[s] = std::exp(l[s] - mx);
-      total += l[s];
+    int64_t s8 = 0;
+    for (; s8 + 8 <= n; s8 += 8) {
+      const v8 e = ExpNonPositive(Load(l + s8) - Splat(mx));
+      std::memcpy(l + s8, &e, sizeof(e));
+      total += Sum(e);
+    }
+    for (; s8 < n; ++s8) {
+      l[s8] = std::exp(l[s8] - mx);
+      total += l[s8];
     }
     const float inv = 1.f / total;
     v8 acc[kMaxChunks];

@@ -256,7 +256,7 @@ class Engine:
   def _attention_kernel(self, state: DecodeState):
     """jaxrl.models.decode_attention's CPU kernel for this state's cache, or None (XLA's
     attention): off CPU, for dtypes other than float32, or where it could not be built. The
-    GRPO anchor's rollout (bench preset, 64 slots, 64 tokens) took 1,003 ms against 1,133 with
+    GRPO anchor's rollout (bench preset, 64 slots, 64 tokens) took 920 ms against 1,065 with
     XLA's attention (median of 10 alternating pairs, benchmarks/sampler.py, 2026-12-02)."""
     if not decode_attention.supports(self.cfg, self.cfg.dtype):
       return None
