@@ -147,8 +147,9 @@ inline void Attend(const float* q, const float* k, const float* v, int64_t G, in
 }
 
 // Work shared by the calling thread and the pool's helpers: each claims the next (slot, KV
-// head) pair until none is left. The caller waits only for pairs a helper has claimed, so a
-// helper that starts late (the pool busy) or never finds nothing to do and no one waits on it.
+// head) pair until none is left. The caller waits only for pairs a helper has claimed: a
+// helper that starts late (the pool busy) finds nothing left to do, and one that never starts
+// holds up no one.
 struct Work {
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
