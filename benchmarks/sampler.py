@@ -201,8 +201,7 @@ def main():
 def attention_ab(graphdef, params, cfg, mesh, pairs):
   """The GRPO anchor's rollout (8 prompts x 8 samples, exactly 64 tokens, 64 slots, 16 steps
   per call) with XLA's decode attention and with the CPU kernel, the two alternating call by
-  call in this process (the machine's speed drifts between runs), and the same with each
-  rollout timed alone."""
+  call in this process (the machine's speed drifts between runs)."""
   from jaxrl.models import decode_attention
 
   if not decode_attention.available():
