@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxrl.parallel.cpu_kernels import on_cpu
+
 ENV = "JAXRL_CPU_KERNELS"
 TARGET = "jaxrl_decode_attention"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_attention.cc")
@@ -121,9 +123,11 @@ def kernel(q_bkgh, keys_bksh, values_bksh, pos_b):
                               q_bkgh, keys_bksh, values_bksh, pos_b.astype(jnp.int32))
 
 
-def supports(cfg, dtype) -> bool:
-  """Whether the kernel handles a model of this config decoding in `dtype`."""
-  return (jnp.dtype(dtype) == jnp.float32 and cfg.head_dim % 8 == 0 and cfg.head_dim <= 256)
+def supports(cfg) -> bool:
+  """Whether the kernel handles this model config's decoding (float32 compute, head_dim a
+  multiple of 8 up to 256)."""
+  return (jnp.dtype(cfg.dtype) == jnp.float32 and cfg.head_dim % 8 == 0
+          and cfg.head_dim <= 256)
 
 
 def for_mesh(mesh, cache_spec: P):
@@ -131,7 +135,7 @@ def for_mesh(mesh, cache_spec: P):
   cache laid out as `cache_spec` on `mesh`, or None where XLA's attention stays: off CPU, with
   JAXRL_CPU_KERNELS=0, or when it could not be built. On a mesh of several devices each device
   runs it on its own slots and KV heads (shard_map), with no communication."""
-  if not all(d.platform == "cpu" for d in mesh.devices.flat) or not available():
+  if not on_cpu(mesh.devices.flat) or not available():
     return None
   if mesh.devices.size == 1:
     return kernel

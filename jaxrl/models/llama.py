@@ -304,7 +304,7 @@ class Attention(nnx.Module):
     q_bkgh = q_b1nh.reshape(B, kh, n // kh, cfg.head_dim)
     kernel = _DECODE_ATTENTION.get()
     if kernel is not None:
-      out_bkgh = kernel(q_bkgh, keys_bksh, values_bksh, pos_b).astype(dt)
+      out_bkgh = kernel(q_bkgh, keys_bksh, values_bksh, pos_b)  # float32 only (supports)
     else:
       out_bkgh = _cached_attention(q_bkgh, keys_bksh, values_bksh, pos_b, cfg.head_dim)
     # As one [B, N*H] x [N*H, D] matmul over row-major reshapes (free): written as the general

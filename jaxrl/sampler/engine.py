@@ -258,7 +258,7 @@ class Engine:
     attention): off CPU, for dtypes other than float32, or where it could not be built. The
     GRPO anchor's rollout (bench preset, 64 slots, 64 tokens) took 920 ms against 1,065 with
     XLA's attention (median of 10 alternating pairs, benchmarks/sampler.py, 2026-12-02)."""
-    if not decode_attention.supports(self.cfg, self.cfg.dtype):
+    if not decode_attention.supports(self.cfg):
       return None
     slots, width = state["live"].shape[0], window(state)
     return decode_attention.for_mesh(
