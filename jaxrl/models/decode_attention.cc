@@ -16,63 +16,26 @@
 // The (slot, KV head) pairs are shared between the calling thread and XLA's intra-op pool.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 
 #if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
+#include "cpu_simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float v8 __attribute__((vector_size(32)));
-
-inline v8 Load(const float* p) {
-  v8 r;
-  std::memcpy(&r, p, sizeof(r));
-  return r;
-}
-
-inline v8 Splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
-
-inline float Sum(v8 x) {
-  float s = 0.f;
-  for (int i = 0; i < 8; ++i) s += x[i];
-  return s;
-}
-
-typedef int32_t vi8 __attribute__((vector_size(32)));
-
-// e^x for x <= 0, 8 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor
-// polynomial (relative error < 2e-7), 2^n built in the exponent bits. Inputs below -87 (the
-// smallest normal's log) give ~1e-38 instead of 0: a softmax weight that small changes
-// nothing. std::exp one lane at a time was most of the kernel's time.
-inline v8 ExpNonPositive(v8 x) {
-  const v8 lo = Splat(-87.f);
-  x = x < lo ? lo : x;
-  const v8 magic = Splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
-  const v8 n = (x * Splat(1.44269504f) + magic) - magic;
-  const v8 r = (x - n * Splat(0.693145752f)) - n * Splat(1.42860677e-6f);
-  v8 p = Splat(1.f / 720);
-  p = p * r + Splat(1.f / 120);
-  p = p * r + Splat(1.f / 24);
-  p = p * r + Splat(1.f / 6);
-  p = p * r + Splat(0.5f);
-  p = p * r + Splat(1.f);
-  p = p * r + Splat(1.f);
-  const vi8 bits = (__builtin_convertvector(n, vi8) + 127) << 23;
-  v8 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+using jaxrl::Load;
+using jaxrl::Splat;
+using jaxrl::Sum;
+using jaxrl::v8;
+using jaxrl::ExpNonPositive;
 
 constexpr int kMaxChunks = 32;  // head_dim up to 256
 
@@ -146,15 +109,6 @@ inline void Attend(const float* q, const float* k, const float* v, int64_t G, in
   }
 }
 
-// Work shared by the calling thread and the pool's helpers: each claims the next (slot, KV
-// head) pair until none is left. The caller waits only for pairs a helper has claimed: a
-// helper that starts late (the pool busy) finds nothing left to do, and one that never starts
-// holds up no one.
-struct Work {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                            ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values,
                            ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out) {
@@ -178,27 +132,13 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const float* vp = values.typed_data();
   const int32_t* pp = pos.typed_data();
   float* op = out->typed_data();
-  const int64_t pairs = B * K;
   auto run = [=](int64_t t, float* logits) {
     const int64_t p = pp[t / K];
     const int64_t n = p < 0 ? S : std::min<int64_t>(p + 1, S);
     Attend(qp + t * G * H, kp + t * S * H, vp + t * S * H, G, C, n, p < 0, scale,
            op + t * G * H, logits);
   };
-  auto work = std::make_shared<Work>();
-  auto drain = [work, run, pairs, G, S]() {
-    std::unique_ptr<float[]> logits;
-    int64_t t;
-    while ((t = work->next.fetch_add(1, std::memory_order_relaxed)) < pairs) {
-      if (!logits) logits.reset(new float[G * S]);
-      run(t, logits.get());
-      work->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), pairs) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([drain]() { drain(); });
-  drain();
-  while (work->done.load(std::memory_order_acquire) < pairs) std::this_thread::yield();
+  jaxrl::ForEachPair(pool, B * K, G * S, run);
   return ffi::Error::Success();
 }
 

@@ -8,10 +8,12 @@ kernel reads each cached key and value row once, only up to the slot's position,
 (slot, KV head) pairs with XLA's intra-op threads. Its result equals the XLA path's to float
 rounding (tests/test_decode_attention.py); the figures are in the README's Benchmarks.
 
-It is built on first use with the machine's C++ compiler ($CXX, else g++), against the FFI
-headers that ship with jaxlib, for this CPU (-march=native), and cached by source, jaxlib
-version and CPU under $JAXRL_KERNEL_CACHE (default ~/.cache/jaxrl/kernels). Where there is no
-compiler or the build fails, decoding keeps XLA's attention and one line says why.
+This module also builds and loads the library that holds it and the learner's attention
+kernels (learner_attention.cc, jaxrl.models.learner_attention). It is built on first use with
+the machine's C++ compiler ($CXX, else g++), against the FFI headers that ship with jaxlib, for
+this CPU (-march=native), and cached by source, jaxlib version and CPU under
+$JAXRL_KERNEL_CACHE (default ~/.cache/jaxrl/kernels). Where there is no compiler or the build
+fails, decoding and the learner keep XLA's attention and one line says why.
 JAXRL_CPU_KERNELS=0 keeps XLA's attention too. Nothing changes off CPU, or for dtypes other
 than float32.
 """
@@ -36,8 +38,16 @@ from jaxrl.parallel.cpu_kernels import on_cpu
 
 ENV = "JAXRL_CPU_KERNELS"
 TARGET = "jaxrl_decode_attention"
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_attention.cc")
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-w")
+HERE = os.path.dirname(os.path.abspath(__file__))
+# One library holds jaxrl's CPU attention kernels: this decode step's and the learner's
+# full-sequence attention and its gradient (jaxrl.models.learner_attention).
+SOURCES = tuple(os.path.join(HERE, f) for f in ("decode_attention.cc", "learner_attention.cc"))
+HEADERS = (os.path.join(HERE, "cpu_simd.h"),)
+TARGETS = {"jaxrl_decode_attention": "JaxrlDecodeAttention",
+           "jaxrl_learner_attention": "JaxrlLearnerAttention",
+           "jaxrl_learner_attention_grad": "JaxrlLearnerAttentionGrad"}
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-std=c++17",
+         "-shared", "-fPIC", "-w")
 
 
 def enabled() -> bool:
@@ -70,15 +80,17 @@ def _cpu_id() -> str:
 
 
 def build() -> str:
-  """The kernel's shared library for this machine, compiled now unless the cache has it.
+  """The kernels' shared library for this machine, compiled now unless the cache has it.
   Raises RuntimeError with the compiler's message when it cannot be built."""
   cxx = os.environ.get("CXX", "g++")
-  with open(SOURCE, "rb") as f:
-    source = f.read()
+  sources = []
+  for path in SOURCES + HEADERS:
+    with open(path, "rb") as f:
+      sources.append(f.read())
   import jaxlib  # noqa: PLC0415 (only for its version)
-  key = hashlib.sha256(b"\0".join([source, jaxlib.__version__.encode(), cxx.encode(),
+  key = hashlib.sha256(b"\0".join([*sources, jaxlib.__version__.encode(), cxx.encode(),
                                    " ".join(FLAGS).encode(), _cpu_id().encode()]))
-  out = os.path.join(_cache_dir(), f"decode_attention-{key.hexdigest()[:16]}.so")
+  out = os.path.join(_cache_dir(), f"attention-{key.hexdigest()[:16]}.so")
   if os.path.exists(out):
     return out
   if shutil.which(cxx) is None:
@@ -86,7 +98,7 @@ def build() -> str:
   # Compiled to a private name, then renamed: processes building at once each get a whole file.
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(out))
   os.close(fd)
-  cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp]
+  cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), "-I", HERE, *SOURCES, "-o", tmp]
   try:
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
@@ -100,17 +112,18 @@ def build() -> str:
 
 @functools.cache
 def available() -> bool:
-  """Whether the kernel is built and registered with XLA for CPU (at most one build per
+  """Whether the kernels are built and registered with XLA for CPU (at most one build per
   process; a failure prints one line to stderr and leaves XLA's attention in place)."""
   if not enabled():
     return False
   try:
     lib = ctypes.cdll.LoadLibrary(build())
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxrlDecodeAttention),
-                                platform="cpu")
+    for target, symbol in TARGETS.items():
+      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                  platform="cpu")
   except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-    print(f"jaxrl: the CPU decode-attention kernel is unavailable, so decoding uses XLA's "
-          f"attention (slower on CPU): {e}", file=sys.stderr)
+    print(f"jaxrl: the CPU attention kernels are unavailable, so decoding and the learner use "
+          f"XLA's attention (slower on CPU): {e}", file=sys.stderr)
     return False
   return True
 

@@ -83,6 +83,26 @@ def decode_attention_kernel(fn):
     _DECODE_ATTENTION.reset(token)
 
 
+# The full-sequence attention kernel while a learner program is traced: set by
+# jaxrl.parallel.layouts.shard_activations to jaxrl.models.learner_attention's CPU kernel where
+# it runs (a differentiable function of q [B, T, K, G, H], keys and values [B, K, S, H] and mask
+# [B, T, S], or None for shapes it leaves to XLA), None elsewhere (XLA's batched products and
+# masked softmax).
+_FULL_ATTENTION: contextvars.ContextVar = contextvars.ContextVar("jaxrl_full_attention",
+                                                                 default=None)
+
+
+@contextlib.contextmanager
+def full_attention_kernel(fn):
+  """While tracing inside this context, float32 attention over several positions calls `fn`
+  (None: XLA's own attention)."""
+  token = _FULL_ATTENTION.set(fn)
+  try:
+    yield
+  finally:
+    _FULL_ATTENTION.reset(token)
+
+
 def _dtype(name: str):
   return jnp.bfloat16 if name == "bfloat16" else jnp.float32
 
@@ -243,14 +263,24 @@ class Attention(nnx.Module):
     # [B, T, K, G, H], XLA:CPU transposed around every dot: on the bench shape one layer's
     # attention forward + backward took 29 ms, 16 ms as this.)
     G, S = n // kh, keys_bksh.shape[2]
-    q_bkmh = q.reshape(B, T, kh, G, hd).transpose(0, 2, 3, 1, 4).reshape(B, kh, G * T, hd)
-    logits = jnp.einsum("BKMH,BKSH->BKMS", q_bkmh, keys_bksh, preferred_element_type=jnp.float32)
-    logits = logits * hd**-0.5
-    mask_bms = jnp.broadcast_to(mask_bts[:, None], (B, G, T, S)).reshape(B, G * T, S)
-    logits = jnp.where(mask_bms[:, None], logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(dt)
-    out = jnp.einsum("BKMS,BKSH->BKMH", probs, values_bksh)  # [B, K, G*T, H]
-    out_mf = out.reshape(B, kh, G, T, hd).transpose(0, 3, 1, 2, 4).reshape(B * T, n * hd)
+    kernel = _FULL_ATTENTION.get()
+    out_btkgh = None
+    if kernel is not None and dt == jnp.float32 and hd % 8 == 0:
+      # jaxrl.models.learner_attention: q and out in the projections' layout, no transposes
+      # (None: a batch its mesh axes do not divide).
+      out_btkgh = kernel(q.reshape(B, T, kh, G, hd), keys_bksh, values_bksh, mask_bts)
+    if out_btkgh is not None:
+      out_mf = out_btkgh.reshape(B * T, n * hd)
+    else:
+      q_bkmh = q.reshape(B, T, kh, G, hd).transpose(0, 2, 3, 1, 4).reshape(B, kh, G * T, hd)
+      logits = jnp.einsum("BKMH,BKSH->BKMS", q_bkmh, keys_bksh,
+                          preferred_element_type=jnp.float32)
+      logits = logits * hd**-0.5
+      mask_bms = jnp.broadcast_to(mask_bts[:, None], (B, G, T, S)).reshape(B, G * T, S)
+      logits = jnp.where(mask_bms[:, None], logits, jnp.finfo(jnp.float32).min)
+      probs = jax.nn.softmax(logits, axis=-1).astype(dt)
+      out = jnp.einsum("BKMS,BKSH->BKMH", probs, values_bksh)  # [B, K, G*T, H]
+      out_mf = out.reshape(B, kh, G, T, hd).transpose(0, 3, 1, 2, 4).reshape(B * T, n * hd)
     o_fd = self.o[...].astype(dt).reshape(n * hd, -1)
     return (out_mf @ o_fd).reshape(B, T, -1), new_kv
 

@@ -23,7 +23,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxrl.errors import ConfigError, check_choice
 from jaxrl.models import CACHE_AXES, ModelConfig, Transformer, abstract_model, cache_shape
-from jaxrl.models.llama import row_sharding
+from jaxrl.models import learner_attention
+from jaxrl.models.llama import full_attention_kernel, row_sharding
 
 Rule = str | tuple[str, ...] | None
 
@@ -145,11 +146,13 @@ def activation_sharding(mesh: Mesh, layout: str = "learner"):
 
 
 def shard_activations(fn, mesh: Mesh, layout: str = "learner"):
-  """`fn`, traced under activation_sharding(mesh, layout): wrap it before jax.jit."""
+  """`fn`, traced under activation_sharding(mesh, layout) and, on CPU, with the learner's
+  attention kernels (jaxrl.models.learner_attention): wrap it before jax.jit."""
 
   @functools.wraps(fn)
   def traced(*args, **kwargs):
-    with activation_sharding(mesh, layout):
+    with activation_sharding(mesh, layout), \
+         full_attention_kernel(learner_attention.for_mesh(mesh, layout)):
       return fn(*args, **kwargs)
 
   return traced
