@@ -221,10 +221,31 @@ void MatMulToRows(const float* a, int64_t lda, const float* b, const Shape& d, i
   }
 }
 
-// The probabilities [M, Sp] of pair t into w.p (keys^T into w.kt, the mask into w.maskf).
-void Probabilities(const float* k, const bool* mask, const Shape& d, const Scratch& w) {
-  Transpose(k, d.S, d.H, w.kt, d.Sp);
-  MaskRows(mask, d, w.maskf);
+// The four inputs both kernels read, checked.
+struct Inputs {
+  Shape d;
+  const float *q, *k, *v;
+  const bool* mask;
+};
+
+ffi::Error Read(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
+                ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::PRED> mask, Inputs* in) {
+  in->d = ShapeOf(q.dimensions(), keys.dimensions(), mask.dimensions());
+  in->q = q.typed_data();
+  in->k = keys.typed_data();
+  in->v = values.typed_data();
+  in->mask = mask.typed_data();
+  return Check(in->d, q.dimensions(), keys.dimensions(), values.dimensions(),
+               mask.dimensions());
+}
+
+// Pair t's queries packed into w.q and its probabilities [M, Sp] into w.p (keys^T into w.kt,
+// the mask into w.maskf).
+void Probabilities(const Inputs& in, int64_t t, const Scratch& w) {
+  const Shape& d = in.d;
+  Pack(in.q, d, t, w.q);
+  Transpose(in.k + t * d.S * d.H, d.S, d.H, w.kt, d.Sp);
+  MaskRows(in.mask + (t / d.K) * d.T * d.S, d, w.maskf);
   MatMul(w.q, d.H, 1, w.kt, d.Sp, d.M, d.H, d.Sp, w.p, d.Sp);
   Softmax(w.p, w.maskf, d, w.valid);
 }
@@ -232,23 +253,15 @@ void Probabilities(const float* k, const bool* mask, const Shape& d, const Scrat
 ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
                    ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::PRED> mask,
                    ffi::ResultBuffer<ffi::F32> out) {
-  const Shape d = ShapeOf(q.dimensions(), keys.dimensions(), mask.dimensions());
-  if (auto e = Check(d, q.dimensions(), keys.dimensions(), values.dimensions(),
-                     mask.dimensions());
-      e.failure()) {
-    return e;
-  }
-  const float* qp = q.typed_data();
-  const float* kp = keys.typed_data();
-  const float* vp = values.typed_data();
-  const bool* mp = mask.typed_data();
+  Inputs in;
+  if (auto e = Read(q, keys, values, mask, &in); e.failure()) return e;
+  const Shape d = in.d;
   float* op = out->typed_data();
   jaxrl::ForEachPair(pool, d.B * d.K, ScratchFloats(d), [=](int64_t t, float* scratch) {
     const Scratch w(scratch, d);
-    Pack(qp, d, t, w.q);
-    Probabilities(kp + t * d.S * d.H, mp + (t / d.K) * d.T * d.S, d, w);
+    Probabilities(in, t, w);
     // out [M, H] = P [M, S] values [S, H]
-    MatMulToRows(w.p, d.Sp, vp + t * d.S * d.H, d, t, op);
+    MatMulToRows(w.p, d.Sp, in.v + t * d.S * d.H, d, t, op);
   });
   return ffi::Error::Success();
 }
@@ -257,30 +270,21 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
                     ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::PRED> mask,
                     ffi::Buffer<ffi::F32> d_out, ffi::ResultBuffer<ffi::F32> d_q,
                     ffi::ResultBuffer<ffi::F32> d_keys, ffi::ResultBuffer<ffi::F32> d_values) {
-  const Shape d = ShapeOf(q.dimensions(), keys.dimensions(), mask.dimensions());
-  if (auto e = Check(d, q.dimensions(), keys.dimensions(), values.dimensions(),
-                     mask.dimensions());
-      e.failure()) {
-    return e;
-  }
-  const float* qp = q.typed_data();
-  const float* kp = keys.typed_data();
-  const float* vp = values.typed_data();
-  const bool* mp = mask.typed_data();
+  Inputs in;
+  if (auto e = Read(q, keys, values, mask, &in); e.failure()) return e;
+  const Shape d = in.d;
   const float* gp = d_out.typed_data();
   float* dqp = d_q->typed_data();
   float* dkp = d_keys->typed_data();
   float* dvp = d_values->typed_data();
   jaxrl::ForEachPair(pool, d.B * d.K, ScratchFloats(d), [=](int64_t t, float* scratch) {
     const Scratch w(scratch, d);
-    const float* kt = kp + t * d.S * d.H;
-    const float* vt = vp + t * d.S * d.H;
-    Pack(qp, d, t, w.q);
+    const float* kt = in.k + t * d.S * d.H;
+    Probabilities(in, t, w);
     Pack(gp, d, t, w.g);
     const float* g = w.g;
-    Probabilities(kt, mp + (t / d.K) * d.T * d.S, d, w);
     // dP [M, Sp] = d_out [M, H] values^T [H, Sp]
-    Transpose(vt, d.S, d.H, w.vt, d.Sp);
+    Transpose(in.v + t * d.S * d.H, d.S, d.H, w.vt, d.Sp);
     MatMul(g, d.H, 1, w.vt, d.Sp, d.M, d.H, d.Sp, w.dp, d.Sp);
     // d_logits = P * (dP - rowsum(P * dP)), zero where masked (P is, but for rows with no
     // key, whose uniform P has no gradient), times the logits' scale.
