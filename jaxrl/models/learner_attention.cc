@@ -16,7 +16,7 @@
 // probabilities as separate passes over [B, K, G*T, S] between them. Here one (row, KV head)
 // pair's whole attention (queries, keys, values, the [G*T, S] probabilities) stays in the
 // core's caches. The backward recomputes the probabilities from q and the keys, as flash
-// attention does, so nothing [B, K, M, S] is kept between the two.
+// attention does, so nothing [B, K, G*T, S] is kept between the two.
 
 #include <algorithm>
 #include <cfloat>
