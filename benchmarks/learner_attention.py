@@ -33,20 +33,8 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, ROOT)
 from jaxrl.models import decode_attention, learner_attention  # noqa: E402
+from jaxrl.models.llama import full_attention  # noqa: E402
 from jaxrl.parallel.cpu_kernels import learner_compiler_options  # noqa: E402
-
-
-def xla_attention(q_btkgh, keys_bksh, values_bksh, mask_bts):
-  """jaxrl.models.llama's XLA path on the kernel's layouts (the transposes of q and of the
-  output included: the model pays them on this path and not with the kernels)."""
-  B, T, K, G, H = q_btkgh.shape
-  S = keys_bksh.shape[2]
-  q = q_btkgh.transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
-  logits = jnp.einsum("BKMH,BKSH->BKMS", q, keys_bksh, preferred_element_type=jnp.float32)
-  mask = jnp.broadcast_to(mask_bts[:, None], (B, G, T, S)).reshape(B, 1, G * T, S)
-  logits = jnp.where(mask, logits * H**-0.5, jnp.finfo(jnp.float32).min)
-  out = jnp.einsum("BKMS,BKSH->BKMH", jax.nn.softmax(logits, -1), values_bksh)
-  return out.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4)
 
 
 def layer_ab(repeats: int) -> None:
@@ -62,7 +50,7 @@ def layer_ab(repeats: int) -> None:
   cot = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
   opts = learner_compiler_options(jax.devices())
   fns = {}
-  for name, attn in (("XLA", xla_attention), ("kernel", learner_attention.kernel)):
+  for name, attn in (("XLA", full_attention), ("kernel", learner_attention.kernel)):
     def loss(q, k, v, attn=attn):
       return jnp.sum(attn(q, k, v, mask) * cot)
     fns[f"forward, {name}"] = jax.jit(lambda q, k, v, attn=attn: attn(q, k, v, mask),

@@ -10,21 +10,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl.models import apply, decode_attention, get_preset, learner_attention
-from jaxrl.models.llama import full_attention_kernel
+from jaxrl.models.llama import full_attention, full_attention_kernel
 from jaxrl.parallel import init_params, make_mesh
 from jaxrl.parallel.layouts import shard_activations
-
-
-def _xla_attention(q_btkgh, keys_bksh, values_bksh, mask_bts):
-  """jaxrl.models.llama's XLA path, on the kernel's layouts."""
-  B, T, K, G, H = q_btkgh.shape
-  S = keys_bksh.shape[2]
-  q = q_btkgh.transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
-  logits = jnp.einsum("BKMH,BKSH->BKMS", q, keys_bksh) * H**-0.5
-  mask = jnp.broadcast_to(mask_bts[:, None], (B, G, T, S)).reshape(B, 1, G * T, S)
-  logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-  out = jnp.einsum("BKMS,BKSH->BKMH", jax.nn.softmax(logits, -1), values_bksh)
-  return out.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4)
 
 
 def _inputs(B, T, K, G, Tp, H, seed=0):
@@ -63,7 +51,7 @@ def test_forward_and_gradients_equal_xla(T, K, G, Tp, H):
   assert decode_attention.available()
   args = _inputs(5, T, K, G, Tp, H)
   got = _value_and_grads(learner_attention.kernel, *args)
-  want = _value_and_grads(_xla_attention, *args)
+  want = _value_and_grads(full_attention, *args)
   for name, g, w in zip(("out", "d_q", "d_keys", "d_values"), got, want):
     np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5, err_msg=name)
   # The position with no key attends uniformly and passes no gradient to q; a kernel that
@@ -88,7 +76,7 @@ def test_sharded_kernel_runs_per_device(devices):
   assert "jaxrl_learner_attention_grad" in hlo
   assert not any(c in hlo for c in ("all-gather", "all-reduce", "all-to-all"))
   got = _value_and_grads(fn, *args)
-  want = _value_and_grads(_xla_attention, q, keys, values, mask, cot)
+  want = _value_and_grads(full_attention, q, keys, values, mask, cot)
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
   # Six rows do not split over 4 devices: the model keeps XLA's attention (None).

@@ -62,22 +62,26 @@ def _kernel_bwd(residuals, d_out_btkgh):
 kernel.defvjp(_kernel_fwd, _kernel_bwd)
 
 
+def _handles(dtype, head_dim: int) -> bool:
+  return jnp.dtype(dtype) == jnp.float32 and head_dim % 8 == 0
+
+
 def supports(cfg) -> bool:
   """Whether the kernels handle this model config (float32 compute, head_dim a multiple of 8)."""
-  return jnp.dtype(cfg.dtype) == jnp.float32 and cfg.head_dim % 8 == 0
+  return _handles(cfg.dtype, cfg.head_dim)
 
 
 def for_mesh(mesh, layout: str = "learner"):
   """The kernel as a function of (q, keys, values, mask) for full-sequence programs traced on
   `mesh`, or None where XLA's attention stays: off CPU, with JAXRL_CPU_KERNELS=0, or when the
-  library could not be built. On a mesh of several devices each device runs it on its own
-  rows (the layout's batch axes) and KV heads (its kv_heads axis), with no communication; the
-  function returns None (XLA's attention) for a batch or KV-head count those axes do not
-  divide."""
+  library could not be built. The function returns None (XLA's attention) for inputs the
+  kernels do not handle (see supports). On a mesh of several devices each device runs it on its
+  own rows (the layout's batch axes) and KV heads (its kv_heads axis), with no communication;
+  a batch or KV-head count those axes do not divide also gets None."""
   if not on_cpu(mesh.devices.flat) or not decode_attention.available():
     return None
   if mesh.devices.size == 1:
-    return kernel
+    return lambda q, *rest: kernel(q, *rest) if _handles(q.dtype, q.shape[-1]) else None
   from jaxrl.parallel.layouts import get_rules  # noqa: PLC0415 (layouts imports the model)
   rules = get_rules(layout)
 
@@ -95,7 +99,8 @@ def for_mesh(mesh, layout: str = "learner"):
     return lambda *args: None
 
   def sharded(q_btkgh, keys_bksh, values_bksh, mask_bts):
-    if q_btkgh.shape[0] % ways(rows) or q_btkgh.shape[2] % ways(kv):
+    if (not _handles(q_btkgh.dtype, q_btkgh.shape[-1]) or q_btkgh.shape[0] % ways(rows)
+        or q_btkgh.shape[2] % ways(kv)):
       return None
     q_spec, kv_spec = P(rows, None, kv, None, None), P(rows, kv, None, None)
     return jax.shard_map(kernel, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec,

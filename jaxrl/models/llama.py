@@ -86,16 +86,15 @@ def decode_attention_kernel(fn):
 # The full-sequence attention kernel while a learner program is traced: set by
 # jaxrl.parallel.layouts.shard_activations to jaxrl.models.learner_attention's CPU kernel where
 # it runs (a differentiable function of q [B, T, K, G, H], keys and values [B, K, S, H] and mask
-# [B, T, S], or None for shapes it leaves to XLA), None elsewhere (XLA's batched products and
-# masked softmax).
+# [B, T, S] that returns None for what it leaves to XLA), None elsewhere (full_attention).
 _FULL_ATTENTION: contextvars.ContextVar = contextvars.ContextVar("jaxrl_full_attention",
                                                                  default=None)
 
 
 @contextlib.contextmanager
 def full_attention_kernel(fn):
-  """While tracing inside this context, float32 attention over several positions calls `fn`
-  (None: XLA's own attention)."""
+  """While tracing inside this context, attention over several positions calls `fn` first
+  (None: XLA's own attention, full_attention)."""
   token = _FULL_ATTENTION.set(fn)
   try:
     yield
@@ -258,29 +257,14 @@ class Attention(nnx.Module):
       S = keys_bksh.shape[2]
       mask_bts = jnp.arange(S)[None, None, :] <= positions_bt[:, :, None]
 
-    # Grouped-query attention as batched matmuls over (B, K): the G query heads that share a KV
-    # head are stacked into G*T rows against that head's S keys. (As one 5-D einsum over
-    # [B, T, K, G, H], XLA:CPU transposed around every dot: on the bench shape one layer's
-    # attention forward + backward took 29 ms, 16 ms as this.)
-    G, S = n // kh, keys_bksh.shape[2]
+    q_btkgh = q.reshape(B, T, kh, n // kh, hd)
     kernel = _FULL_ATTENTION.get()
-    out_btkgh = None
-    if kernel is not None and dt == jnp.float32 and hd % 8 == 0:
-      # jaxrl.models.learner_attention: q and out in the projections' layout, no transposes
-      # (None: a batch its mesh axes do not divide).
-      out_btkgh = kernel(q.reshape(B, T, kh, G, hd), keys_bksh, values_bksh, mask_bts)
-    if out_btkgh is not None:
-      out_mf = out_btkgh.reshape(B * T, n * hd)
-    else:
-      q_bkmh = q.reshape(B, T, kh, G, hd).transpose(0, 2, 3, 1, 4).reshape(B, kh, G * T, hd)
-      logits = jnp.einsum("BKMH,BKSH->BKMS", q_bkmh, keys_bksh,
-                          preferred_element_type=jnp.float32)
-      logits = logits * hd**-0.5
-      mask_bms = jnp.broadcast_to(mask_bts[:, None], (B, G, T, S)).reshape(B, G * T, S)
-      logits = jnp.where(mask_bms[:, None], logits, jnp.finfo(jnp.float32).min)
-      probs = jax.nn.softmax(logits, axis=-1).astype(dt)
-      out = jnp.einsum("BKMS,BKSH->BKMH", probs, values_bksh)  # [B, K, G*T, H]
-      out_mf = out.reshape(B, kh, G, T, hd).transpose(0, 3, 1, 2, 4).reshape(B * T, n * hd)
+    # jaxrl.models.learner_attention's kernel (q and out in the projections' layout, no
+    # transposes) returns None for what it leaves to XLA.
+    out_btkgh = None if kernel is None else kernel(q_btkgh, keys_bksh, values_bksh, mask_bts)
+    if out_btkgh is None:
+      out_btkgh = full_attention(q_btkgh, keys_bksh, values_bksh, mask_bts)
+    out_mf = out_btkgh.reshape(B * T, n * hd)
     o_fd = self.o[...].astype(dt).reshape(n * hd, -1)
     return (out_mf @ o_fd).reshape(B, T, -1), new_kv
 
@@ -342,6 +326,27 @@ class Attention(nnx.Module):
     o_fd = self.o[...].astype(dt).reshape(n * cfg.head_dim, cfg.embed_dim)
     out_bd = out_bkgh.reshape(B, n * cfg.head_dim) @ o_fd
     return out_bd[:, None], new_kv
+
+
+def full_attention(q_btkgh, keys_bksh, values_bksh, mask_bts):
+  """XLA's attention over several positions: q [B, T, K, G, H] (the G query heads of each KV
+  head) to keys and values [B, K, S, H], position t attending to the keys s with
+  mask_bts[b, t, s], logits scaled by H^-1/2: [B, T, K, G, H].
+
+  Grouped-query attention as batched matmuls over (B, K): the G query heads that share a KV
+  head are stacked into G*T rows against that head's S keys. (As one 5-D einsum over
+  [B, T, K, G, H], XLA:CPU transposed around every dot: on the bench shape one layer's
+  attention forward + backward took 29 ms, 16 ms as this.)"""
+  B, T, K, G, H = q_btkgh.shape
+  S = keys_bksh.shape[2]
+  q_bkmh = q_btkgh.transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
+  logits = jnp.einsum("BKMH,BKSH->BKMS", q_bkmh, keys_bksh, preferred_element_type=jnp.float32)
+  logits = logits * H**-0.5
+  mask_bms = jnp.broadcast_to(mask_bts[:, None], (B, G, T, S)).reshape(B, G * T, S)
+  logits = jnp.where(mask_bms[:, None], logits, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(logits, axis=-1).astype(q_btkgh.dtype)
+  out = jnp.einsum("BKMS,BKSH->BKMH", probs, values_bksh)  # [B, K, G*T, H]
+  return out.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4)
 
 
 def _cached_attention(q_bkgh, keys_bksh, values_bksh, pos_b, head_dim):
