@@ -490,20 +490,29 @@ def test_grpo_against_a_biased_reward_model_fires_the_alarm(reward_models, sft_a
   verifiable accuracy falls, and the reward-hacking alarm fires, is printed, is logged in
   metrics.jsonl and is counted in summary.json. Every step is logged: one step's proxy is the
   mean over 16 prompts x 8 samples and moves by ~0.25 from step to step, so the rise is read
-  from the first and last 10 steps (measured 2026-12-01, AMD EPYC: -3.62 -> -3.42, held-out
-  0.816 -> 0.738; comparing two logged steps at each end, every 5th, missed it once)."""
+  from the first and last 10 steps.
+
+  The policy is pushed hard (lr 2e-4, 4x grpo_tiny's 5e-5, as notebooks/reward_hacking.ipynb
+  does), so the outcome does not hang on float rounding. At grpo_tiny's lr the slide was too
+  slow to hold: over GRPO seeds 0-4 held-out fell by 0.004-0.070 in 40 steps with YNNPACK
+  dots and 0.051-0.191 with Eigen dots, and the proxy fell in 3 of those 10 runs. At 2e-4
+  (measured 2026-12-02, AMD EPYC Zen 4, each dot kernel with its own SFT and RM fixtures:
+  held-out 0.711 (YNNPACK) and 0.945 (Eigen) after SFT) held-out fell by 0.48-0.59 (YNNPACK)
+  and 0.70-0.73 (Eigen) over GRPO seeds 0-4, and by 0.47-0.58 from a second SFT draw (SFT
+  seed 1, YNNPACK, GRPO seeds 0-1); the proxy rose by 0.37-1.23 and the alarm fired in all 12
+  runs; the test asks a fall of 0.2."""
   from jaxrl.train.rundir import read_metrics
   workdir = str(tmp_path / "grpo")
   said = jaxrl_cli(["grpo", "--config", "configs/grpo_tiny.py", "--workdir", workdir] + [
       f"--config.{o}" for o in (
           f"init.checkpoint={sft_addition}", f"reward_model.checkpoints={reward_models['biased']}",
-          "rewards=task:0", "train.steps=40", "train.log_every=1", "train.save_every=40",
-          "eval.every=10")]).stdout
+          "rewards=task:0", "optim.lr=2e-4", "train.steps=40", "train.log_every=1",
+          "train.save_every=40", "eval.every=10")]).stdout
   rows = read_metrics(workdir)
   evals = [r for r in rows if "eval/accuracy" in r]
   proxy = [r["reward/rm_mean"] for r in rows if "reward/rm_mean" in r]
   assert len(proxy) == 40
-  assert evals[-1]["eval/accuracy"] < evals[0]["eval/accuracy"] - 0.05, evals
+  assert evals[-1]["eval/accuracy"] < evals[0]["eval/accuracy"] - 0.2, evals
   assert np.mean(proxy[-10:]) > np.mean(proxy[:10]), proxy
   assert any(r.get("alarm/reward_hacking") == 1.0 for r in evals)
   assert json.load(open(os.path.join(workdir, "summary.json")))["alarms"]["reward_hacking"] >= 1
