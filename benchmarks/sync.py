@@ -7,7 +7,7 @@ layout (FSDP over 8 devices) and move to the sampler layout, in both placements:
   colocated      learner fsdp=8 -> sampler data=2 x tensor=4 on the same 8 devices
   disaggregated  learner fsdp=4 on devices 0-3 -> sampler tensor=4 on devices 4-7
 Columns: jaxrl's sync (one device_put), a jitted identity with out_shardings (the alternative
-DESIGN.md rejects; it cannot cross device sets, so disaggregated shows n/a), and a numpy memcpy
+docs/design.md rejects; it cannot cross device sets, so disaggregated shows n/a), and a numpy memcpy
 of the same number of bytes. GB/s counts the tree's bytes once, however many replicas receive
 it. Medians of --repeats runs after one warm-up.
 """

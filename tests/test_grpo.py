@@ -20,7 +20,7 @@ from jaxrl.train.optim import make_optimizer, optim_section
 from jaxrl.train.rundir import read_metrics
 from jaxrl.train.state import init_train_state, make_train_step, put_batch
 
-# Every metric DESIGN.md names for an RL step (eval/accuracy appears at eval steps).
+# Every metric docs/design.md names for an RL step (eval/accuracy appears at eval steps).
 STEP_METRICS = (
     "loss", "reward/mean", "reward/std", "accuracy", "frac_zero_std_groups", "kl", "entropy",
     "clipfrac/low", "clipfrac/high", "is_ratio/mean", "staleness/mean", "response_length/mean",

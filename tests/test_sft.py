@@ -113,7 +113,7 @@ def test_sigterm_then_resume_is_bitwise_equal_to_an_uninterrupted_run(repo_root,
   after = [_without_timing(m) for m in ma if m["step"] > stopped]
   assert after and after == [_without_timing(m) for m in mb if m["step"] > stopped]
   assert any("eval/accuracy" in m for m in after)
-  # The run directory DESIGN.md promises.
+  # The run directory docs/design.md promises.
   assert json.load(open(os.path.join(full, "config.json")))["train"]["steps"] == STEPS
   assert {"loss", "lr", "grad_norm", "timing_s/step", "perf/tokens_per_s",
           "perf/tflops"} <= set(ma[-1])

@@ -231,7 +231,7 @@ def _assemble(prompts, n, toks, lps, sp, pad_id, stats, wall) -> Rollout:
 
 
 def metrics(rollout: Rollout) -> dict:
-  """The rollout's stats under DESIGN.md's metric names, for trainers to log."""
+  """The rollout's stats under docs/design.md's metric names, for trainers to log."""
   st = rollout.stats
   return {"timing_s/gen": st["wall_s"], "perf/gen_tokens_per_s": st["tokens_per_s"],
           "response_length/mean": float(rollout.lengths.mean()) if len(rollout.lengths) else 0.0,

@@ -1,4 +1,4 @@
-"""The run directory every command writes (DESIGN.md):
+"""The run directory every command writes (docs/design.md):
 
     DIR/config.json      the resolved config
     DIR/metrics.jsonl    one JSON object per log step: {"step": s, "loss": ..., ...}
