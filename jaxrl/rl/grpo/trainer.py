@@ -51,11 +51,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxrl.data import read_jsonl
+from jaxrl.data.tokenizer import Tokenizer
 from jaxrl.errors import ConfigError
+from jaxrl.models.config import ModelConfig
 from jaxrl.models.flops import rollout_flops
 from jaxrl.parallel import batch_sharding
 from jaxrl.parallel.distributed import global_array
-from jaxrl.parallel.sync import Overlap, SamplerCopy, WeightSync, make_placement
+from jaxrl.parallel.sync import Overlap, Placement, SamplerCopy, WeightSync, make_placement
+from jaxrl.rewards import RewardSpec
 from jaxrl.rewards import model as rm_lib
 from jaxrl.rl.grpo.experience import Experience, PromptStream, make_experience
 from jaxrl.rl.grpo.monitors import Alarms, KLCoefficient
@@ -67,6 +70,7 @@ from jaxrl.train.checkpoint import Checkpointer, restore_params
 from jaxrl.train.evaluation import ExactMatch
 from jaxrl.train.loop import resume, start_run, train_loop
 from jaxrl.train.optim import make_optimizer
+from jaxrl.train.rundir import RunDir
 from jaxrl.train.state import init_train_state, make_train_step, start_from_hf
 
 
@@ -89,10 +93,7 @@ def run(config, workdir: str, *, out=print) -> dict:
         updates_per_step=p.updates_per_step,
         summary_extra=lambda: {"alarms": dict(p.alarms.raised), "kl/max": p.alarms.kl_max})
   finally:
-    if p.overlap is not None:
-      p.overlap.close()
-    p.ckpt.close()
-    p.run_dir.close()
+    p.close()
 
 
 def step(p: Parts, state, prompts: list[dict]):
@@ -159,13 +160,13 @@ class Parts:
   evaluate read. Only the host state (the stream, beta, the alarms, the reward models'
   normaliser, async generation's pending rollout) changes between steps."""
   config: ml_collections.ConfigDict
-  cfg: Any                    # the model's config
-  tokenizer: Any
+  cfg: ModelConfig
+  tokenizer: Tokenizer
   task: Any                   # the built-in task (its checker), or None
   main: bool                  # this process reports
-  run_dir: Any
+  run_dir: RunDir
   ckpt: Checkpointer
-  placement: Any
+  placement: Placement
   mesh: Mesh                  # the learner's
   shardings: Any              # the train state's
   shd: NamedSharding          # the learner batch's rows
@@ -177,9 +178,9 @@ class Parts:
   overlap: Overlap | None     # async generation's background thread
   pending: dict               # {"prompts", "future"}: the next step's rollout, under way
   stream: PromptStream
-  specs: list
-  rms: Any                    # rm_lib.RewardModels, or None
-  rm_norm: Any                # rm_lib.RunningNorm, or None
+  specs: list[RewardSpec]
+  rms: rm_lib.RewardModels | None
+  rm_norm: rm_lib.RunningNorm | None
   prompt_len: int             # prompts are right-padded to it
   length: int                 # prompt_len + max_new_tokens: the joined rows' length
   # The learner (steps 4-6).
@@ -197,6 +198,13 @@ class Parts:
     holds the whole batch (the rollout and its scores are the same on all of them, see
     to_host); each takes its own shards of it."""
     return {k: global_array(np.asarray(v), sharding or self.shd) for k, v in rows.items()}
+
+  def close(self) -> None:
+    """Waits for the rollout under way and the checkpoint being written; closes the run dir."""
+    if self.overlap is not None:
+      self.overlap.close()
+    self.ckpt.close()
+    self.run_dir.close()
 
 
 def setup(config, workdir: str, *, out=print) -> tuple[Parts, Any]:
