@@ -81,7 +81,7 @@ def reward_specs(text: str, task, kwargs=None) -> list[RewardSpec]:
   checker; "none" is no verifiable reward. `kwargs` maps a reward name to its keyword arguments
   (config `reward_kwargs`, e.g. {"format": {"pattern": "^\\d+$"}})."""
   if text.strip() in ("none", ""):
-    return []  # a reward model alone (run() checks that one is configured)
+    return []  # a reward model alone (setup() checks that one is configured)
   parts = []
   for part in filter(None, (p.strip() for p in text.split(","))):
     name, sep, weight = part.partition(":")

@@ -112,7 +112,7 @@ def step(p: Parts, state, prompts: list[dict]):
 
 
 def step_metrics(p: Parts, e: Experience, upd: dict) -> dict:
-  """The step's metrics (DESIGN.md's names), from its experience and its updates' metrics."""
+  """The step's logged metrics, from its experience and its updates' metrics."""
   a, task, t = p.config.algo, p.task, e.times
   # Model FLOPs of one learner forward over this batch (jaxrl.models.flops); a backward
   # costs two forwards.
