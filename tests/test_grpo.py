@@ -488,6 +488,31 @@ def test_async_generation_is_one_step_stale_and_otherwise_the_same(repo_root, tm
     assert a["timing_s/gen_wait"] >= 0.0 and a["timing_s/gen"] > 0.0
 
 
+def test_a_step_by_hand_is_the_runs_step(repo_root, tmp_path, devices):
+  """A notebook's GRPO step: setup(), then make_experience -> update -> step_metrics by hand,
+  is run()'s first step to the bit (the same prompts, seeds, params and programs)."""
+  spec = os.path.join(repo_root, "configs/grpo_tiny.py:runlocal")
+  overrides = ["train.steps=1", "eval.every=0"]
+  grpo.run(config_lib.load_config(spec, overrides), str(tmp_path / "run"), out=lambda *a: None)
+  logged = read_metrics(str(tmp_path / "run"))[-1]
+  p, state = grpo.setup(config_lib.load_config(spec, overrides), str(tmp_path / "hand"),
+                        out=lambda *a: None)
+  try:
+    experience = grpo.make_experience(p, state, next(p.stream), step=0)
+    # One update per step: the update's own forward gives the old log-probs.
+    assert grpo.old_logp_from_update(p.config.algo)
+    assert experience.old_sums is None and "old_logp" not in experience.batch
+    assert experience.batch["adv"].shape == experience.batch["mask"].shape
+    state, upd = grpo.update(p, state, experience)
+    metrics = grpo.step_metrics(p, experience, upd)
+  finally:
+    p.close()
+  assert int(jax.device_get(state.step)) == 1
+  for key in ("loss", "grad_norm", "kl", "entropy", "is_ratio/mean", "clipfrac/low",
+              "reward/mean", "accuracy", "frac_zero_std_groups", "staleness/mean"):
+    assert metrics[key] == logged[key], key
+
+
 def test_async_generation_needs_disaggregated_placement(repo_root, tmp_path):
   spec = os.path.join(repo_root, "configs/grpo_tiny.py:runlocal")
   with pytest.raises(ConfigError, match=r"rollout.async_generation=True needs "

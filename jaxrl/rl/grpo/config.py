@@ -1,0 +1,99 @@
+"""GRPO's config: every field a run reads (default_config) and the algorithm's knobs
+(algo_section), with what each one means."""
+
+from __future__ import annotations
+
+import ml_collections
+
+from jaxrl import config as config_lib
+from jaxrl.rewards import model as rm_lib
+from jaxrl.rl import advantages as adv_lib
+from jaxrl.rl import losses
+
+config_lib.CHOICES.update({
+    "algo.advantage": adv_lib.ESTIMATORS,
+    "algo.aggregation": losses.AGGREGATIONS,
+    "algo.kl_estimator": ("k1", "k2", "k3"),
+    "algo.kl_in": ("loss", "reward"),
+    "algo.ratio_level": ("token", "sequence"),
+    "reward_model.ensemble": rm_lib.ENSEMBLES,
+})
+
+
+def algo_section(**overrides) -> ml_collections.ConfigDict:
+  """The algorithm's knobs. Defaults are GRPO with DAPO's token-mean and no clip-higher."""
+  c = ml_collections.ConfigDict(dict(
+      advantage="grpo",          # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline
+      adv_clip=5.0,
+      eps_low=0.2,
+      eps_high=0.2,              # > eps_low is DAPO's clip-higher
+      dual_clip_c=0.0,           # > 1 enables dual-clip; 0 = off
+      ratio_level="token",       # "sequence" = GSPO
+      aggregation="token-mean",
+      beta=0.04,                 # KL coefficient in the loss; 0 still measures KL (alarms)
+      kl_estimator="k3",
+      kl_clamp=10.0,
+      kl_in="loss",              # or "reward"
+      kl_target=0.0,             # > 0: adaptive KL controller toward this target
+      kl_horizon=10_000,
+      entropy_coef=0.0,
+      num_iterations=1,          # passes over each step's rollouts (mu in the GRPO paper)
+      minibatches=1,             # optimizer updates per pass
+      filter_zero_std=False,     # dynamic sampling: drop all-equal groups, refill the batch
+      max_refill_rounds=3,
+      mask_truncated=False,      # completions cut at max_new_tokens carry no loss
+      tis_cap=0.0,               # > 0: truncated IS correction of sampler/learner mismatch
+      # With one update per step and KL in the loss, take the old log-probs from the update's
+      # own forward (stop_gradient) instead of a separate forward; False always runs one.
+      old_logp_from_update=True,
+      # The learner's forwards run each group's prompt once and its G completions against it
+      # (instead of G joined copies), when prompts_per_step divides by minibatches x replicas;
+      # minibatches then hold whole groups.
+      shared_prompt_forward=True,
+  ))
+  c.update(overrides)
+  return c
+
+
+def default_config():
+  """Every field a GRPO run reads, with the defaults configs/grpo_tiny.py starts from."""
+  from jaxrl.parallel.distributed import distributed_section
+  from jaxrl.parallel.sync import placement_config
+  from jaxrl.train.optim import optim_section
+  c = config_lib.base_config()
+  c.model.preset = "tiny"
+  c.init = ml_collections.ConfigDict(dict(checkpoint=""))  # an SFT run dir to start from
+  c.data = ml_collections.ConfigDict(dict(
+      task="addition", train_file="", eval_file="", train_examples=20_000, on_bad_row="error"))
+  c.rollout = ml_collections.ConfigDict(dict(
+      prompts_per_step=16, group_size=8, max_new_tokens=8, temperature=1.0, top_k=0,
+      top_p=1.0, slots=64, steps_per_call=8,
+      ignore_eos=False,  # True: every completion runs to max_new_tokens (benchmarks)
+      # True: the KV cache's window grows with the longest live sequence (fewer reads per
+      # decode step, up to two decode compiles per doubling); False: allocated whole, one
+      # compile (where compiles are slow, e.g. large models on TPU).
+      grow_cache=True,
+      # True: generation for step k+1 runs on the sampler devices while step k updates on the
+      # learner's (one-step off-policy: staleness 1, corrected by algo.tis_cap when > 0).
+      # Needs placement.mode="disaggregated".
+      async_generation=False))
+  c.algo = algo_section()
+  c.rewards = "task"  # "task" = the task's checker; else e.g. "exact_match:1.0,format:0.1";
+                      # "none" (or "task:0", which still logs `accuracy`) with a reward model
+  c.reward_model = rm_lib.reward_model_section()
+  c.reward_kwargs = {}  # per reward, e.g. {"format": {"pattern": r"^\d+$"}}
+  c.normalize_rewards = False
+  # Measured on the tiny preset after 600 SFT steps: lr 5e-5 raised held-out accuracy
+  # 0.711 -> 0.781 in 80 steps at KL <= 0.04; 2e-4 and above drifted (KL > 0.1) and lost accuracy.
+  c.optim = optim_section(lr=5e-5, schedule="constant", warmup_steps=0, weight_decay=0.0,
+                          clip_norm=1.0)
+  c.train = ml_collections.ConfigDict(dict(
+      steps=80, log_every=5, save_every=20, keep_checkpoints=2, async_checkpoints=True))
+  c.eval = ml_collections.ConfigDict(dict(every=20, examples=256, batch_size=128))
+  # Alarms: KL above kl_threshold; reward (mean over the last `window` steps; the raw reward-model
+  # score when there is one) rising between an eval and the latest one at least `window` steps
+  # before it, while held-out accuracy falls by more than min_accuracy_drop.
+  c.alarm = ml_collections.ConfigDict(dict(kl_threshold=0.1, window=20, min_accuracy_drop=0.03))
+  c.placement = placement_config()
+  c.distributed = distributed_section()
+  return c

@@ -1,0 +1,364 @@
+"""GRPO's experience (steps 1-5 of a step): sync the policy's weights into the sampler,
+generate and score the rollouts, the learner's log-probs of the sampled tokens (reference and
+old), and the advantages; and the prompts and batch layouts they come in."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from typing import TYPE_CHECKING
+
+import jax
+import numpy as np
+
+from jaxrl.errors import ConfigError
+from jaxrl.models.flops import rollout_flops
+from jaxrl.parallel.distributed import to_host
+from jaxrl.rl import advantages as adv_lib
+from jaxrl.rl import losses
+from jaxrl.rl.grpo.rewards import score_rollout
+from jaxrl.rl.grpo.update import old_policy_sums, sampler_log_ratio
+from jaxrl.sampler import Rollout, bucket, generate
+from jaxrl.sampler import metrics as rollout_metrics
+
+if TYPE_CHECKING:
+  from jaxrl.rl.grpo.trainer import Parts
+
+
+@dataclasses.dataclass
+class Experience:
+  """One step's scored rollouts, as the update consumes them. Host arrays, the same on every
+  process; N = prompts x G rows, rows p*G .. p*G+G-1 answering prompt p."""
+  step: int
+  version: int            # the step whose weights sampled it: step, or step - 1 when async
+  rollout: Rollout
+  rewards_bg: np.ndarray  # [B, G] the rewards, before any KL shaping
+  # The learner batch: the model inputs in either layout (learner_batch or
+  # grouped_learner_batch), mask, sampler_logp, ref_logp, adv, beta, and old_logp when a
+  # separate forward gave them.
+  batch: dict[str, np.ndarray]
+  old_sums: dict | None   # that forward's old_policy_sums; None: the update's forward gives them
+  reward_stats: dict
+  gen_stats: dict
+  frac_zero: float        # of the first round's groups, whose G rewards were all equal
+  times: dict             # seconds: gen, gen_wait (what the learner waited), old, ref
+
+
+def make_experience(p: Parts, state, prompts: list[dict], step: int) -> Experience:
+  """Steps 1-5 for this step's prompts (step counts GRPO steps, from 0)."""
+  a, r = p.config.algo, p.config.rollout
+  version, scored, t_wait = scored_rollouts(p, state, prompts, step)  # 1-3
+  rollout = scored.rollout
+  if p.grouped:  # each group's prompt once, its G completions after it
+    batch = grouped_learner_batch(
+        rollout, prompt_len=p.prompt_len, group=r.group_size, pad_id=p.tokenizer.pad_id,
+        width=completion_width(rollout.completion_ids.shape[1], r.max_new_tokens))
+    inputs = ("prompt", "prompt_len", "completion")
+  else:
+    batch = learner_batch(rollout, length=p.length, pad_id=p.tokenizer.pad_id)
+    inputs = ("inputs", "targets", "positions")
+  mask = batch["mask"]
+  if a.mask_truncated:
+    truncated = np.array([x == "length" for x in rollout.finish_reasons])
+    mask[truncated] = 0.0
+  dev = p.put({k: batch[k] for k in inputs})
+  # 4. The learner's log-probs of the sampled tokens: the old policy's, unless the update's
+  # own forward gives them (update.old_logp_from_update), and the frozen reference's.
+  old, old_np, old_sums, t_old = {}, None, None, 0.0
+  if not p.old_from_update:
+    t0 = time.perf_counter()
+    old_logp, entropy = jax.block_until_ready(p.logprobs_fn(state.params, dev))
+    t_old = time.perf_counter() - t0
+    old_np, entropy = to_host((old_logp, entropy))
+    old = {"old_logp": old_np.astype(np.float32)}
+    log_ratio = sampler_log_ratio(old_logp=old_np, sampler_logp=batch["sampler_logp"],
+                                  mask=mask)
+    old_sums = old_policy_sums(log_ratio=log_ratio, entropy=entropy, mask=mask)
+  t0 = time.perf_counter()
+  ref_logp, _ = jax.block_until_ready(p.logprobs_fn(p.reference, dev))
+  t_ref = time.perf_counter() - t0
+  ref_np = to_host(ref_logp)
+  # 5. Advantages with the named estimator (KL in the reward shapes them when kl_in="reward").
+  seq_rewards = scored.rewards_bg.reshape(-1)
+  if a.kl_in == "reward":
+    kl_tok = np.asarray(losses.kl_penalty(logp=old_np, ref_logp=ref_np,
+                                          estimator=a.kl_estimator,
+                                          clamp=a.kl_clamp or None))
+    seq_rewards = np.asarray(losses.kl_in_reward(rewards_b=seq_rewards, kl_bt=kl_tok,
+                                                 mask_bt=mask, beta=p.beta.value))
+  adv = np.asarray(adv_lib.compute(a.advantage, rewards_bg=seq_rewards.reshape(
+      -1, r.group_size), clip=a.adv_clip or None)).reshape(-1)
+  batch = {**{k: batch[k] for k in inputs + ("mask", "sampler_logp")}, **old,
+           "ref_logp": ref_np.astype(np.float32),
+           "adv": np.broadcast_to(adv[:, None], mask.shape).astype(np.float32),
+           "beta": np.full(mask.shape, p.beta.value, np.float32)}
+  return Experience(
+      step=step, version=version, rollout=rollout, rewards_bg=scored.rewards_bg, batch=batch,
+      old_sums=old_sums, reward_stats=scored.reward_stats, gen_stats=scored.gen_stats,
+      frac_zero=scored.frac_zero,
+      times={"gen": scored.t_gen, "gen_wait": t_wait, "old": t_old, "ref": t_ref})
+
+
+# ----------------------------------------------------------------------------- rollouts
+
+
+@dataclasses.dataclass
+class Scored:
+  """Steps 2-3's output: a rollout of B prompts x G, its rewards and stats."""
+  rollout: Rollout
+  rewards_bg: np.ndarray  # [B, G]
+  reward_stats: dict
+  gen_stats: dict
+  frac_zero: float
+  t_gen: float            # the rollout's own wall time, scoring excluded
+
+
+def scored_rollouts(p: Parts, state, prompts: list[dict], step: int):
+  """Steps 1-3: (version, Scored, seconds waited). Synchronous: sync the weights, then
+  generate and score. With rollout.async_generation, this step's rollout was started during
+  the previous step's update on the sampler's own devices (weights one step old), and the
+  next step's is started now, to overlap this step's update."""
+  params_s = None
+  if p.pending and p.pending["prompts"] == prompts:
+    t0 = time.perf_counter()
+    version, scored = p.pending.pop("future").result()
+    t_wait = time.perf_counter() - t0
+  else:  # synchronous, or the first step of an async run (or after a resume)
+    p.pending.clear()
+    params_s = p.sampler_copy.refresh(state.params)  # 1
+    scored = sample_and_score(p, params_s, prompts, step)  # 2-3
+    version, t_wait = step, scored.t_gen
+  p.stream.mark()  # the host state as of this step's scoring, before step k+1's starts
+  if p.overlap is not None:
+    next_prompts = p.stream.peek()
+    if params_s is None:
+      params_s = p.sampler_copy.refresh(state.params)
+    p.pending.update(prompts=next_prompts, future=p.overlap.submit(
+        sample_and_score, p, params_s, next_prompts, step + 1, version=step))
+  else:
+    p.sampler_copy.before_update()  # colocated: its memory goes to the update
+  return version, scored, t_wait
+
+
+def sample_and_score(p: Parts, params_s, prompts: list[dict], step: int) -> Scored:
+  """Steps 2-3: sample B prompts x G completions with the engine (continuous batching, one
+  prefill per group) and score them; with dynamic sampling (algo.filter_zero_std), groups whose
+  G rewards are all equal are replaced by groups sampled for fresh prompts."""
+  a, G = p.config.algo, p.config.rollout.group_size
+  t0 = time.perf_counter()
+  flops = []  # the model FLOPs of every rollout sampled, refills included
+
+  def sample_counted(batch_prompts, round_):
+    ro, rw, st = sample(p, params_s, batch_prompts, step, round_)
+    flops.append(rollout_flops(p.cfg, ro))
+    return ro, rw, st
+
+  rollout, rewards, reward_stats = sample_counted(prompts, 0)
+  rewards_bg = rewards.reshape(-1, G)
+  zero = np.asarray(adv_lib.zero_std_groups(rewards_bg=rewards_bg))
+  frac_zero = float(zero.mean())
+  gen_stats = rollout_metrics(rollout)
+  if a.filter_zero_std and zero.any():
+    rollout, rewards_bg = _refill(rollout, rewards_bg, zero, sample_counted, p.stream,
+                                  a.max_refill_rounds, G)
+  t_gen = time.perf_counter() - t0 - reward_stats["timing_s/reward"]
+  gen_stats["perf/tflops/gen"] = sum(flops) / max(t_gen, 1e-9) / 1e12
+  return Scored(rollout, rewards_bg, reward_stats, gen_stats, frac_zero, t_gen)
+
+
+def sample(p: Parts, params_s, prompts: list[dict], step: int, round_: int):
+  """(rollout, [N] rewards, reward stats) of `prompts` x G, with a seed drawn from (seed, step,
+  round)."""
+  r = p.config.rollout
+  ids = [p.tokenizer.encode(x["prompt"], bos=True) for x in prompts]
+  seed = int(jax.random.randint(jax.random.fold_in(jax.random.key(p.config.seed),
+                                                   step * 16 + round_), (), 0, 2**31 - 1))
+  rollout = generate(p.engine, params_s, ids, n=r.group_size, seed=seed, slots=r.slots,
+                     steps_per_call=r.steps_per_call, max_prompt_len=p.prompt_len,
+                     grow_cache=r.grow_cache, pad_id=p.tokenizer.pad_id)
+  rewards, reward_stats = score_rollout(p, rollout, prompts)
+  return rollout, rewards, reward_stats
+
+
+def _refill(rollout, rewards_bg, zero, sample, stream, rounds: int, G: int):
+  """Dynamic sampling (DAPO): replaces all-equal groups with groups sampled for fresh prompts,
+  up to `rounds` extra rounds. The group count stays fixed (a group that cannot be replaced
+  stays, with zero advantage), so the learner's jits never recompile."""
+  B = len(zero)
+  parts = [(rollout, rewards_bg, g) for g in np.flatnonzero(~zero)]
+  for i in range(1, rounds + 1):
+    if len(parts) >= B:
+      break
+    ro, rw, _ = sample(next(stream), i)
+    rw_bg = rw.reshape(-1, G)
+    z = np.asarray(adv_lib.zero_std_groups(rewards_bg=rw_bg))
+    parts += [(ro, rw_bg, g) for g in np.flatnonzero(~z)]
+  parts += [(rollout, rewards_bg, g) for g in np.flatnonzero(zero)]  # fill up, zero advantage
+  parts = parts[:B]
+  return _concat_groups(parts, G), np.stack([rw[g] for _, rw, g in parts])
+
+
+def _concat_groups(parts, G: int):
+  """A Rollout made of the given (rollout, rewards, group) groups, padded to common widths."""
+  rows = [(ro, g * G + j) for ro, _, g in parts for j in range(G)]
+  lp = max(ro.prompt_ids.shape[1] for ro, _ in rows)
+  lc = max(ro.completion_ids.shape[1] for ro, _ in rows)
+
+  def stack(name, width):
+    arrs = [getattr(ro, name)[s] for ro, s in rows]
+    out = np.zeros((len(rows), width), arrs[0].dtype)
+    for i, a in enumerate(arrs):
+      out[i, :len(a)] = a
+    return out
+
+  first = rows[0][0]
+  return dataclasses.replace(
+      first, prompt_ids=stack("prompt_ids", lp), completion_ids=stack("completion_ids", lc),
+      completion_mask=stack("completion_mask", lc), logprobs=stack("logprobs", lc),
+      prompt_lengths=np.array([ro.prompt_lengths[s] for ro, s in rows]),
+      lengths=np.array([ro.lengths[s] for ro, s in rows]),
+      finish_reasons=[ro.finish_reasons[s] for ro, s in rows],
+      prompt_index=np.arange(len(rows)) // G)
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+class PromptStream:
+  """B prompt records per step from a list, reshuffled each epoch from (seed, epoch); its
+  position is checkpointed beside the train state, so a resumed run sees the same prompts."""
+
+  def __init__(self, records: list[dict], batch: int, seed: int, extras: dict | None = None,
+               learner_state: dict | None = None):
+    if not records:
+      raise ConfigError("the RL prompt set is empty: set data.task or data.train_file.")
+    self.records, self.batch, self.seed = records, batch, seed
+    self.epoch, self.pos = 0, 0
+    # Host-side state that must resume with the prompts: objects with get_state()/set_state(),
+    # checkpointed under their names. `extras` are what scoring updates (the reward models'
+    # running normaliser), which async generation does in the background: saved as of the last
+    # mark(). `learner_state` is what only the learner's own step changes (the KL coefficient,
+    # the alarms' history): saved as it is when the checkpoint is written.
+    self.extras = dict(extras or {})
+    self.learner_state = dict(learner_state or {})
+    self._marked: dict | None = None  # the extras' state at the last mark()
+
+  def _order(self):
+    return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.records))
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> list[dict]:
+    out = []
+    while len(out) < self.batch:
+      order = self._order()
+      take = order[self.pos:self.pos + self.batch - len(out)]
+      out += [self.records[i] for i in take]
+      self.pos += len(take)
+      if self.pos >= len(self.records):
+        self.epoch, self.pos = self.epoch + 1, 0
+    return out
+
+  def peek(self) -> list[dict]:
+    """The batch the next `next()` returns, without advancing (async generation starts on it
+    one step early). Only the position is rewound; the extras are not touched."""
+    epoch, pos = self.epoch, self.pos
+    try:
+      return next(self)
+    finally:
+      self.epoch, self.pos = epoch, pos
+
+  def mark(self) -> None:
+    """Records the extras' state now; get_state() returns it until the next mark. With async
+    generation, step k+1's rollout is scored (updating e.g. the RM normaliser) in the
+    background while step k is checkpointed. Marking before it starts keeps that checkpoint to
+    what steps <= k put in: a resumed run, which scores step k+1 again, counts it once, and a
+    save never reads a half-updated state."""
+    self._marked = {k: copy.deepcopy(v.get_state()) for k, v in self.extras.items()}
+
+  def get_state(self) -> dict:
+    extras = (self._marked if self._marked is not None
+              else {k: v.get_state() for k, v in self.extras.items()})
+    return {"epoch": self.epoch, "pos": self.pos, **extras,
+            **{k: v.get_state() for k, v in self.learner_state.items()}}
+
+  def set_state(self, state: dict) -> None:
+    self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+    # A key missing from an older checkpoint leaves that state as configured.
+    for k, v in {**self.extras, **self.learner_state}.items():
+      if k in state:
+        v.set_state(state[k])
+    self.mark()
+
+
+
+# ----------------------------------------------------------------------------- the batch
+
+
+def learner_batch(rollout, *, length: int, pad_id: int) -> dict[str, np.ndarray]:
+  """Rollout -> next-token arrays over prompt + completion, right-padded to `length` + 1.
+
+  Row s is prompt s's tokens then its completion's. Target index t predicts token t+1, so the
+  completion's first token is the target at index len(prompt) - 1. `mask` marks completion
+  targets; `sampler_logp` is the sampler's log-prob of each such target.
+  """
+  N = rollout.completion_ids.shape[0]
+  seq = np.full((N, length + 1), pad_id, np.int32)
+  mask = np.zeros((N, length), np.float32)
+  sampler_logp = np.zeros((N, length), np.float32)
+  for s in range(N):
+    p = int(rollout.prompt_lengths[s])
+    c = int(rollout.lengths[s])
+    seq[s, :p] = rollout.prompt_ids[s, :p]
+    seq[s, p:p + c] = rollout.completion_ids[s, :c]
+    mask[s, p - 1:p - 1 + c] = 1.0
+    sampler_logp[s, p - 1:p - 1 + c] = rollout.logprobs[s, :c]
+  positions = np.broadcast_to(np.arange(length, dtype=np.int32), (N, length))
+  return {"inputs": seq[:, :-1], "targets": seq[:, 1:], "positions": np.array(positions),
+          "mask": mask, "sampler_logp": sampler_logp}
+
+
+def grouped_learner_batch(rollout, *, prompt_len: int, group: int, pad_id: int,
+                          width: int | None = None) -> dict[str, np.ndarray]:
+  """Rollout -> the shared-prompt form: each group's prompt once, its G completions after it.
+
+  prompt [P, prompt_len] right-padded, prompt_len [P, 1], completion [N, Tc] (the targets:
+  index t holds completion token t), and mask / sampler_logp [N, Tc] on the completion's own
+  index (see Transformer.grouped_hidden). Rows p*G .. p*G+G-1 must share prompt p. Tc is
+  `width` (completions right-padded to it, masked out; see completion_width), or the
+  rollout's longest completion.
+  """
+  N, Tc = rollout.completion_ids.shape
+  if width is not None:
+    if width < Tc:
+      raise ValueError(f"grouped_learner_batch: width={width} is shorter than the rollout's "
+                       f"longest completion ({Tc} tokens)")
+    pad = ((0, 0), (0, width - Tc))
+    rollout = dataclasses.replace(
+        rollout, completion_ids=np.pad(rollout.completion_ids, pad, constant_values=pad_id),
+        logprobs=np.pad(rollout.logprobs, pad))
+    Tc = width
+  P = N // group
+  first = np.arange(P) * group
+  if not all((rollout.prompt_index[first[p]:first[p] + group] ==
+              rollout.prompt_index[first[p]]).all() for p in range(P)):
+    raise ValueError("grouped_learner_batch: each group's rows must share one prompt")
+  prompt = np.full((P, prompt_len), pad_id, np.int32)
+  lengths = rollout.prompt_lengths[first].astype(np.int32)
+  for p in range(P):
+    prompt[p, :lengths[p]] = rollout.prompt_ids[first[p], :lengths[p]]
+  mask = (np.arange(Tc)[None, :] < rollout.lengths[:, None]).astype(np.float32)
+  completion = np.where(mask > 0, rollout.completion_ids, pad_id).astype(np.int32)
+  return {"prompt": prompt, "prompt_len": lengths[:, None], "completion": completion,
+          "mask": mask, "sampler_logp": (rollout.logprobs * mask).astype(np.float32)}
+
+
+def completion_width(longest: int, max_new_tokens: int) -> int:
+  """The completion width of a shared-prompt learner batch: the power of two >= the rollout's
+  longest completion (at least 16), capped at rollout.max_new_tokens. The learner's jits
+  compile once per width, so a run compiles them at most log2(max_new_tokens / 16) + 1 times
+  instead of once per new longest length (each ~10 s for the demo's reference forward and
+  update on 8 CPU devices), at the cost of computing up to twice the completion positions."""
+  return max(min(bucket(longest, minimum=16), max_new_tokens), longest)

@@ -1,0 +1,332 @@
+"""GRPO-family RL: generate -> score -> update, with the policy and a frozen reference on one mesh.
+
+    jaxrl grpo --config configs/grpo_tiny.py --workdir DIR
+
+Reads top to bottom: step() is the algorithm, each part a function a notebook can call on the
+parts setup() builds:
+  experience = make_experience(parts, state, prompts, step)   # experience.py: steps 1-5
+  state, upd = update(parts, state, experience)               # update.py: step 6
+  metrics = step_metrics(parts, experience, upd)              # and the monitors (monitors.py)
+Each step:
+  1. sync the policy's weights into the sampler layout (timed: sync/ms);
+  2. sample B prompts x G completions with the engine (continuous batching, one prefill per
+     group); with dynamic sampling, groups whose G rewards are all equal are dropped and more
+     prompts are sampled to refill the batch. With rollout.async_generation, steps 1-3 for step
+     k+1 run on the sampler's devices during step k's update (one step stale);
+  3. score the completions with the configured reward functions (host Python) and, when
+     reward_model.checkpoints names any, with frozen reward models on the learner mesh
+     (rewards.py);
+  4. compute the reference's and the pre-update policy's log-probs of the sampled tokens in
+     jitted forwards (the "old" log-probs are the policy's own before this step's updates,
+     never a copy of the current ones). With one update per step (num_iterations =
+     minibatches = 1, KL in the loss) the old log-probs are those of the update's own forward,
+     under stop_gradient: the same values, one forward fewer (TRL does the same;
+     update.old_logp_from_update decides). Every learner forward runs each group's prompt
+     once, its G completions attending to it (grouped_learner_batch;
+     algo.shared_prompt_forward);
+  5. compute advantages with the named estimator (grpo, dr_grpo, rloo, reinforce_pp, ...);
+  6. run num_iterations x minibatches updates of the clipped surrogate (+ beta * KL, - entropy
+     bonus), through the shared jitted train step.
+
+Departures from the GRPO paper (Shao et al. 2024), all configurable: the loss aggregation
+defaults to token-mean (DAPO) rather than the paper's per-sequence mean; the KL is the k3
+estimator in the loss, as in the paper, but clamped at 10 (as verl); the advantage divides by
+the group's unbiased std plus eps = 1e-6 (as TRL) and is clipped to +-5; the clip range is
+eps_low = eps_high = 0.2 (eps_high > eps_low is DAPO's clip-higher). The sampler's log-probs
+differ from the learner's only by numerics (and staleness when overlapped); their ratio is
+logged as is_ratio/mean and can correct the loss by truncated importance sampling (tis_cap).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from jaxrl.data import read_jsonl
+from jaxrl.data.tokenizer import Tokenizer
+from jaxrl.errors import ConfigError
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.flops import rollout_flops
+from jaxrl.parallel import batch_sharding
+from jaxrl.parallel.distributed import global_array
+from jaxrl.parallel.sync import Overlap, Placement, SamplerCopy, WeightSync, make_placement
+from jaxrl.rewards import RewardSpec
+from jaxrl.rewards import model as rm_lib
+from jaxrl.rl.grpo.experience import Experience, PromptStream, make_experience
+from jaxrl.rl.grpo.monitors import Alarms, KLCoefficient
+from jaxrl.rl.grpo.rewards import reward_specs
+from jaxrl.rl.grpo.update import (grpo_loss, make_batch_logprobs_fn, old_logp_from_update,
+                                  update)
+from jaxrl.sampler import Engine, SamplingParams, bucket
+from jaxrl.train.checkpoint import Checkpointer, restore_params
+from jaxrl.train.evaluation import ExactMatch
+from jaxrl.train.loop import resume, start_run, train_loop
+from jaxrl.train.optim import make_optimizer
+from jaxrl.train.rundir import RunDir
+from jaxrl.train.state import init_train_state, make_train_step, start_from_hf
+
+
+def run(config, workdir: str, *, out=print) -> dict:
+  """Trains (or resumes) the GRPO run in `workdir`; returns the summary."""
+  p, state = setup(config, workdir, out=out)
+  state, start = resume(p.ckpt, state, p.shardings, p.stream, p.run_dir, out=out,
+                        updates_per_step=p.updates_per_step)
+  r = config.rollout
+  if p.main and start == 0:
+    out(f"grpo: {p.cfg.num_params:,} parameters, {len(p.stream.records)} prompts, "
+        f"{r.prompts_per_step} x {r.group_size} samples per step, {config.train.steps} steps; "
+        f"placement {p.placement.mode}")
+  try:
+    return train_loop(
+        state=state, step_fn=functools.partial(step, p), batches=p.stream, put=lambda b: b,
+        total_steps=config.train.steps, run=p.run_dir, ckpt=p.ckpt,
+        log_every=config.train.log_every, save_every=config.train.save_every,
+        eval_every=config.eval.every, eval_fn=functools.partial(evaluate, p), out=out,
+        updates_per_step=p.updates_per_step,
+        summary_extra=lambda: {"alarms": dict(p.alarms.raised), "kl/max": p.alarms.kl_max})
+  finally:
+    p.close()
+
+
+def step(p: Parts, state, prompts: list[dict]):
+  """One GRPO step: (state, metrics) after this step's prompts."""
+  t_step = time.perf_counter()
+  n = int(jax.device_get(state.step)) // p.updates_per_step  # GRPO steps done
+  experience = make_experience(p, state, prompts, n)  # 1-5
+  state, upd = update(p, state, experience)  # 6
+  p.beta.after_step(p.config.algo, kl=upd["kl"], n_steps=len(experience.batch["mask"]))
+  metrics = step_metrics(p, experience, upd)
+  step_s = time.perf_counter() - t_step
+  metrics["timing_s/step_wall"] = step_s
+  metrics["perf/gen_fraction"] = experience.times["gen_wait"] / step_s
+  metrics.update(p.alarms.on_step(n + 1, metrics))
+  return state, metrics
+
+
+def step_metrics(p: Parts, e: Experience, upd: dict) -> dict:
+  """The step's logged metrics, from its experience and its updates' metrics."""
+  a, task, t = p.config.algo, p.task, e.times
+  # Model FLOPs of one learner forward over this batch (jaxrl.models.flops); a backward
+  # costs two forwards.
+  fwd_flops = rollout_flops(p.cfg, e.rollout, share_prompt=p.grouped)
+  return {
+      **{k: upd[k] for k in ("loss", "grad_norm", "lr", "kl", "entropy", "clipfrac/low",
+                             "clipfrac/high")},
+      "reward/mean": float(e.rewards_bg.mean()), "reward/std": float(e.rewards_bg.std()),
+      "accuracy": e.reward_stats.get(f"reward/task_{task.name}",
+                                     e.reward_stats.get("accuracy", float("nan")))
+      if task is not None else float("nan"),
+      "frac_zero_std_groups": e.frac_zero,
+      "is_ratio/mean": upd["is_ratio/mean"],
+      "staleness/mean": float(e.step - e.version),
+      "kl/beta": p.beta.value,
+      # gen: the rollout's own wall time; gen_wait: what the learner waited for it (less
+      # than gen when generation overlapped the previous update).
+      "timing_s/gen": t["gen"], "timing_s/gen_wait": t["gen_wait"],
+      "timing_s/score": t["old"] + e.reward_stats["timing_s/reward"],
+      "timing_s/ref": t["ref"], "timing_s/update": upd["timing_s/update"],
+      "timing_s/sync": p.weight_sync.last.ms / 1e3,
+      "perf/tflops/ref": fwd_flops / max(t["ref"], 1e-9) / 1e12,
+      "perf/tflops/update": (3 * a.num_iterations * fwd_flops
+                             / max(upd["timing_s/update"], 1e-9) / 1e12),
+      **p.weight_sync.last.metrics(), **e.gen_stats, **e.reward_stats,
+  }
+
+
+def evaluate(p: Parts, params, step: int) -> dict:
+  """Held-out greedy accuracy (when the run has a task and held-out prompts), and the alarms'
+  verdict on it."""
+  if p.exact is None:
+    return {}
+  m = p.exact(params)
+  m.update(p.alarms.on_eval(step, m["eval/accuracy"]))
+  return m
+
+
+# ----------------------------------------------------------------------------- the parts
+
+
+@dataclasses.dataclass
+class Parts:
+  """A run's fixed parts, built once by setup(): what make_experience, update, step_metrics and
+  evaluate read. Only the host state (the stream, beta, the alarms, the reward models'
+  normaliser, async generation's pending rollout) changes between steps."""
+  config: ml_collections.ConfigDict
+  cfg: ModelConfig
+  tokenizer: Tokenizer
+  task: Any                   # the built-in task (its checker), or None
+  main: bool                  # this process reports
+  run_dir: RunDir
+  ckpt: Checkpointer
+  placement: Placement
+  mesh: Mesh                  # the learner's
+  shardings: Any              # the train state's
+  shd: NamedSharding          # the learner batch's rows
+  updates_per_step: int       # num_iterations x minibatches
+  # Generation and scoring (steps 1-3).
+  engine: Engine
+  weight_sync: WeightSync
+  sampler_copy: SamplerCopy
+  overlap: Overlap | None     # async generation's background thread
+  pending: dict               # {"prompts", "future"}: the next step's rollout, under way
+  stream: PromptStream
+  specs: list[RewardSpec]
+  rms: rm_lib.RewardModels | None
+  rm_norm: rm_lib.RunningNorm | None
+  prompt_len: int             # prompts are right-padded to it
+  length: int                 # prompt_len + max_new_tokens: the joined rows' length
+  # The learner (steps 4-6).
+  grouped: bool               # the shared-prompt layout (grouped_learner_batch)
+  old_from_update: bool       # update.old_logp_from_update
+  logprobs_fn: Any            # jitted (params, batch) -> (log-probs, entropy or None)
+  train_step: Any             # jitted (state, batch) -> (state, metrics)
+  reference: Any              # the frozen reference's params
+  beta: KLCoefficient
+  alarms: Alarms
+  exact: ExactMatch | None
+
+  def put(self, rows: dict, sharding=None) -> dict:
+    """Host rows -> global arrays (the learner batch's sharding unless given). Every process
+    holds the whole batch (the rollout and its scores are the same on all of them, see
+    to_host); each takes its own shards of it."""
+    return {k: global_array(np.asarray(v), sharding or self.shd) for k, v in rows.items()}
+
+  def close(self) -> None:
+    """Waits for the rollout under way and the checkpoint being written; closes the run dir."""
+    if self.overlap is not None:
+      self.overlap.close()
+    self.ckpt.close()
+    self.run_dir.close()
+
+
+def setup(config, workdir: str, *, out=print) -> tuple[Parts, Any]:
+  """(the run's parts, the starting train state: the policy from init.checkpoint or
+  model.hf_path, fresh optimizer state). Checks the config first."""
+  main, cfg, run_dir, tokenizer = start_run(config, workdir, out=out)
+  placement = make_placement(config.mesh, config.placement)
+  mesh = placement.learner.mesh
+  a, r = config.algo, config.rollout
+
+  task = None
+  if config.data.task:
+    from jaxrl.tasks import get_task
+    task = get_task(config.data.task)
+  if r.async_generation and config.placement.mode != "disaggregated":
+    raise ConfigError("rollout.async_generation=True needs placement.mode=disaggregated (the "
+                      "sampler overlaps the update on its own devices): set both, or turn "
+                      "async_generation off.")
+  if r.async_generation and a.filter_zero_std:
+    raise ConfigError("rollout.async_generation=True cannot refill groups "
+                      "(algo.filter_zero_std=True) yet: turn one of them off.")
+  train_records, held_out = _records(config, task)
+  specs = reward_specs(config.rewards, task, config.get("reward_kwargs"))
+  rm_cfg = config.reward_model
+  rm_paths = rm_lib.checkpoint_list(rm_cfg)
+  if not specs and not rm_paths:
+    raise ConfigError(f"rewards={config.rewards!r} and reward_model.checkpoints is empty: "
+                      "nothing rewards the policy; name a reward (e.g. task) or a `jaxrl rm` "
+                      "run dir.")
+  if rm_cfg.k < 0:
+    raise ConfigError(f"reward_model.k={rm_cfg.k} is negative: mean_minus_std subtracts k "
+                      "standard deviations; use k >= 0.")
+
+  # Models: the policy (trained) and its frozen reference, both in the learner layout.
+  tx, schedule = make_optimizer(config.optim, config.train.steps * a.num_iterations *
+                                a.minibatches)
+  graphdef, state, shardings = init_train_state(cfg, mesh, tx, seed=config.seed)
+  state = start_from_hf(config, state, mesh)  # an SFT checkpoint, if given, comes next
+  if config.init.checkpoint:
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                           sharding=x.sharding), state.params)
+    state = state.replace(params=restore_params(config.init.checkpoint, abstract))
+  # The reference is the starting policy, rebuilt from the same source on resume (never saved).
+  reference = jax.tree.map(jnp.copy, state.params)
+  # Reward models: frozen `jaxrl rm` runs in the learner layout, beside the reference.
+  rms = rm_lib.RewardModels.load(rm_paths, mesh, tokenizer) if rm_paths else None
+  rm_norm = (rm_lib.RunningNorm(len(rm_paths)) if rms is not None and rm_cfg.normalize
+             else None)
+
+  # Sampler: the engine on the sampler mesh, fed by a timed weight sync every step.
+  sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                            max_new_tokens=r.max_new_tokens,
+                            eos_id=None if r.ignore_eos else tokenizer.eos_id)
+  engine = Engine(graphdef, cfg, placement.sampler.mesh, sampling=sampling)
+  weight_sync = WeightSync(cfg, placement, dtype=config.placement.sync_dtype or None)
+  sampler_copy = SamplerCopy(weight_sync)
+
+  prompt_len = bucket(max(len(tokenizer.encode(x["prompt"], bos=True))
+                          for x in train_records + held_out))
+  length = prompt_len + r.max_new_tokens  # fixed, so the learner's jits compile once
+  N = r.prompts_per_step * r.group_size
+  replicas = mesh.shape["data"] * mesh.shape["fsdp"]
+  accum = config.optim.accum_steps
+  split = a.minibatches * replicas * accum  # rows of one micro-batch on one device: N / split
+  if accum < 1 or N % split:
+    raise ConfigError(
+        f"rollout.prompts_per_step x rollout.group_size = {N} is not divisible by "
+        f"algo.minibatches x replicas x optim.accum_steps = {a.minibatches} x {replicas} x "
+        f"{accum}: adjust them.")
+  # Micro-batches of the shared-prompt form hold whole groups (make_train_step's units).
+  grouped = bool(a.shared_prompt_forward) and r.prompts_per_step % split == 0
+  if a.shared_prompt_forward and not grouped:
+    out(f"shared-prompt forward off: rollout.prompts_per_step={r.prompts_per_step} is not "
+        f"divisible by algo.minibatches x replicas x optim.accum_steps = {split}, so each "
+        f"completion runs with its own copy of its prompt")
+  shd = batch_sharding(mesh, 2, "learner")
+  loss_fn = grpo_loss(graphdef, a, temperature=r.temperature, norm_len=r.max_new_tokens)
+  old_from_update = old_logp_from_update(a)
+  # The reference's forward and, without old_from_update, the policy's (whose entropy is
+  # logged).
+  logprobs_fn = make_batch_logprobs_fn(graphdef, r.temperature, mesh=mesh,
+                                       entropy=not old_from_update)
+  train_step = make_train_step(loss_fn, tx, schedule, shardings, shd, mesh=mesh,
+                               accum_steps=accum)
+  beta = KLCoefficient(a.beta)
+  alarms = Alarms(kl_threshold=config.alarm.kl_threshold, window=config.alarm.window, out=out,
+                  min_drop=config.alarm.min_accuracy_drop,
+                  reward_key="reward/rm_mean" if rms is not None else "reward/mean")
+  stream = PromptStream(train_records, r.prompts_per_step, config.seed,
+                        extras={"rm_norm": rm_norm} if rm_norm is not None else None,
+                        learner_state={"kl_coef": beta, "alarms": alarms})
+  ckpt = Checkpointer(run_dir.checkpoints, keep=config.train.keep_checkpoints,
+                      async_save=config.train.async_checkpoints)
+  exact = (ExactMatch(graphdef, cfg, mesh, tokenizer, held_out, task.check,
+                      batch=config.eval.batch_size, max_new=r.max_new_tokens)
+           if held_out and task is not None else None)
+  parts = Parts(
+      config=config, cfg=cfg, tokenizer=tokenizer, task=task, main=main, run_dir=run_dir,
+      ckpt=ckpt, placement=placement, mesh=mesh, shardings=shardings, shd=shd,
+      updates_per_step=a.num_iterations * a.minibatches, engine=engine,
+      weight_sync=weight_sync, sampler_copy=sampler_copy,
+      overlap=Overlap() if r.async_generation else None, pending={}, stream=stream,
+      specs=specs, rms=rms, rm_norm=rm_norm, prompt_len=prompt_len, length=length,
+      grouped=grouped, old_from_update=old_from_update, logprobs_fn=logprobs_fn,
+      train_step=train_step, reference=reference, beta=beta, alarms=alarms, exact=exact)
+  return parts, state
+
+
+def _records(config, task):
+  d = config.data
+  if d.train_file:
+    train, _ = read_jsonl(d.train_file, "rl", on_bad_row=d.on_bad_row)
+  elif task is not None:
+    train = task.records("train", d.train_examples, config.seed)
+  else:
+    raise ConfigError("data.task and data.train_file are both empty: set data.task to a "
+                      "built-in task or data.train_file to a JSONL of {prompt, answer}.")
+  if d.eval_file:
+    held_out, _ = read_jsonl(d.eval_file, "rl", on_bad_row=d.on_bad_row)
+  elif task is not None:
+    held_out = task.records("test", config.eval.examples, config.seed + 1)
+  else:
+    held_out = []
+  return train, held_out
+

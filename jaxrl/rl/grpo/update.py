@@ -1,0 +1,179 @@
+"""GRPO's update (step 6) and the learner forwards it shares with the experience: the
+log-probs of a batch in either layout, where the old log-probs come from, the loss, and one
+step's num_iterations x minibatches optimizer updates."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxrl.models import apply, token_logprobs
+from jaxrl.parallel import shard_activations
+from jaxrl.parallel.cpu_kernels import learner_compiler_options
+from jaxrl.parallel.distributed import to_host
+from jaxrl.rl import losses
+
+if TYPE_CHECKING:
+  from jaxrl.rl.grpo.experience import Experience
+  from jaxrl.rl.grpo.trainer import Parts
+
+
+def update(p: Parts, state, experience: Experience):
+  """Step 6: algo.num_iterations passes over the experience, each split into algo.minibatches
+  optimizer updates of the clipped surrogate (+ beta * KL, - entropy bonus) through the shared
+  jitted train step, in an order drawn from (seed, step). Returns the state and the updates'
+  metrics on the host: their means (the last one's lr), the old policy's entropy and
+  is_ratio/mean (old_policy_means), and timing_s/update."""
+  a, G = p.config.algo, p.config.rollout.group_size
+  full = experience.batch
+  N = full["mask"].shape[0]
+  t0 = time.perf_counter()
+  rng = np.random.default_rng([p.config.seed, experience.step])
+  upd = []
+  for _ in range(a.num_iterations):
+    if p.grouped:  # minibatches of whole groups: their prompt rows and their G rows each
+      for groups in np.array_split(rng.permutation(N // G), a.minibatches):
+        rows = (groups[:, None] * G + np.arange(G)).reshape(-1)
+        mb = {k: v[groups] if k in ("prompt", "prompt_len") else v[rows]
+              for k, v in full.items()}
+        state, m = p.train_step(state, p.put(mb))
+        upd.append(m)
+    else:
+      for mb in np.array_split(rng.permutation(N), a.minibatches):
+        state, m = p.train_step(state, p.put({k: v[mb] for k, v in full.items()}))
+        upd.append(m)
+  upd = to_host(upd)
+  t_update = time.perf_counter() - t0
+
+  def mean(k):
+    return float(np.mean([u[k] for u in upd]))
+
+  # The old policy's token sums: the separate forward's, else the (one) update's own.
+  old = old_policy_means(experience.old_sums if experience.old_sums is not None else upd[0])
+  return state, {"loss": mean("loss"), "grad_norm": mean("grad_norm"),
+                 "lr": float(upd[-1]["lr"]), "kl": mean("kl"), "entropy": old["entropy"],
+                 "clipfrac/low": mean("clipfrac/low"), "clipfrac/high": mean("clipfrac/high"),
+                 "is_ratio/mean": old["is_ratio/mean"], "timing_s/update": t_update}
+
+
+# ----------------------------------------------------------------------------- old log-probs
+
+
+def old_logp_from_update(a) -> bool:
+  """Where the old log-probs (pi_old, the policy's own before this step's updates) come from;
+  the one place that decides it. True: the update's own forward, under stop_gradient (the same
+  values, one forward fewer; TRL does the same). That needs one update per step (num_iterations
+  = minibatches = 1), and KL in the loss (KL in the reward needs them before the advantages).
+  False: a separate forward in make_experience, whose values the batch carries as old_logp."""
+  return bool(a.old_logp_from_update and a.num_iterations * a.minibatches == 1
+              and a.kl_in == "loss")
+
+
+def sampler_log_ratio(*, old_logp, sampler_logp, mask):
+  """log(pi_old / pi_sampler) per token [N, T], 0 off the mask: the sampler's numerics (and
+  staleness, when generation overlaps) against the learner's. Host (numpy) or device arrays."""
+  xp = np if isinstance(old_logp, np.ndarray) else jnp
+  return xp.where(mask > 0, old_logp - sampler_logp, 0.0)
+
+
+def old_policy_sums(*, log_ratio, entropy, mask) -> dict:
+  """Sums over the mask's tokens of pi_old / pi_sampler and of the old policy's entropy, and the
+  token count: computed by whichever forward gave the old log-probs, on the device (the loss)
+  or on the host (a separate forward), with the same operations."""
+  xp = np if isinstance(log_ratio, np.ndarray) else jnp
+  return {"is_ratio_tokens": (xp.exp(log_ratio) * mask).sum(),
+          "entropy_tokens": (entropy * mask).sum(), "tokens": mask.sum()}
+
+
+def old_policy_means(sums) -> dict:
+  """is_ratio/mean and entropy, token means whatever the loss's aggregation, from
+  old_policy_sums (or an update's metrics, which scale all three by the same weight)."""
+  tokens = max(sums["tokens"], 1e-9)
+  return {"entropy": float(sums["entropy_tokens"] / tokens),
+          "is_ratio/mean": float(sums["is_ratio_tokens"] / tokens)}
+
+
+# ----------------------------------------------------------------------------- forwards and loss
+
+
+def batch_logprobs(graphdef, params, batch, temperature: float):
+  """(log-probs, entropy) of a learner batch's targets, in either form: grouped_learner_batch's
+  (each prompt once; [N, Tc] on the completion's own index) or learner_batch's joined rows."""
+  if "prompt" in batch:
+    model = nnx.merge(graphdef, params)
+    h = model.grouped_hidden(batch["prompt"], batch["prompt_len"][:, 0], batch["completion"])
+    return token_logprobs(model.logits(h), batch["completion"], temperature=temperature)
+  logits, _ = apply(graphdef, params, batch["inputs"], batch["positions"])
+  return token_logprobs(logits, batch["targets"], temperature=temperature)
+
+
+def make_batch_logprobs_fn(graphdef, temperature: float, *, mesh: Mesh | None = None,
+                           entropy: bool = True):
+  """Jitted (params, learner batch of either form) -> (log-probs, entropy), compiled with the
+  learner's CPU dot kernels for `mesh`'s devices (jaxrl.parallel.cpu_kernels). entropy=False
+  returns (log-probs, None) and skips the entropy's pass over the vocabulary (the reference
+  forward's case: nothing reads the reference's entropy)."""
+  def logprobs(params, batch):
+    logp, ent = batch_logprobs(graphdef, params, batch, temperature)
+    return logp, ent if entropy else None
+
+  if mesh is None:
+    return jax.jit(logprobs, compiler_options=learner_compiler_options(jax.devices()))
+  return jax.jit(shard_activations(logprobs, mesh),
+                 compiler_options=learner_compiler_options(mesh.devices.flat))
+
+
+def make_logprobs_fn(graphdef, temperature: float):
+  """Jitted (params, inputs, targets, positions) -> (log-probs, entropy) of the targets."""
+  fn = make_batch_logprobs_fn(graphdef, temperature)
+  return lambda params, inputs, targets, positions: fn(
+      params, {"inputs": inputs, "targets": targets, "positions": positions})
+
+
+def grpo_loss(graphdef, a, *, temperature: float, norm_len: int):
+  """loss_fn for the shared train step: (sum, (weight, metric sums)) of the per-token loss
+  pg + beta * KL - entropy_coef * entropy, aggregated by `a.aggregation`. Metrics (KL,
+  entropy, clip fractions) are aggregated the same way as the loss.
+
+  The truncated-IS weights come from the old and the sampler's log-probs
+  (batch["sampler_logp"]). Without batch["old_logp"] (old_logp_from_update), the old log-probs
+  are this forward's own under stop_gradient, and the metrics carry their old_policy_sums."""
+  def loss_fn(params, batch, key):
+    del key
+    logp, entropy = batch_logprobs(graphdef, params, batch, temperature)
+    mask = batch["mask"]
+    own_old = "old_logp" not in batch
+    old_logp = jax.lax.stop_gradient(logp) if own_old else batch["old_logp"]
+    log_ratio = sampler_log_ratio(old_logp=old_logp, sampler_logp=batch["sampler_logp"],
+                                  mask=mask)
+    tis = (jnp.minimum(jnp.exp(log_ratio), a.tis_cap) if a.tis_cap > 0
+           else jnp.ones_like(log_ratio))
+    extra = old_policy_sums(log_ratio=log_ratio, entropy=jax.lax.stop_gradient(entropy),
+                            mask=mask) if own_old else {}
+    pg, low, high = losses.clipped_pg_loss(
+        logp=logp, old_logp=old_logp, adv=batch["adv"], mask=mask,
+        eps_low=a.eps_low, eps_high=a.eps_high,
+        dual_clip_c=a.dual_clip_c if a.dual_clip_c > 1 else None, ratio_level=a.ratio_level)
+    per_token = pg * tis
+    kl = losses.kl_penalty(logp=logp, ref_logp=batch["ref_logp"], estimator=a.kl_estimator,
+                           clamp=a.kl_clamp or None)
+    if a.kl_in == "loss":
+      per_token = per_token + batch["beta"] * kl
+    per_token = per_token - a.entropy_coef * entropy
+
+    def agg(x):
+      return losses.aggregate_sums(x, mask, mode=a.aggregation, norm_len=norm_len)
+
+    loss_sum, weight = agg(per_token)
+    sums = {"kl": agg(kl)[0], "entropy": agg(entropy)[0],
+            "clipfrac/low": agg(low.astype(jnp.float32))[0],
+            "clipfrac/high": agg(high.astype(jnp.float32))[0], **extra}
+    return loss_sum, (weight, sums)
+  return loss_fn
+
