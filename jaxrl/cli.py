@@ -197,7 +197,7 @@ def cmd_info(args, overrides) -> None:
       print(f"{lib:18s} {metadata.version(lib)}")
     except metadata.PackageNotFoundError:
       print(f"{lib:18s} not installed")
-  from jaxrl import allocator
+  from jaxrl.backends.cpu import allocator
   print(f"allocator          {allocator.describe()}")
   print(f"backend            {jax.default_backend()}")
   print(f"processes          {jax.process_index()} of {jax.process_count()}")
@@ -451,7 +451,7 @@ COMMANDS = {"info": cmd_info, "model": cmd_model, "sweep": cmd_sweep, "plan": cm
 
 def main(argv: list[str] | None = None) -> None:
   if argv is None:  # the console script, not a caller in this process: run on tcmalloc
-    from jaxrl import allocator
+    from jaxrl.backends.cpu import allocator
     try:
       allocator.ensure()
     except ConfigError as e:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from jaxrl import allocator
+from jaxrl.backends.cpu import allocator
 from jaxrl.train.checkpoint import Checkpointer, abstract_state
 from jaxrl.train.rundir import RunDir, logged_before
 
