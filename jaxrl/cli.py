@@ -197,9 +197,12 @@ def cmd_info(args, overrides) -> None:
       print(f"{lib:18s} {metadata.version(lib)}")
     except metadata.PackageNotFoundError:
       print(f"{lib:18s} not installed")
-  from jaxrl.backends.cpu import allocator
-  print(f"allocator          {allocator.describe()}")
+  from jaxrl import backends
+  backend = backends.describe()
+  print(f"allocator          {backend['allocator']}")
   print(f"backend            {jax.default_backend()}")
+  print(f"attention          {backend['attention']}")
+  print(f"dots               {backend['dots']}")
   print(f"processes          {jax.process_index()} of {jax.process_count()}")
   devs = jax.devices()
   kinds = sorted({d.device_kind for d in devs})
