@@ -13,12 +13,13 @@ setup:
 demo: setup
 	XLA_FLAGS="$${XLA_FLAGS:-$(DEMO_XLA_FLAGS)}" .venv/bin/jaxrl demo
 
-# pytest runs on tcmalloc when the machine has it, as the jaxrl command does (jaxrl/allocator.py).
+# pytest runs on tcmalloc when the machine has it, as the jaxrl command does
+# (jaxrl/backends/cpu/allocator.py).
 test: setup
-	$(PY) -m jaxrl.allocator $(PY) -m pytest -q -n 2 --dist worksteal --durations=15
+	$(PY) -m jaxrl.backends.cpu.allocator $(PY) -m pytest -q -n 2 --dist worksteal --durations=15
 
 test-fast: setup
-	$(PY) -m jaxrl.allocator $(PY) -m pytest -q -n 2 --dist worksteal -m "not slow"
+	$(PY) -m jaxrl.backends.cpu.allocator $(PY) -m pytest -q -n 2 --dist worksteal -m "not slow"
 
 # Re-pin requirements.lock from the current .venv (run after changing pyproject ranges).
 lock: setup

@@ -29,9 +29,10 @@ up to 1.5x over a day. The "vs TRL" column then divides by the TRL median measur
 without --trl-python it divides by the 2.28 s midpoint of the issue's 2.23-2.33 s anchor.
 
 jaxrl's side runs on tcmalloc when the machine has it, as the `jaxrl` command does (the script
-re-executes itself once; JAXRL_TCMALLOC=0 keeps glibc malloc; see jaxrl/allocator.py). TRL runs
-on glibc malloc, as it does by default; --trl-tcmalloc also times it with the same tcmalloc
-preloaded, in the same rounds, and the summary gives jaxrl's ratio to both.
+re-executes itself once; JAXRL_TCMALLOC=0 keeps glibc malloc; see
+jaxrl/backends/cpu/allocator.py). TRL runs on glibc malloc, as it does by default;
+--trl-tcmalloc also times it with the same tcmalloc preloaded, in the same rounds, and the
+summary gives jaxrl's ratio to both.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import tempfile
 
 import jax
 
-from jaxrl import allocator
+from jaxrl.backends.cpu import allocator
 from jaxrl import config as config_lib
 from jaxrl.models import flops
 from jaxrl.rl import grpo
@@ -151,7 +152,7 @@ def main():
   p.add_argument("--trl-tcmalloc", action="store_true",
                  help="also time TRL with tcmalloc preloaded (as jaxrl runs), each round")
   args = p.parse_args()
-  allocator.ensure()  # jaxrl's side runs as the jaxrl command does (jaxrl/allocator.py)
+  allocator.ensure()  # jaxrl's side runs as the jaxrl command does (backends/cpu/allocator.py)
   if args.trl_python:  # fail before minutes of timing, not after
     check = subprocess.run([args.trl_python, "-c", "import torch, trl"], capture_output=True,
                            text=True)

@@ -1,5 +1,5 @@
-"""The learner's CPU attention kernels (jaxrl/models/learner_attention.cc) against XLA's
-attention, side by side in one process.
+"""The learner's CPU attention kernels (jaxrl/backends/cpu/csrc/learner_attention.cc) against
+XLA's attention, side by side in one process.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=1 .venv/bin/python \
         benchmarks/learner_attention.py [--repeats 30] [--rounds 3]
@@ -24,7 +24,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __name__ == "__main__":
-  from jaxrl import allocator
+  from jaxrl.backends.cpu import allocator
   allocator.ensure()  # tcmalloc, as the jaxrl command runs
 
 import jax  # noqa: E402
@@ -32,9 +32,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, ROOT)
-from jaxrl.models import decode_attention, learner_attention  # noqa: E402
-from jaxrl.models.llama import full_attention  # noqa: E402
-from jaxrl.parallel.cpu_kernels import learner_compiler_options  # noqa: E402
+from jaxrl.backends import compiler_options  # noqa: E402
+from jaxrl.backends.cpu import attention as cpu_attention, build  # noqa: E402
+from jaxrl.models import attention  # noqa: E402
 
 
 def layer_ab(repeats: int) -> None:
@@ -48,9 +48,9 @@ def layer_ab(repeats: int) -> None:
   mask = jnp.asarray(np.concatenate([np.broadcast_to(valid[:, None], (B, T, Tp)),
                                      np.broadcast_to(causal, (B, T, T))], axis=2))
   cot = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
-  opts = learner_compiler_options(jax.devices())
+  opts = compiler_options(jax.devices())
   fns = {}
-  for name, attn in (("XLA", full_attention), ("kernel", learner_attention.kernel)):
+  for name, attn in (("XLA", attention.xla_attention), ("kernel", cpu_attention.learner)):
     def loss(q, k, v, attn=attn):
       return jnp.sum(attn(q, k, v, mask) * cot)
     fns[f"forward, {name}"] = jax.jit(lambda q, k, v, attn=attn: attn(q, k, v, mask),
@@ -73,15 +73,16 @@ def layer_ab(repeats: int) -> None:
 
 def grpo_ab(rounds: int, steps: int) -> None:
   from benchmarks.grpo_step import run_shape  # noqa: PLC0415
-  real = learner_attention.for_mesh
+  # The learner's programs ask jaxrl.models.attention for their kernel; decoding keeps its own.
+  real = attention.attention_kernel
   rows = {"XLA": [], "kernel": []}
   for r in range(rounds):
     for name in ("XLA", "kernel"):
-      learner_attention.for_mesh = real if name == "kernel" else (lambda *a, **k: None)
+      attention.attention_kernel = real if name == "kernel" else (lambda *a, **k: None)
       try:
         med = run_shape("anchor", steps)
       finally:
-        learner_attention.for_mesh = real
+        attention.attention_kernel = real
       rows[name].append(med)
       print(f"  round {r + 1}, {name:6s}: {med['step']:.2f} s/step, update {med['update']:.3f} "
             f"s, reference {med['ref']:.3f} s, generation {med['gen']:.3f} s", flush=True)
@@ -98,7 +99,7 @@ def main() -> None:
   p.add_argument("--rounds", type=int, default=3, help="GRPO rounds per side (0: skip)")
   p.add_argument("--steps", type=int, default=6)
   a = p.parse_args()
-  if not decode_attention.available():
+  if not build.available():
     raise SystemExit("the CPU attention kernels are unavailable here (see the line above)")
   print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} device(s), "
         f"load average {os.getloadavg()[0]:.1f}")

@@ -33,7 +33,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxrl.parallel.cpu_kernels import EIGEN_DOTS  # noqa: E402
+from jaxrl.backends.cpu.dots import EIGEN_DOTS  # noqa: E402
 
 SHAPES = {"decode": 64, "learner": 4032}  # rows; torch_matmul.py gets these in argv
 D, F = 256, 688

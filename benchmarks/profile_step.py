@@ -22,7 +22,7 @@ Each program's row also gives its wall time (first kernel start to last kernel e
 over its runs) and the part of it no kernel event covers. XLA's own (Eigen) dots run
 asynchronously: their event ends when the product is handed to the thread pool (a
 [4032, 256] x [256, 688] product's event lasts ~0.2 ms, the product ~11 ms), so with the
-learner on Eigen dots (jaxrl.parallel.cpu_kernels) their compute is the uncovered time, not
+learner on Eigen dots (jaxrl.backends.cpu.dots) their compute is the uncovered time, not
 their events. benchmarks/grpo_step.py gives the wall-clock split. The warm-up step is included
 (its programs run as every later step's do; compiling is not a kernel).
 """
@@ -41,9 +41,10 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __name__ == "__main__":
   # Profile the process benchmarks/grpo_step.py times (tcmalloc preloaded, as the jaxrl command
-  # runs; jaxrl/allocator.py). Under glibc malloc the update's kernels absorb the page faults of
-  # its fresh temporaries: 1,201 against 686 ms/step of kernel events (2026-12-01).
-  from jaxrl import allocator
+  # runs; jaxrl/backends/cpu/allocator.py). Under glibc malloc the update's kernels absorb the
+  # page faults of its fresh temporaries: 1,201 against 686 ms/step of kernel events
+  # (2026-12-01).
+  from jaxrl.backends.cpu import allocator
   allocator.ensure()
 DUMP = tempfile.mkdtemp(prefix="jaxrl_profile_")
 # XLA reads its flags once, at backend start: the dump of the optimised programs (for shapes

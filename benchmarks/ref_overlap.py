@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl import allocator
+from jaxrl.backends.cpu import allocator
 from jaxrl.models import get_preset, init_cache, token_logprobs
 from jaxrl.parallel import init_params, make_mesh
 from jaxrl.sampler import Engine, SamplingParams

@@ -27,7 +27,7 @@ compile time is excluded (one warm-up call each), and each figure is the best of
 3. Group insert: n = 8 samples of long prompts, prefilled once per prompt (group insert) vs once
    per sample.
 4. Decode attention: the GRPO anchor's rollout with XLA's attention and with jaxrl's CPU kernel
-   (jaxrl/models/decode_attention.py), alternating call by call.
+   (jaxrl/backends/cpu/attention.py), alternating call by call.
 
 The mesh is one CPU device (jax's intra-op threads use both cores): on 2 cores, splitting a
 4.5M model over fake devices only adds collectives.
@@ -292,7 +292,7 @@ def main():
           f"(tokens) and prefill time {a['prefill_s'] / b['prefill_s']:.1f}x; samples identical: "
           f"{bool((res[True].completion_ids == res[False].completion_ids).all())}")
 
-  # ---- 4. decode attention: XLA's against jaxrl's CPU kernel (jaxrl/models/decode_attention.cc)
+  # ---- 4. decode attention: XLA's against jaxrl's CPU kernel (backends/cpu/csrc/)
   if "attention" not in skip:
     attention_ab(graphdef, params, cfg, mesh, args.attention_pairs)
 
@@ -301,9 +301,9 @@ def attention_ab(graphdef, params, cfg, mesh, pairs):
   """The GRPO anchor's rollout (8 prompts x 8 samples, exactly 64 tokens, 64 slots, 16 steps
   per call) with XLA's decode attention and with the CPU kernel, the two alternating call by
   call in this process (the machine's speed drifts between runs)."""
-  from jaxrl.models import decode_attention
+  from jaxrl.backends.cpu import build
 
-  if not decode_attention.available():
+  if not build.available():
     print("\n4. decode attention: the CPU kernel is unavailable here (see above); skipped")
     return
   sp = SamplingParams(temperature=1.0, max_new_tokens=64, eos_id=None)

@@ -197,9 +197,12 @@ def cmd_info(args, overrides) -> None:
       print(f"{lib:18s} {metadata.version(lib)}")
     except metadata.PackageNotFoundError:
       print(f"{lib:18s} not installed")
-  from jaxrl import allocator
-  print(f"allocator          {allocator.describe()}")
+  from jaxrl import backends
+  backend = backends.describe()
+  print(f"allocator          {backend['allocator']}")
   print(f"backend            {jax.default_backend()}")
+  print(f"attention          {backend['attention']}")
+  print(f"dots               {backend['dots']}")
   print(f"processes          {jax.process_index()} of {jax.process_count()}")
   devs = jax.devices()
   kinds = sorted({d.device_kind for d in devs})
@@ -451,7 +454,7 @@ COMMANDS = {"info": cmd_info, "model": cmd_model, "sweep": cmd_sweep, "plan": cm
 
 def main(argv: list[str] | None = None) -> None:
   if argv is None:  # the console script, not a caller in this process: run on tcmalloc
-    from jaxrl import allocator
+    from jaxrl.backends.cpu import allocator
     try:
       allocator.ensure()
     except ConfigError as e:

@@ -1,4 +1,4 @@
-"""The console script re-executes itself once on tcmalloc (jaxrl/allocator.py)."""
+"""The console script re-executes itself once on tcmalloc (jaxrl/backends/cpu/allocator.py)."""
 
 import os
 import shutil
@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from jaxrl import allocator
+from jaxrl.backends.cpu import allocator
 from jaxrl.errors import ConfigError
 
-PROBE = ("from jaxrl import allocator; allocator.ensure(); import os; "
+PROBE = ("from jaxrl.backends.cpu import allocator; allocator.ensure(); import os; "
          "print(allocator.loaded() or 'none', os.environ.get('_JAXRL_TCMALLOC_TRIED'), "
          "os.environ.get('LD_PRELOAD', ''), sep='|')")
 
@@ -78,9 +78,9 @@ def test_bad_library_path_is_one_clear_line(tmp_path):
 
 
 def test_module_runs_a_command_on_tcmalloc():
-  """`python -m jaxrl.allocator CMD` (what `make test` runs pytest with)."""
+  """`python -m jaxrl.backends.cpu.allocator CMD` (what `make test` runs pytest with)."""
   env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", allocator.ENV)}
-  cmd = [sys.executable, "-m", "jaxrl.allocator", sys.executable, "-c",
+  cmd = [sys.executable, "-m", "jaxrl.backends.cpu.allocator", sys.executable, "-c",
          "import os; print(os.environ.get('LD_PRELOAD', ''))"]
   res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
   assert res.returncode == 0, res.stderr

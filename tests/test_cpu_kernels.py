@@ -1,50 +1,55 @@
-"""The learner's XLA:CPU dot-kernel choice (jaxrl/parallel/cpu_kernels.py)."""
+"""The learner's XLA:CPU dot-kernel choice (jaxrl/backends/cpu/dots.py)."""
 
 import types
 
 import numpy as np
 import pytest
 
+from jaxrl import backends
+from jaxrl.backends.cpu import dots
 from jaxrl.config import base_config, model_config
 from jaxrl.errors import ConfigError
 from jaxrl.models import apply, token_logprobs
-from jaxrl.parallel import batch_sharding, cpu_kernels, make_mesh
+from jaxrl.parallel import batch_sharding, make_mesh
 from jaxrl.train import init_train_state, make_optimizer, make_train_step, optim_section
 
 AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
 
 
 def test_auto_uses_eigen_dots_on_x86_without_avx512_only():
-  assert cpu_kernels.choose("auto", machine="x86_64", flags=AVX2) == "eigen"
-  assert cpu_kernels.choose("auto", machine="x86_64", flags=AVX2 | {"avx512f"}) == "ynnpack"
-  assert cpu_kernels.choose("auto", machine="aarch64", flags=frozenset({"asimd"})) == "ynnpack"
+  assert dots.choose("auto", machine="x86_64", flags=AVX2) == "eigen"
+  assert dots.choose("auto", machine="x86_64", flags=AVX2 | {"avx512f"}) == "ynnpack"
+  assert dots.choose("auto", machine="aarch64", flags=frozenset({"asimd"})) == "ynnpack"
   # No /proc/cpuinfo to read: keep XLA's default.
-  assert cpu_kernels.choose("auto", machine="x86_64", flags=frozenset()) == "ynnpack"
-  assert cpu_kernels.choose(" Eigen ", machine="x86_64", flags=AVX2 | {"avx512f"}) == "eigen"
-  assert cpu_kernels.choose("ynnpack", machine="x86_64", flags=AVX2) == "ynnpack"
+  assert dots.choose("auto", machine="x86_64", flags=frozenset()) == "ynnpack"
+  assert dots.choose(" Eigen ", machine="x86_64", flags=AVX2 | {"avx512f"}) == "eigen"
+  assert dots.choose("ynnpack", machine="x86_64", flags=AVX2) == "ynnpack"
 
 
 def test_a_bad_setting_names_the_variable(monkeypatch):
-  monkeypatch.setenv(cpu_kernels.ENV, "mkl")
+  monkeypatch.setenv(dots.ENV, "mkl")
   with pytest.raises(ConfigError, match=r"JAXRL_CPU_DOTS='mkl' is not valid: choose one of "
                                         r"ynnpack, eigen, auto"):
-    cpu_kernels.learner_compiler_options([types.SimpleNamespace(platform="cpu")])
+    backends.compiler_options([types.SimpleNamespace(platform="cpu")])
 
 
 def test_the_default_is_auto(monkeypatch):
-  monkeypatch.delenv(cpu_kernels.ENV, raising=False)
-  assert cpu_kernels.choose(machine="x86_64", flags=AVX2) == "eigen"
-  assert cpu_kernels.choose(machine="x86_64", flags=AVX2 | {"avx512f"}) == "ynnpack"
+  monkeypatch.delenv(dots.ENV, raising=False)
+  assert dots.choose(machine="x86_64", flags=AVX2) == "eigen"
+  assert dots.choose(machine="x86_64", flags=AVX2 | {"avx512f"}) == "ynnpack"
 
 
 def test_options_apply_to_cpu_devices_only(monkeypatch):
-  monkeypatch.setenv(cpu_kernels.ENV, "eigen")
+  monkeypatch.setenv(dots.ENV, "eigen")
   cpu, gpu = types.SimpleNamespace(platform="cpu"), types.SimpleNamespace(platform="gpu")
-  assert cpu_kernels.learner_compiler_options([cpu, cpu]) == cpu_kernels.EIGEN_DOTS
-  assert cpu_kernels.learner_compiler_options([gpu]) is None
-  assert cpu_kernels.on_cpu([cpu, cpu]) and not cpu_kernels.on_cpu([cpu, gpu])
-  monkeypatch.setenv(cpu_kernels.ENV, "ynnpack")
-  assert cpu_kernels.learner_compiler_options([cpu]) is None
+  assert backends.compiler_options([cpu, cpu]) == dots.EIGEN_DOTS
+  assert backends.compiler_options([gpu]) is None
+  assert backends.on_cpu([cpu, cpu]) and not backends.on_cpu([cpu, gpu])
+  monkeypatch.setenv(dots.ENV, "ynnpack")
+  assert backends.compiler_options([cpu]) is None
+  # The sampler's one-slot decode steps take Eigen dots whatever the learner's choice.
+  assert backends.compiler_options([cpu], "decode_one_slot") == dots.EIGEN_DOTS
+  assert backends.compiler_options([gpu], "decode_one_slot") is None
 
 
 def _loss_fn(graphdef):
@@ -57,7 +62,7 @@ def _loss_fn(graphdef):
 
 @pytest.mark.parametrize("setting,ynn", [("eigen", False), ("ynnpack", True)])
 def test_the_train_step_compiles_with_the_chosen_kernels(devices, monkeypatch, setting, ynn):
-  monkeypatch.setenv(cpu_kernels.ENV, setting)
+  monkeypatch.setenv(dots.ENV, setting)
   cfg = model_config(base_config())
   mesh = make_mesh()
   tx, schedule = make_optimizer(optim_section(lr=1e-3, warmup_steps=2), 10)

@@ -1,5 +1,5 @@
-"""The CPU decode-attention kernel (jaxrl/models/decode_attention.cc) against XLA's attention,
-alone, sharded over the fake devices, and inside the sampler's decode step."""
+"""The CPU decode-attention kernel (jaxrl/backends/cpu/csrc/decode_attention.cc) against XLA's
+attention, alone, sharded over the fake devices, and inside the sampler's decode step."""
 
 import jax
 import jax.numpy as jnp
@@ -8,8 +8,10 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl.models import decode_attention, get_preset
-from jaxrl.models.llama import _cached_attention
+from jaxrl.backends.cpu import attention as cpu_attention
+from jaxrl.backends.cpu import build
+from jaxrl.models import attention, get_preset
+from jaxrl.models.attention import xla_decode_attention
 from jaxrl.parallel import init_params, make_mesh
 from jaxrl.sampler import Engine, SamplingParams, generate
 
@@ -24,7 +26,7 @@ def _inputs(B, K, G, S, H, pos, seed=0):
 
 def test_kernel_builds_on_this_machine():
   # The CI machine has a C++ compiler: the kernel must build there, not fall back silently.
-  assert decode_attention.available(), "see the stderr line above for the build error"
+  assert build.available(), "see the stderr line above for the build error"
 
 
 @pytest.mark.parametrize("K,G,S,H", [(2, 2, 80, 64), (1, 7, 33, 128), (3, 1, 5, 8)])
@@ -34,8 +36,8 @@ def test_kernel_equals_xla_attention(K, G, S, H):
   # (XLA's masked softmax is uniform over all S there) and one more.
   pos = [0, S // 2, S - 1, S + 7, -1, 3 % S]
   q, keys, values, pos_b = _inputs(B, K, G, S, H, pos)
-  got = np.asarray(jax.jit(decode_attention.kernel)(q, keys, values, pos_b))
-  want = np.asarray(jax.jit(_cached_attention, static_argnums=4)(q, keys, values, pos_b, H))
+  got = np.asarray(jax.jit(cpu_attention.decode)(q, keys, values, pos_b))
+  want = np.asarray(jax.jit(xla_decode_attention)(q, keys, values, pos_b))
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
   # Position 0 attends to the first value only; a kernel that ignored positions would not.
   np.testing.assert_allclose(got[0], np.broadcast_to(values[0, :, :1], got[0].shape), rtol=1e-6)
@@ -44,7 +46,7 @@ def test_kernel_equals_xla_attention(K, G, S, H):
 def test_kernel_on_a_sharded_cache_runs_per_device(devices):
   mesh = make_mesh(1, 4, 2)  # slots over fsdp, KV heads over tensor
   spec = P("fsdp", "tensor", None, None)
-  fn = decode_attention.for_mesh(mesh, spec)
+  fn = attention.decode_kernel(mesh, spec)
   assert fn is not None
   q, keys, values, pos_b = _inputs(8, 2, 2, 24, 64, [0, 5, 23, 30, 11, 12, 1, 22])
   put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))  # noqa: E731
@@ -54,7 +56,7 @@ def test_kernel_on_a_sharded_cache_runs_per_device(devices):
   assert "jaxrl_decode_attention" in hlo
   assert not any(c in hlo for c in ("all-gather", "all-reduce", "all-to-all"))
   got = np.asarray(jitted(*args))
-  want = np.asarray(_cached_attention(q, keys, values, pos_b, 64))
+  want = np.asarray(xla_decode_attention(q, keys, values, pos_b))
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
 
 
@@ -81,17 +83,17 @@ def test_sampler_decodes_with_the_kernel_and_samples_as_xla_does(devices):
 
 
 def test_no_compiler_or_switched_off_keeps_xla_attention(monkeypatch, capsys):
-  decode_attention.available.cache_clear()
+  build.library.cache_clear()
   try:
     monkeypatch.setenv("JAXRL_CPU_KERNELS", "0")
-    assert not decode_attention.available()
-    decode_attention.available.cache_clear()
+    assert not build.available()
+    build.library.cache_clear()
     monkeypatch.delenv("JAXRL_CPU_KERNELS")
     monkeypatch.setenv("CXX", "no-such-compiler-jaxrl")
-    assert not decode_attention.available()
+    assert not build.available()
     err = capsys.readouterr().err
     assert "no C++ compiler 'no-such-compiler-jaxrl'" in err and "XLA's attention" in err
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    assert decode_attention.for_mesh(mesh, P()) is None
+    assert attention.decode_kernel(mesh, P()) is None
   finally:
-    decode_attention.available.cache_clear()
+    build.library.cache_clear()

@@ -1,5 +1,5 @@
-"""The learner's CPU attention kernels (jaxrl/models/learner_attention.cc), forward and gradient,
-against XLA's attention: alone, sharded over the fake devices, and inside the model's
+"""The learner's CPU attention kernels (jaxrl/backends/cpu/csrc/learner_attention.cc), forward and
+gradient, against XLA's attention: alone, sharded over the fake devices, and inside the model's
 full-sequence forward and a train step's gradients."""
 
 import jax
@@ -9,9 +9,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl.models import apply, decode_attention, get_preset, learner_attention
-from jaxrl.models.llama import full_attention, full_attention_kernel
-from jaxrl.parallel import init_params, make_mesh
+from jaxrl.backends.cpu import attention as cpu_attention
+from jaxrl.backends.cpu import build
+from jaxrl.models import apply, attention, get_preset
+from jaxrl.models.attention import xla_attention
+from jaxrl.parallel import get_rules, init_params, make_mesh
 from jaxrl.parallel.layouts import shard_activations
 
 
@@ -32,6 +34,12 @@ def _inputs(B, T, K, G, Tp, H, seed=0):
   return q, keys, values, mask, cot
 
 
+def _learner_kernel(mesh):
+  """The kernel the learner layout's programs get on `mesh` (what shard_activations asks)."""
+  rules = get_rules("learner")
+  return attention.attention_kernel(mesh, batch=rules["batch"], kv_heads=rules["kv_heads"])
+
+
 def _value_and_grads(fn, q, keys, values, mask, cot):
   def loss(q, k, v):
     out = fn(q, k, v, mask)
@@ -42,16 +50,16 @@ def _value_and_grads(fn, q, keys, values, mask, cot):
 
 
 def test_kernels_build_on_this_machine():
-  assert decode_attention.available(), "see the stderr line above for the build error"
+  assert build.available(), "see the stderr line above for the build error"
 
 
 @pytest.mark.parametrize("T,K,G,Tp,H", [(13, 2, 2, 5, 64), (9, 1, 4, 0, 128), (7, 3, 1, 4, 8),
                                         (21, 2, 3, 11, 16)])
 def test_forward_and_gradients_equal_xla(T, K, G, Tp, H):
-  assert decode_attention.available()
+  assert build.available()
   args = _inputs(5, T, K, G, Tp, H)
-  got = _value_and_grads(learner_attention.kernel, *args)
-  want = _value_and_grads(full_attention, *args)
+  got = _value_and_grads(cpu_attention.learner, *args)
+  want = _value_and_grads(xla_attention, *args)
   for name, g, w in zip(("out", "d_q", "d_keys", "d_values"), got, want):
     np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5, err_msg=name)
   # The position with no key attends uniformly and passes no gradient to q; a kernel that
@@ -64,7 +72,7 @@ def test_forward_and_gradients_equal_xla(T, K, G, Tp, H):
 
 def test_sharded_kernel_runs_per_device(devices):
   mesh = make_mesh(1, 4, 2)  # rows over fsdp, KV heads over tensor
-  fn = learner_attention.for_mesh(mesh)
+  fn = _learner_kernel(mesh)
   assert fn is not None
   q, keys, values, mask, cot = _inputs(8, 11, 2, 2, 6, 64)
   put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))  # noqa: E731
@@ -76,7 +84,7 @@ def test_sharded_kernel_runs_per_device(devices):
   assert "jaxrl_learner_attention_grad" in hlo
   assert not any(c in hlo for c in ("all-gather", "all-reduce", "all-to-all"))
   got = _value_and_grads(fn, *args)
-  want = _value_and_grads(full_attention, q, keys, values, mask, cot)
+  want = _value_and_grads(xla_attention, q, keys, values, mask, cot)
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
   # Six rows do not split over 4 devices: the model keeps XLA's attention (None).
@@ -104,7 +112,7 @@ def test_model_forward_and_gradients_equal_xla(devices):
       hlo = jax.jit(fn).lower(params).compile().as_text()
       assert "jaxrl_learner_attention" in hlo and "jaxrl_learner_attention_grad" in hlo
       return jax.jit(fn)(params)
-    with full_attention_kernel(None):
+    with attention.tracing():  # no kernel: XLA's attention
       return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
 
   (l1, logits1), g1 = run(True)
@@ -117,15 +125,15 @@ def test_model_forward_and_gradients_equal_xla(devices):
 
 def test_switched_off_or_bf16_keeps_xla_attention(monkeypatch, devices):
   mesh = make_mesh(1, 8, 1)
-  decode_attention.available.cache_clear()
+  build.library.cache_clear()
   try:
     monkeypatch.setenv("JAXRL_CPU_KERNELS", "0")
-    assert learner_attention.for_mesh(mesh) is None
+    assert _learner_kernel(mesh) is None
   finally:
-    decode_attention.available.cache_clear()
+    build.library.cache_clear()
   monkeypatch.delenv("JAXRL_CPU_KERNELS")
   cfg = get_preset("bench").replace(num_layers=1, dtype="bfloat16")
-  assert not learner_attention.supports(cfg)
+  assert not cpu_attention.handles_learner(cfg.dtype, cfg.head_dim)
   graphdef, params = init_params(cfg, mesh)
   tokens = jnp.zeros((8, 8), jnp.int32)
   fn = shard_activations(lambda p: apply(graphdef, p, tokens)[0], mesh)

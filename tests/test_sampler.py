@@ -235,8 +235,11 @@ def test_sample_command_writes_and_prints_completions(tmp_path, capsys, repo_roo
     assert len(r["logprobs"]) == len(r["completion_ids"]) and all(lp <= 0 for lp in r["logprobs"])
     assert f"{r['prompt']!r} -> {r['completion']!r}" in out
   assert "6 completions (2 prompts x 3)" in out
-  assert json.load(open(tmp_path / "run" / "summary.json"))["sampler/tokens_generated"] == sum(
-      len(r["completion_ids"]) for r in rows)
+  summary = json.load(open(tmp_path / "run" / "summary.json"))
+  assert summary["sampler/tokens_generated"] == sum(len(r["completion_ids"]) for r in rows)
+  # The run dir records the backend as every command's does (jaxrl.train.rundir).
+  config = json.load(open(tmp_path / "run" / "config.json"))
+  assert config["sampling"]["slots"] == 8 and config["backend"] == summary["backend"]
 
 
 @pytest.mark.parametrize("content, args, pattern", [

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import JAXRL, assert_model_flops_per_token, subprocess_env
 
-from jaxrl import cli
+from jaxrl import backends, cli
 from jaxrl import config as config_lib
 from jaxrl.train import Checkpointer, init_train_state, make_optimizer, read_metrics
 from jaxrl.train.checkpoint import abstract_state
@@ -141,6 +141,11 @@ def test_rerunning_a_finished_run_trains_nothing(repo_root, tmp_path, devices, c
   # The re-run keeps the finished run's numbers (it used to write empty ones).
   assert "eval/accuracy" in first["eval"] and again["eval"] == first["eval"]
   assert again["metrics"]["loss"] == first["metrics"]["loss"]
+  # Both files record what the run ran on (jaxrl.backends.describe), the CPU choices included.
+  backend = json.load(open(os.path.join(wd, "config.json")))["backend"]
+  assert backend == first["backend"] == again["backend"] == backends.describe()
+  assert backend["platform"] == "cpu" and backend["attention"].startswith("cpu kernels")
+  assert {"allocator", "dots"} <= set(backend)
   # More steps on the same workdir: continues from step 4, and says what changed.
   cli.main(["sft", "--config", CONFIG, "--workdir", wd, *over, "--config.train.steps=6"])
   assert "train.steps: 4 -> 6" in capsys.readouterr().out

@@ -26,8 +26,9 @@ find_python() {
   return 1
 }
 
-# TCMalloc, which the jaxrl command preloads (jaxrl/allocator.py): on CPU it spares each learner
-# update ~170,000 page faults (anchor step 1.21-1.30 s against 1.39-1.51 on glibc malloc).
+# TCMalloc, which the jaxrl command preloads (jaxrl/backends/cpu/allocator.py): on CPU it spares
+# each learner update ~170,000 page faults (anchor step 1.21-1.30 s against 1.39-1.51 on glibc
+# malloc).
 # Installed from the distribution when this runs as root with apt-get; otherwise one hint line.
 # JAXRL_TCMALLOC=0 skips it. jaxrl works the same without it, only slower on CPU.
 have_tcmalloc() {

@@ -46,7 +46,8 @@ setup() {
   [ -x .venv/bin/python ] || "$uv" venv -q --python "$python" .venv
   "$uv" pip install -q --python .venv/bin/python -c requirements.lock -e . "jax[tpu]"
   [ -z "$bucket" ] || mount_bucket "$bucket"
-  # TCMalloc, which the jaxrl command preloads for its host-side allocations (jaxrl/allocator.py).
+  # TCMalloc, which the jaxrl command preloads for its host-side allocations
+  # (jaxrl/backends/cpu/allocator.py).
   ls /usr/lib/*-linux-gnu/libtcmalloc*.so* >/dev/null 2>&1 ||
     sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -q libtcmalloc-minimal4 >/dev/null ||
     echo "worker $(hostname): libtcmalloc-minimal4 not installed; jaxrl runs on glibc malloc"

@@ -18,8 +18,6 @@ heads, K kv heads, G = N // K, H head dim, F mlp, V vocab.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 
 import jax
@@ -27,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl.models.attention import attention, decode_attention, pin_rows
 from jaxrl.models.config import ModelConfig, RopeScaling
 
 # A KV cache is a (keys, values) pair of [B, K, S, H] arrays per layer, donated and updated in
@@ -35,72 +34,6 @@ from jaxrl.models.config import ModelConfig, RopeScaling
 # [2, B, K, S, H] array before each attention dot: at batch 64 on the bench shape, one
 # layer's decode attention took 0.81 ms with the stacked array, 0.24 ms with the pair.
 KVCache = list[tuple[jax.Array, jax.Array]]
-
-# How the residual stream [B, T, D] is sharded while a learner program traces: set by
-# jaxrl.parallel.activation_sharding (rows over the batch axes), None elsewhere. Layers never
-# name mesh axes; the model only marks where the stream's layout is pinned (after the embedding
-# and after each block). Without the pin, GSPMD propagated the learner layout's parameters,
-# whose embed dimension is split over the same axes as the batch, into the activations: every
-# device ran the whole batch on its D-slice and all-reduced each product's output (the bench
-# preset, B x T = 64 x 128 on fsdp=8: 347 MiB of all-reduce per step instead of 17 MiB of
-# weight all-gathers, 4x the step time; tests/test_sharding.py counts them).
-_ROW_SHARDING: contextvars.ContextVar = contextvars.ContextVar("jaxrl_row_sharding",
-                                                               default=None)
-
-
-@contextlib.contextmanager
-def row_sharding(constrain):
-  """While tracing inside this context, the residual stream goes through `constrain` (a
-  function of a [B, ...] array) after the embedding and after each block."""
-  token = _ROW_SHARDING.set(constrain)
-  try:
-    yield
-  finally:
-    _ROW_SHARDING.reset(token)
-
-
-def _pin_rows(x):
-  constrain = _ROW_SHARDING.get()
-  return x if constrain is None else constrain(x)
-
-
-# The decode step's attention kernel while the sampler traces its decode steps: set by
-# jaxrl.sampler.engine to jaxrl.models.decode_attention's CPU kernel where it runs (a function
-# of q [B, K, G, H], keys and values [B, K, S, H] and positions [B]), None elsewhere (XLA's
-# batched products and masked softmax, _cached_attention).
-_DECODE_ATTENTION: contextvars.ContextVar = contextvars.ContextVar("jaxrl_decode_attention",
-                                                                   default=None)
-
-
-@contextlib.contextmanager
-def decode_attention_kernel(fn):
-  """While tracing inside this context, single-token cached attention calls `fn` (None: XLA's
-  own attention)."""
-  token = _DECODE_ATTENTION.set(fn)
-  try:
-    yield
-  finally:
-    _DECODE_ATTENTION.reset(token)
-
-
-# The full-sequence attention kernel while a learner program is traced: set by
-# jaxrl.parallel.layouts.shard_activations to jaxrl.models.learner_attention's CPU kernel where
-# it runs (a differentiable function of q [B, T, K, G, H], keys and values [B, K, S, H] and mask
-# [B, T, S] that returns None for what it leaves to XLA), None elsewhere (full_attention).
-_FULL_ATTENTION: contextvars.ContextVar = contextvars.ContextVar("jaxrl_full_attention",
-                                                                 default=None)
-
-
-@contextlib.contextmanager
-def full_attention_kernel(fn):
-  """While tracing inside this context, attention over several positions calls `fn` first
-  (None: XLA's own attention, full_attention)."""
-  token = _FULL_ATTENTION.set(fn)
-  try:
-    yield
-  finally:
-    _FULL_ATTENTION.reset(token)
-
 
 def _dtype(name: str):
   return jnp.bfloat16 if name == "bfloat16" else jnp.float32
@@ -257,13 +190,7 @@ class Attention(nnx.Module):
       S = keys_bksh.shape[2]
       mask_bts = jnp.arange(S)[None, None, :] <= positions_bt[:, :, None]
 
-    q_btkgh = q.reshape(B, T, kh, n // kh, hd)
-    kernel = _FULL_ATTENTION.get()
-    # jaxrl.models.learner_attention's kernel (q and out in the projections' layout, no
-    # transposes) returns None for what it leaves to XLA.
-    out_btkgh = None if kernel is None else kernel(q_btkgh, keys_bksh, values_bksh, mask_bts)
-    if out_btkgh is None:
-      out_btkgh = full_attention(q_btkgh, keys_bksh, values_bksh, mask_bts)
+    out_btkgh = attention(q.reshape(B, T, kh, n // kh, hd), keys_bksh, values_bksh, mask_bts)
     out_mf = out_btkgh.reshape(B * T, n * hd)
     o_fd = self.o[...].astype(dt).reshape(n * hd, -1)
     return (out_mf @ o_fd).reshape(B, T, -1), new_kv
@@ -316,49 +243,12 @@ class Attention(nnx.Module):
     keys_bksh, values_bksh = (c.astype(dt) for c in new_kv)
     n, kh = cfg.num_heads, cfg.num_kv_heads
     q_bkgh = q_b1nh.reshape(B, kh, n // kh, cfg.head_dim)
-    kernel = _DECODE_ATTENTION.get()
-    if kernel is not None:
-      out_bkgh = kernel(q_bkgh, keys_bksh, values_bksh, pos_b)  # float32 only (supports)
-    else:
-      out_bkgh = _cached_attention(q_bkgh, keys_bksh, values_bksh, pos_b, cfg.head_dim)
+    out_bkgh = decode_attention(q_bkgh, keys_bksh, values_bksh, pos_b)
     # As one [B, N*H] x [N*H, D] matmul over row-major reshapes (free): written as the general
     # path's einsum, XLA:CPU transposed the whole o weight every decode step.
     o_fd = self.o[...].astype(dt).reshape(n * cfg.head_dim, cfg.embed_dim)
     out_bd = out_bkgh.reshape(B, n * cfg.head_dim) @ o_fd
     return out_bd[:, None], new_kv
-
-
-def full_attention(q_btkgh, keys_bksh, values_bksh, mask_bts):
-  """XLA's attention over several positions: q [B, T, K, G, H] (the G query heads of each KV
-  head) to keys and values [B, K, S, H], position t attending to the keys s with
-  mask_bts[b, t, s], logits scaled by H^-1/2: [B, T, K, G, H].
-
-  Grouped-query attention as batched matmuls over (B, K): the G query heads that share a KV
-  head are stacked into G*T rows against that head's S keys. (As one 5-D einsum over
-  [B, T, K, G, H], XLA:CPU transposed around every dot: on the bench shape one layer's
-  attention forward + backward took 29 ms, 16 ms as this.)"""
-  B, T, K, G, H = q_btkgh.shape
-  S = keys_bksh.shape[2]
-  q_bkmh = q_btkgh.transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
-  logits = jnp.einsum("BKMH,BKSH->BKMS", q_bkmh, keys_bksh, preferred_element_type=jnp.float32)
-  logits = logits * H**-0.5
-  mask_bms = jnp.broadcast_to(mask_bts[:, None], (B, G, T, S)).reshape(B, G * T, S)
-  logits = jnp.where(mask_bms[:, None], logits, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(logits, axis=-1).astype(q_btkgh.dtype)
-  out = jnp.einsum("BKMS,BKSH->BKMH", probs, values_bksh)  # [B, K, G*T, H]
-  return out.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4)
-
-
-def _cached_attention(q_bkgh, keys_bksh, values_bksh, pos_b, head_dim):
-  """Slot b's G query heads per KV head attend to its cache positions <= pos_b[b], as batched
-  matmuls over (B, K) that read the cache as stored: [B, K, G, H]."""
-  S = keys_bksh.shape[2]
-  logits_bkgs = jnp.einsum("BKGH,BKSH->BKGS", q_bkgh, keys_bksh,
-                           preferred_element_type=jnp.float32) * head_dim**-0.5
-  mask_bs = jnp.arange(S)[None, :] <= pos_b[:, None]
-  logits_bkgs = jnp.where(mask_bs[:, None, None, :], logits_bkgs, jnp.finfo(jnp.float32).min)
-  probs_bkgs = jax.nn.softmax(logits_bkgs, axis=-1).astype(q_bkgh.dtype)
-  return jnp.einsum("BKGS,BKSH->BKGH", probs_bkgs, values_bksh)
 
 
 def _write_positions(cache_bksh, new_bkh, pos_b):
@@ -461,12 +351,12 @@ class Transformer(nnx.Module):
     if positions_bt is None:
       positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
     rope = self._rope(positions_bt)
-    x = _pin_rows(self._embed(tokens_bt))
+    x = pin_rows(self._embed(tokens_bt))
     new_cache = []
     for i, layer in enumerate(self.layers):
       x, kv = layer(x, positions_bt, rope, segment_ids=segment_ids_bt,
                     cache=None if cache is None else cache[i])
-      x = _pin_rows(x)
+      x = pin_rows(x)
       new_cache.append(kv)
     return self.final_norm(x), new_cache
 
@@ -487,13 +377,13 @@ class Transformer(nnx.Module):
     pos_n = jnp.repeat(prompt_len_p, G)[:, None] + jnp.arange(Tc - 1)[None, :]
     rope_p, rope_n = self._rope(pos_p), self._rope(pos_n)
     valid_ps = jnp.arange(Tp)[None, :] < prompt_len_p[:, None]
-    x_p, x_n = _pin_rows(self._embed(prompt_pt)), _pin_rows(self._embed(completion_nt[:, :-1]))
+    x_p, x_n = pin_rows(self._embed(prompt_pt)), pin_rows(self._embed(completion_nt[:, :-1]))
     for layer in self.layers:
       # The prompt's own pass first (its padding comes after every real token, so it never
       # reaches a real position), then the completions attend to its valid keys.
       x_p, kv_p = layer(x_p, pos_p, rope_p)
       x_n, _ = layer(x_n, pos_n, rope_n, prompt=(*kv_p, valid_ps))
-      x_p, x_n = _pin_rows(x_p), _pin_rows(x_n)
+      x_p, x_n = pin_rows(x_p), pin_rows(x_n)
     last_p = jnp.take_along_axis(x_p, (prompt_len_p - 1)[:, None, None], axis=1)  # [P, 1, D]
     h = jnp.concatenate([jnp.repeat(last_p, G, axis=0), x_n], axis=1)
     return self.final_norm(h)

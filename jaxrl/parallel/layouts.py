@@ -23,8 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxrl.errors import ConfigError, check_choice
 from jaxrl.models import CACHE_AXES, ModelConfig, Transformer, abstract_model, cache_shape
-from jaxrl.models import learner_attention
-from jaxrl.models.llama import full_attention_kernel, row_sharding
+from jaxrl.models import attention
 
 Rule = str | tuple[str, ...] | None
 
@@ -123,15 +122,19 @@ def batch_sharding(mesh: Mesh, ndim: int = 2, layout: str = "learner") -> NamedS
 
 
 def activation_sharding(mesh: Mesh, layout: str = "learner"):
-  """A context for tracing a full-sequence program (a train step, a reference or reward
-  forward): the model's residual stream [B, T, D] keeps its rows split over the layout's batch
-  axes and D whole, as FSDP needs: each device runs its own rows and all-gathers each weight
-  it multiplies (see jaxrl.models.llama.row_sharding).
+  """A scope for tracing a full-sequence program (a train step, a reference or reward forward):
+  the model's residual stream [B, T, D] keeps its rows split over the layout's batch axes and D
+  whole, as FSDP needs: each device runs its own rows and all-gathers each weight it multiplies
+  (see jaxrl.models.attention.Tracing).
 
   A batch whose rows the axes do not divide is left to propagation, as is every array on a mesh
   without batch parallelism (one device, or tensor only), so those programs are unchanged.
   Cached decoding (the sampler, the greedy eval) does not use it: a decode step has a few rows,
   and for them the partial products' all-reduce moves less than the weights would."""
+  return attention.tracing(pin_rows=_row_constraint(mesh, layout))
+
+
+def _row_constraint(mesh: Mesh, layout: str):
   rule = get_rules(layout)["batch"]
   axes = (rule,) if isinstance(rule, str) else tuple(rule or ())
   ways = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
@@ -142,17 +145,19 @@ def activation_sharding(mesh: Mesh, layout: str = "learner"):
     spec = P(rule, *[None] * (x.ndim - 1))
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
-  return row_sharding(constrain)
+  return constrain
 
 
 def shard_activations(fn, mesh: Mesh, layout: str = "learner"):
-  """`fn`, traced under activation_sharding(mesh, layout) and, on CPU, with the learner's
-  attention kernels (jaxrl.models.learner_attention): wrap it before jax.jit."""
+  """`fn`, traced with its rows pinned as activation_sharding(mesh, layout) pins them and with
+  the backend's full-sequence attention kernel for the layout (on CPU the C++ kernels; see
+  jaxrl.models.attention): wrap it before jax.jit."""
+  rules = get_rules(layout)
 
   @functools.wraps(fn)
   def traced(*args, **kwargs):
-    with activation_sharding(mesh, layout), \
-         full_attention_kernel(learner_attention.for_mesh(mesh, layout)):
+    kernel = attention.attention_kernel(mesh, batch=rules["batch"], kv_heads=rules["kv_heads"])
+    with attention.tracing(pin_rows=_row_constraint(mesh, layout), attention=kernel):
       return fn(*args, **kwargs)
 
   return traced

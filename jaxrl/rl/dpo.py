@@ -45,12 +45,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl import config as config_lib
+from jaxrl.backends import compiler_options
 from jaxrl.data import ON_BAD_ROW
 from jaxrl.errors import ConfigError
 from jaxrl.models import apply, token_logprobs
 from jaxrl.models.flops import packed_flops
 from jaxrl.parallel import batch_sharding, mesh_from_config, shard_activations
-from jaxrl.parallel.cpu_kernels import learner_compiler_options
 from jaxrl.parallel.distributed import global_array
 from jaxrl.rl import preference_losses as pl
 from jaxrl.train.checkpoint import Checkpointer, restore_params
@@ -481,8 +481,8 @@ def run(config, workdir: str, *, out=print) -> dict:
 
   replicated = NamedSharding(mesh, P())
   # Replicated, so every process can read the scores of rows it holds in full.
-  # The reference's forwards compile with the learner's CPU dot kernels (cpu_kernels).
-  ref_options = learner_compiler_options(mesh.devices.flat)
+  # The reference's forwards compile with the learner's options (on CPU, its dot kernels).
+  ref_options = compiler_options(mesh.devices.flat)
   ref_forward = shard_activations(lambda p, rows: seq_logps(p, rows)[0], mesh)
   ref_score = jax.jit(ref_forward, out_shardings=replicated, compiler_options=ref_options)
   cache = reference = None

@@ -19,6 +19,7 @@ from jaxrl.parallel import init_params, mesh_from_config
 from jaxrl.sampler.engine import Engine
 from jaxrl.sampler.rollout import generate, metrics
 from jaxrl.sampler.sampling import from_config
+from jaxrl.train.rundir import RunDir
 
 
 def read_prompts(path: str) -> list[dict]:
@@ -78,9 +79,8 @@ def run(config, *, prompts_path: str, workdir: str | None, n: int | None = None,
                      grow_cache=s.get("grow_cache", True),
                      pad_id=tok.pad_id, progress=progress)
 
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=2))
+  run = RunDir(workdir)  # config.json and summary.json as every command writes them
+  run.write_config(config)
   path = os.path.join(workdir, "completions.jsonl")
   with open(path, "w", encoding="utf-8") as f:
     for i in range(len(rollout.lengths)):
@@ -94,8 +94,7 @@ def run(config, *, prompts_path: str, workdir: str | None, n: int | None = None,
       out(f"[{p}.{i % n}] {records[p]['prompt']!r} -> {row['completion']!r} "
           f"({len(ids)} tokens, {row['finish_reason']})")
   summary = {**metrics(rollout), **{f"sampler/{k}": v for k, v in rollout.stats.items()}}
-  with open(os.path.join(workdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
+  run.write_summary(summary)
   st = rollout.stats
   out(f"{len(rollout.lengths)} completions ({len(records)} prompts x {n}), "
       f"{st['tokens_generated']} tokens in {st['wall_s']:.2f} s ({st['tokens_per_s']:.0f} tok/s "

@@ -46,11 +46,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrl.models import ModelConfig
-from jaxrl.models import decode_attention
-from jaxrl.models.llama import decode_attention_kernel, init_cache
+from jaxrl.backends import compiler_options
+from jaxrl.models import ModelConfig, attention
+from jaxrl.models.llama import init_cache
 from jaxrl.parallel import batch_sharding, cache_sharding
-from jaxrl.parallel.cpu_kernels import EIGEN_DOTS, on_cpu
 from jaxrl.sampler.sampling import SamplingParams, is_stop, sample_logits, token_keys
 
 DecodeState = dict  # {"cache": [per-layer ([B,K,W,H], [B,K,W,H])], "tokens"|"pos"|"ngen"|"sample"|"max_len": [B] i32, "live": [B] bool}
@@ -72,9 +71,10 @@ class Engine:
     # 1.01 ms per step). From two slots up the YNNPACK kernels win (batch 2: 1.24 vs 1.38 ms;
     # batch 64: 9.1 vs 17.3 ms), so only single-slot shards compile this way.
     self._steps_gemv = self._steps
-    if on_cpu(mesh.devices.flat):
+    gemv_options = compiler_options(mesh.devices.flat, "decode_one_slot")
+    if gemv_options is not None:
       self._steps_gemv = jax.jit(self._steps_fn, donate_argnums=1, static_argnames="steps",
-                                 compiler_options=EIGEN_DOTS)
+                                 compiler_options=gemv_options)
     self._inits: dict[tuple[int, int], Callable] = {}  # (slots, length) -> jitted init
     # Not donated: a wider cache cannot reuse the old buffers (they are freed when the caller
     # drops the old state).
@@ -250,18 +250,17 @@ class Engine:
     self.traces["generate"] += 1
     model = nnx.merge(self.graphdef, params)
     width = window(state)
-    with decode_attention_kernel(self._attention_kernel(state)):
+    with attention.tracing(decode=self._attention_kernel(state)):
       return self._scan_steps(model, state, key, steps, width)
 
   def _attention_kernel(self, state: DecodeState):
-    """jaxrl.models.decode_attention's CPU kernel for this state's cache, or None (XLA's
-    attention): off CPU, for dtypes other than float32, or where it could not be built. The
-    GRPO anchor's rollout (bench preset, 64 slots, 64 tokens) took 920 ms against 1,065 with
-    XLA's attention (median of 10 alternating pairs, benchmarks/sampler.py, 2026-12-02)."""
-    if not decode_attention.supports(self.cfg):
-      return None
+    """The backend's decode-step attention kernel for this state's cache, or None (XLA's
+    attention; see jaxrl.models.attention). On CPU the C++ kernel, for float32 models where it
+    could be built: the GRPO anchor's rollout (bench preset, 64 slots, 64 tokens) took 920 ms
+    against 1,065 with XLA's attention (median of 10 alternating pairs, benchmarks/sampler.py,
+    2026-12-02)."""
     slots, width = state["live"].shape[0], window(state)
-    return decode_attention.for_mesh(
+    return attention.decode_kernel(
         self.mesh, cache_sharding(self.mesh, self.cfg, slots, width).spec)
 
   def _scan_steps(self, model, state, key, steps, width):

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from jaxrl import allocator
+from jaxrl import backends
 from jaxrl.train.checkpoint import Checkpointer, abstract_state
 from jaxrl.train.rundir import RunDir, logged_before
 
@@ -114,8 +114,11 @@ def start_run(config, workdir: str, *, out=print):
   main = jax.process_index() == 0
   run_dir = RunDir(workdir, write=main)
   run_dir.write_config(config, out=out if main else None)
-  if main:
-    out(f"memory allocator: {allocator.describe()}")
+  if main:  # what config.json records under "backend"
+    backend = backends.describe()
+    out(f"memory allocator: {backend['allocator']}")
+    out(f"backend: {backend['platform']}; attention {backend['attention']}; dots "
+        f"{backend['dots']}")
   return main, config_lib.model_config(config), run_dir, tokenizer_for(config)
 
 

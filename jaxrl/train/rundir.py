@@ -1,10 +1,15 @@
 """The run directory every command writes (docs/design.md):
 
-    DIR/config.json      the resolved config
+    DIR/config.json      the resolved config, and under "backend" what the process runs on
     DIR/metrics.jsonl    one JSON object per log step: {"step": s, "loss": ..., ...}
     DIR/tb/              TensorBoard scalars (events.out.tfevents.*)
     DIR/checkpoints/     orbax (see checkpoint.py)
-    DIR/summary.json     written at the end: status, final step, last metrics, wall time
+    DIR/summary.json     written at the end: status, final step, last metrics, wall time,
+                         and "backend" again
+
+"backend" is jaxrl.backends.describe(): the platform, the allocator, the attention and dot
+kernels, each with why (on CPU, what JAXRL_TCMALLOC, JAXRL_CPU_KERNELS and JAXRL_CPU_DOTS chose),
+so a run's numbers can be traced to the kernels that made them.
 
 Only process 0 writes files here; other processes get a RunDir that writes nothing, so call
 sites need no `if process_index == 0`.
@@ -23,6 +28,8 @@ import struct
 import time
 from typing import Any
 
+from jaxrl import backends
+
 
 class RunDir:
 
@@ -38,20 +45,23 @@ class RunDir:
     return os.path.join(self.workdir, name)
 
   def write_config(self, config, *, out=None) -> None:
-    """Writes config.json. Resuming with a changed config is allowed (e.g. more steps), but
-    never silent: with `out`, the keys that differ from the existing config.json are said."""
+    """Writes config.json (the config and the backend). Resuming with a changed config is
+    allowed (e.g. more steps), but never silent: with `out`, the keys that differ from the
+    existing config.json are said (the backend's too, where that file records one)."""
     old = self.read_config() if out is not None else None
+    backend = backends.describe()
     if old is not None:
       # Through JSON, as config.json was written, so a tuple and its list compare equal.
       flat_old = _flatten(old)
-      flat_new = _flatten(json.loads(json.dumps(config.to_dict(), default=str)))
+      new = config.to_dict() if "backend" not in old else {**config.to_dict(), "backend": backend}
+      flat_new = _flatten(json.loads(json.dumps(new, default=str)))
       changed = [k for k in sorted(set(flat_old) | set(flat_new))
                  if flat_old.get(k) != flat_new.get(k)]
       if changed:
         out("note: the config differs from the one in config.json: " + ", ".join(
             f"{k}: {flat_old.get(k)!r} -> {flat_new.get(k)!r}" for k in changed))
     if self.write:
-      _write_json(self.path("config.json"), config.to_dict())
+      _write_json(self.path("config.json"), {**config.to_dict(), "backend": backend})
 
   def read_config(self) -> dict | None:
     try:
@@ -83,7 +93,7 @@ class RunDir:
 
   def write_summary(self, summary: dict[str, Any]) -> None:
     if self.write:
-      _write_json(self.path("summary.json"), summary)
+      _write_json(self.path("summary.json"), {**summary, "backend": backends.describe()})
 
   def close(self) -> None:
     if self._tb is not None:

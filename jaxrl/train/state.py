@@ -23,9 +23,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxrl.backends import compiler_options
 from jaxrl.models import ModelConfig, Transformer, abstract_model
 from jaxrl.parallel import shard_activations, tree_shardings
-from jaxrl.parallel.cpu_kernels import learner_compiler_options
 
 
 @flax.struct.dataclass
@@ -129,7 +129,7 @@ def make_train_step(loss_fn: Callable, tx, schedule, shardings: TrainState, batc
   return jax.jit(shard_activations(step_fn, mesh), donate_argnums=0,
                  in_shardings=(shardings, batch_shardings),
                  out_shardings=(shardings, replicated),
-                 compiler_options=learner_compiler_options(mesh.devices.flat))
+                 compiler_options=compiler_options(mesh.devices.flat))
 
 
 def put_batch(batch: dict, sharding: NamedSharding) -> dict:

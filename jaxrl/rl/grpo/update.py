@@ -13,9 +13,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxrl.backends import compiler_options
 from jaxrl.models import apply, token_logprobs
 from jaxrl.parallel import shard_activations
-from jaxrl.parallel.cpu_kernels import learner_compiler_options
 from jaxrl.parallel.distributed import to_host
 from jaxrl.rl import losses
 
@@ -116,7 +116,7 @@ def batch_logprobs(graphdef, params, batch, temperature: float):
 def make_batch_logprobs_fn(graphdef, temperature: float, *, mesh: Mesh | None = None,
                            entropy: bool = True):
   """Jitted (params, learner batch of either form) -> (log-probs, entropy), compiled with the
-  learner's CPU dot kernels for `mesh`'s devices (jaxrl.parallel.cpu_kernels). entropy=False
+  learner's CPU dot kernels for `mesh`'s devices (jaxrl.backends.compiler_options). entropy=False
   returns (log-probs, None) and skips the entropy's pass over the vocabulary (the reference
   forward's case: nothing reads the reference's entropy)."""
   def logprobs(params, batch):
@@ -124,9 +124,9 @@ def make_batch_logprobs_fn(graphdef, temperature: float, *, mesh: Mesh | None = 
     return logp, ent if entropy else None
 
   if mesh is None:
-    return jax.jit(logprobs, compiler_options=learner_compiler_options(jax.devices()))
+    return jax.jit(logprobs, compiler_options=compiler_options(jax.devices()))
   return jax.jit(shard_activations(logprobs, mesh),
-                 compiler_options=learner_compiler_options(mesh.devices.flat))
+                 compiler_options=compiler_options(mesh.devices.flat))
 
 
 def make_logprobs_fn(graphdef, temperature: float):

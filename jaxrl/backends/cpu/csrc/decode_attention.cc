@@ -1,12 +1,12 @@
 // jaxrl's CPU kernel for one decode step's grouped-query attention, called from XLA through
-// its FFI (jaxrl/models/decode_attention.py builds, loads and registers it).
+// its FFI (jaxrl/backends/cpu/build.py builds, loads and registers it; attention.py calls it).
 //
 //   q [B, K, G, H] f32, keys [B, K, S, H] f32, values [B, K, S, H] f32, pos [B] s32
 //   -> out [B, K, G, H] f32
 //
 // Slot b's G query heads on KV head k attend to cache positions 0..pos[b] (all S positions
 // when pos[b] >= S, as the sampler feeds an idle slot; uniformly over all S when pos[b] < 0,
-// as XLA's masked softmax does). Same result as jaxrl.models.llama's XLA path to float
+// as XLA's masked softmax does). Same result as jaxrl.models.attention's XLA path to float
 // rounding.
 //
 // Why a kernel: XLA:CPU runs this as two batched products of 2 x 64 x S per (slot, KV head)

@@ -1,8 +1,8 @@
 // What jaxrl's CPU attention kernels share (decode_attention.cc, learner_attention.cc): 8-lane
 // float vectors, e^x for x <= 0, and the loop that spreads (row, KV head) pairs over the
 // calling thread and XLA's intra-op pool.
-#ifndef JAXRL_MODELS_CPU_SIMD_H_
-#define JAXRL_MODELS_CPU_SIMD_H_
+#ifndef JAXRL_BACKENDS_CPU_SIMD_H_
+#define JAXRL_BACKENDS_CPU_SIMD_H_
 
 #include <algorithm>
 #include <atomic>
@@ -92,4 +92,4 @@ void ForEachPair(xla::ffi::ThreadPool pool, int64_t pairs, int64_t scratch_float
 
 }  // namespace jaxrl
 
-#endif  // JAXRL_MODELS_CPU_SIMD_H_
+#endif  // JAXRL_BACKENDS_CPU_SIMD_H_

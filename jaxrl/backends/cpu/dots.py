@@ -26,8 +26,8 @@ of 12, by 0.04 +- 0.05 (mean, standard error), against a spread of 0.23-1.00 ove
 held-out accuracy 0.399 against 0.387 on average. The demo's SFT now runs at lr 1e-3
 (jaxrl.demo), which ends at 0.47-0.66 over seeds 0-5 with YNNPACK and 0.51-0.66 over seeds
 0-3 with Eigen dots, and GRPO gains +0.12..+0.19 from either.
-Decoding keeps YNNPACK either way, except one-slot shards (`EIGEN_DOTS`, see
-`jaxrl.sampler.engine`). Nothing changes off CPU.
+Decoding keeps YNNPACK either way, except one-slot shards ("decode_one_slot", see
+`jaxrl.sampler.engine`). Nothing changes off CPU (jaxrl.backends asks this module on CPU only).
 """
 
 from __future__ import annotations
@@ -43,11 +43,6 @@ CHOICES = ("ynnpack", "eigen", "auto")
 DEFAULT = "auto"
 # Compile options for XLA's own (Eigen / matrix-vector) dots instead of YNNPACK fusions.
 EIGEN_DOTS = {"xla_cpu_experimental_ynn_fusion_type": ""}
-
-
-def on_cpu(devices) -> bool:
-  """Whether every device is a CPU device (the only place these options mean anything)."""
-  return all(d.platform == "cpu" for d in devices)
 
 
 @functools.cache
@@ -79,6 +74,12 @@ def choose(setting: str | None = None, *, machine: str | None = None,
   return "ynnpack"
 
 
-def learner_compiler_options(devices) -> dict | None:
-  """The `compiler_options` for a learner program on `devices` (None: XLA's defaults)."""
-  return dict(EIGEN_DOTS) if on_cpu(devices) and choose() == "eigen" else None
+def compiler_options(program: str) -> dict | None:
+  """The `compiler_options` for a `program` on CPU devices: "learner" (train steps, batched
+  log-prob and reference forwards) takes the choice above, "decode_one_slot" (the sampler's
+  decode steps where each device holds one slot) always Eigen dots. None: XLA's defaults."""
+  if program == "decode_one_slot":
+    return dict(EIGEN_DOTS)
+  if program != "learner":
+    raise ValueError(f"compiler_options: unknown program {program!r}")
+  return dict(EIGEN_DOTS) if choose() == "eigen" else None

@@ -1,6 +1,6 @@
 // jaxrl's CPU kernels for full-sequence grouped-query attention and its gradient, called from
-// XLA through its FFI (jaxrl/models/learner_attention.py wraps them in a custom VJP; the build
-// is jaxrl/models/decode_attention.py's).
+// XLA through its FFI (jaxrl/backends/cpu/attention.py wraps them in a custom VJP; build.py
+// builds them).
 //
 //   forward:  q [B, T, K, G, H], keys [B, K, S, H], values [B, K, S, H], mask [B, T, S] pred
 //             -> out [B, T, K, G, H]

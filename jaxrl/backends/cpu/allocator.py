@@ -18,7 +18,8 @@ the arena lock, and big blocks from a thread's own arena are always mmapped.
 `sudo apt-get install libtcmalloc-minimal4` (or google-perftools' tcmalloc of any distro).
 A process that already has a tcmalloc loaded (a notebook kernel started with one) is left as
 it is. Only the console script and the benchmarks re-exec; importing jaxrl never does.
-`python -m jaxrl.allocator CMD ...` runs any command the same way (`make test` runs pytest so).
+`python -m jaxrl.backends.cpu.allocator CMD ...` runs any command the same way (`make test` runs
+pytest so).
 """
 
 from __future__ import annotations
@@ -120,15 +121,15 @@ def ensure() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-  """python -m jaxrl.allocator CMD [ARG ...]: runs CMD with tcmalloc preloaded when ensure()
-  would preload it, else as it is (`make test` runs pytest this way)."""
+  """python -m jaxrl.backends.cpu.allocator CMD [ARG ...]: runs CMD with tcmalloc preloaded
+  when ensure() would preload it, else as it is (`make test` runs pytest this way)."""
   argv = list(sys.argv[1:] if argv is None else argv)
   if not argv:
-    raise SystemExit("usage: python -m jaxrl.allocator CMD [ARG ...]")
+    raise SystemExit("usage: python -m jaxrl.backends.cpu.allocator CMD [ARG ...]")
   try:
     lib = _to_preload()
   except ConfigError as e:
-    raise SystemExit(f"jaxrl.allocator: error: {e}") from None
+    raise SystemExit(f"jaxrl.backends.cpu.allocator: error: {e}") from None
   os.execvpe(argv[0], argv, preload_env(lib) if lib else dict(os.environ))
 
 

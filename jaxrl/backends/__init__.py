@@ -1,0 +1,67 @@
+"""Backends: what runs under jaxrl's two seams on each platform, and the record of what ran.
+
+The model calls one attention function (jaxrl.models.attention), which takes a kernel from
+here when a program is traced for a mesh; every learner and decode program compiles with the
+options from `compiler_options`. Each asks the backend of the devices' platform:
+
+  cpu     jaxrl.backends.cpu: C++ attention kernels, the dot-kernel choice, TCMalloc
+  others  XLA's own attention and compile options
+
+A TPU (splash attention) or GPU (cuDNN, Pallas) backend is a package beside cpu/ and one branch
+in each function below; jaxrl.models.llama does not change. describe() says what this process
+chose, and every run records it (jaxrl.train.rundir).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxrl.backends import cpu
+
+
+def on_cpu(devices) -> bool:
+  """Whether every device is a CPU device (the CPU backend's programs run there only)."""
+  return all(d.platform == "cpu" for d in devices)
+
+
+def attention_kernel(mesh, *, batch, kv_heads):
+  """A kernel for the full-sequence attention of programs traced on `mesh`, whose rows are split
+  over the `batch` mesh axes and KV heads over `kv_heads` (a layout's rules), or None: XLA's
+  attention. The kernel is a differentiable function of (q [B, T, K, G, H], keys and values
+  [B, K, S, H], mask [B, T, S]) that returns [B, T, K, G, H], or None for inputs it leaves to
+  XLA."""
+  if on_cpu(mesh.devices.flat):
+    return cpu.attention_kernel(mesh, batch=batch, kv_heads=kv_heads)
+  return None
+
+
+def decode_kernel(mesh, cache_spec):
+  """A kernel for the decode step's attention to a KV cache laid out as `cache_spec` on `mesh`,
+  or None: XLA's attention. The kernel is a function of (q [B, K, G, H], keys and values
+  [B, K, S, H], positions [B]) that returns [B, K, G, H], or None for inputs it leaves to
+  XLA."""
+  if on_cpu(mesh.devices.flat):
+    return cpu.decode_kernel(mesh, cache_spec)
+  return None
+
+
+def compiler_options(devices, program: str = "learner") -> dict | None:
+  """The `compiler_options` for a program on `devices`: "learner" (train steps, batched log-prob,
+  reference and reward forwards) or "decode_one_slot" (the sampler's decode steps where each
+  device holds one slot). None: XLA's defaults."""
+  if on_cpu(devices):
+    return cpu.compiler_options(program)
+  return None
+
+
+def describe() -> dict[str, str]:
+  """What this process runs on: the platform, the allocator, the attention and the dot kernels,
+  each with why. Every run dir's config.json and summary.json carry it under "backend"."""
+  # Imported here, not above: `python -m jaxrl.backends.cpu.allocator` runs that module as
+  # __main__, and Python warns when a parent package has imported it first.
+  from jaxrl.backends.cpu import allocator  # noqa: PLC0415
+  platform = jax.default_backend()
+  out = {"platform": platform, "allocator": allocator.describe()}
+  if platform == "cpu":
+    return {**out, **cpu.describe()}
+  return {**out, "attention": "xla", "dots": "xla"}

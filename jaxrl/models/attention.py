@@ -1,0 +1,140 @@
+"""The model's attention, and the one place where a backend's kernels plug in.
+
+jaxrl.models.llama calls `attention` for every forward over several positions (training,
+scoring, prefill) and `decode_attention` for the sampler's one-token decode steps. Each runs
+XLA's implementation below (batched products and a masked softmax, on every platform) unless
+the program is traced inside `tracing(...)` with a kernel that jaxrl.backends chose for its
+mesh: today the C++ kernels on CPU. A TPU splash or GPU cuDNN kernel plugs in at
+jaxrl.backends the same way, and llama.py does not change. A kernel returns None for inputs it
+does not handle, and those get XLA's attention.
+
+Why a scope and not an argument: a kernel runs per device under shard_map, so it needs the mesh
+and the layout's axes, which the model does not have (its layers never name mesh axes), and it
+is chosen while jax traces the layers. So the code that builds a program sets it, in one `with`
+around the traced function:
+
+  jaxrl.parallel.shard_activations   learner programs: rows pinned, the full-sequence kernel
+  jaxrl.sampler.Engine               decode steps: the decode kernel
+
+The same scope carries the residual stream's row sharding (pin_rows), for the same reason.
+Anything traced outside a scope gets XLA's attention and unpinned rows.
+
+Shapes use letters: B batch (or decode slots), T new tokens, S keys (cache length), K kv heads,
+G query heads per kv head, H head dim.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl import backends
+
+
+class Tracing(NamedTuple):
+  """What a program is traced with, beyond its arrays (see tracing)."""
+  # [B, ...] -> [B, ...]: the residual stream's sharding constraint, applied after the embedding
+  # and after each block (jaxrl.parallel.activation_sharding: rows over the batch axes). Without
+  # the pin, GSPMD propagated the learner layout's parameters, whose embed dimension is split
+  # over the same axes as the batch, into the activations: every device ran the whole batch on
+  # its D-slice and all-reduced each product's output (the bench preset, B x T = 64 x 128 on
+  # fsdp=8: 347 MiB of all-reduce per step instead of 17 MiB of weight all-gathers, 4x the step
+  # time; tests/test_sharding.py counts them).
+  pin_rows: Callable | None = None
+  # (q [B, T, K, G, H], keys, values [B, K, S, H], mask [B, T, S]) -> [B, T, K, G, H] or None.
+  attention: Callable | None = None
+  # (q [B, K, G, H], keys, values [B, K, S, H], pos [B]) -> [B, K, G, H] or None.
+  decode: Callable | None = None
+
+
+_TRACING: contextvars.ContextVar[Tracing] = contextvars.ContextVar("jaxrl_tracing",
+                                                                  default=Tracing())
+
+
+@contextlib.contextmanager
+def tracing(*, pin_rows=None, attention=None, decode=None):
+  """While tracing inside this scope, the model pins its residual stream's rows with `pin_rows`
+  and calls the `attention` and `decode` kernels (each None: XLA's). The scope sets all three:
+  an inner scope does not inherit an outer one's."""
+  token = _TRACING.set(Tracing(pin_rows, attention, decode))
+  try:
+    yield
+  finally:
+    _TRACING.reset(token)
+
+
+def attention_kernel(mesh, *, batch, kv_heads):
+  """The selected backend's full-sequence kernel for a program on `mesh` whose rows are split
+  over the `batch` mesh axes and KV heads over `kv_heads`, or None (jaxrl.backends)."""
+  return backends.attention_kernel(mesh, batch=batch, kv_heads=kv_heads)
+
+
+def decode_kernel(mesh, cache_spec):
+  """The selected backend's decode-step kernel for a KV cache laid out as `cache_spec` on
+  `mesh`, or None (jaxrl.backends)."""
+  return backends.decode_kernel(mesh, cache_spec)
+
+
+def pin_rows(x):
+  """x [B, ...] through the scope's row sharding constraint (unchanged outside a scope)."""
+  constrain = _TRACING.get().pin_rows
+  return x if constrain is None else constrain(x)
+
+
+def attention(q_btkgh, keys_bksh, values_bksh, mask_bts):
+  """Attention over several positions: q [B, T, K, G, H] to keys and values [B, K, S, H],
+  position t attending to the keys s with mask_bts[b, t, s]: [B, T, K, G, H]. The scope's
+  kernel where it takes the call (q and out in the projections' layout, no transposes), else
+  xla_attention."""
+  kernel = _TRACING.get().attention
+  out_btkgh = None if kernel is None else kernel(q_btkgh, keys_bksh, values_bksh, mask_bts)
+  if out_btkgh is None:
+    out_btkgh = xla_attention(q_btkgh, keys_bksh, values_bksh, mask_bts)
+  return out_btkgh
+
+
+def decode_attention(q_bkgh, keys_bksh, values_bksh, pos_b):
+  """A decode step's attention: slot b's G query heads per KV head, q [B, K, G, H], attend to
+  its cache positions <= pos_b[b] of keys and values [B, K, S, H]: [B, K, G, H]. The scope's
+  kernel where it takes the call, else xla_decode_attention."""
+  kernel = _TRACING.get().decode
+  out_bkgh = None if kernel is None else kernel(q_bkgh, keys_bksh, values_bksh, pos_b)
+  if out_bkgh is None:
+    out_bkgh = xla_decode_attention(q_bkgh, keys_bksh, values_bksh, pos_b)
+  return out_bkgh
+
+
+def xla_attention(q_btkgh, keys_bksh, values_bksh, mask_bts):
+  """XLA's attention over several positions (see attention), logits scaled by H^-1/2.
+
+  Grouped-query attention as batched matmuls over (B, K): the G query heads that share a KV
+  head are stacked into G*T rows against that head's S keys. (As one 5-D einsum over
+  [B, T, K, G, H], XLA:CPU transposed around every dot: on the bench shape one layer's
+  attention forward + backward took 29 ms, 16 ms as this.)"""
+  B, T, K, G, H = q_btkgh.shape
+  S = keys_bksh.shape[2]
+  q_bkmh = q_btkgh.transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
+  logits = jnp.einsum("BKMH,BKSH->BKMS", q_bkmh, keys_bksh, preferred_element_type=jnp.float32)
+  logits = logits * H**-0.5
+  mask_bms = jnp.broadcast_to(mask_bts[:, None], (B, G, T, S)).reshape(B, G * T, S)
+  logits = jnp.where(mask_bms[:, None], logits, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(logits, axis=-1).astype(q_btkgh.dtype)
+  out = jnp.einsum("BKMS,BKSH->BKMH", probs, values_bksh)  # [B, K, G*T, H]
+  return out.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4)
+
+
+def xla_decode_attention(q_bkgh, keys_bksh, values_bksh, pos_b):
+  """XLA's decode-step attention (see decode_attention), as batched matmuls over (B, K) that
+  read the cache as stored."""
+  S, head_dim = keys_bksh.shape[2], q_bkgh.shape[-1]
+  logits_bkgs = jnp.einsum("BKGH,BKSH->BKGS", q_bkgh, keys_bksh,
+                           preferred_element_type=jnp.float32) * head_dim**-0.5
+  mask_bs = jnp.arange(S)[None, :] <= pos_b[:, None]
+  logits_bkgs = jnp.where(mask_bs[:, None, None, :], logits_bkgs, jnp.finfo(jnp.float32).min)
+  probs_bkgs = jax.nn.softmax(logits_bkgs, axis=-1).astype(q_bkgh.dtype)
+  return jnp.einsum("BKGS,BKSH->BKGH", probs_bkgs, values_bksh)
