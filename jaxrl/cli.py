@@ -293,7 +293,7 @@ def cmd_bench(args, overrides) -> None:
 
 
 def cmd_convert(args, overrides) -> None:
-  from jaxrl.models import hf
+  from jaxrl.io import hf
   from jaxrl.parallel import describe, mesh_from_config
   config = _load(args, overrides)
   mesh = mesh_from_config(config.mesh)

@@ -24,6 +24,7 @@ import ml_collections
 from jaxrl.errors import ConfigError, check_choice
 from jaxrl.models import PRESETS, ModelConfig, model_config_from
 from jaxrl.models.config import DTYPES, model_section_fields
+from jaxrl.models.hf_config import config_from_hf, read_hf_config
 from jaxrl.parallel import LAYOUTS
 from jaxrl.parallel.plan import DEVICE_MEMORY_GIB
 from jaxrl.parallel.sync import PLACEMENTS, SYNC_DTYPES
@@ -55,7 +56,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict({k: None for k in model_section_fields()})
   c.model.preset = "tiny"
   # A Hugging Face checkpoint directory: its config.json replaces the preset and its weights
-  # replace the random init (jaxrl.models.hf.params_from_config).
+  # replace the random init (jaxrl.io.hf.params_from_config).
   c.model.hf_path = ""
   return c
 
@@ -273,8 +274,7 @@ def hf_base(config: ml_collections.ConfigDict) -> ModelConfig | None:
   path = config.model.get("hf_path") or ""
   if not path or not os.path.isfile(os.path.join(path, "config.json")):
     return None
-  from jaxrl.models import hf
-  return hf.config_from_hf(hf.read_hf_config(path), where=os.path.join(path, "config.json"))
+  return config_from_hf(read_hf_config(path), where=os.path.join(path, "config.json"))
 
 
 def validate_choice(key: str, value: Any, choices: Iterable[str]) -> None:

@@ -15,6 +15,7 @@ import jax
 from jaxrl import config as config_lib
 from jaxrl.data import ByteTokenizer
 from jaxrl.errors import ConfigError
+from jaxrl.io.params import restore_params
 from jaxrl.parallel import init_params, mesh_from_config
 from jaxrl.sampler.engine import Engine
 from jaxrl.sampler.rollout import generate, metrics
@@ -67,7 +68,6 @@ def run(config, *, prompts_path: str, workdir: str | None, n: int | None = None,
   mesh = mesh_from_config(config.mesh)
   graphdef, params = init_params(cfg, mesh, "sampler", seed=config.seed)
   if checkpoint:
-    from jaxrl.train.checkpoint import restore_params
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                             params)
     params = restore_params(checkpoint, abstract, key="--checkpoint")

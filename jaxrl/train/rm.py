@@ -31,11 +31,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxrl import config as config_lib
 from jaxrl.data import ON_BAD_ROW, prefs
 from jaxrl.errors import ConfigError
+from jaxrl.io.params import restore_params
 from jaxrl.models import RewardModel, last_index, reward_apply
 from jaxrl.models.flops import packed_flops
 from jaxrl.parallel import batch_sharding, mesh_from_config, shard_activations
 from jaxrl.parallel.distributed import global_array
-from jaxrl.train.checkpoint import Checkpointer, restore_params
+from jaxrl.train.checkpoint import Checkpointer
 from jaxrl.train.data import ShardedBatches, check_batch_size, data_shards
 from jaxrl.train.loop import resume, start_run, train_loop
 from jaxrl.train.optim import make_optimizer
