@@ -60,17 +60,19 @@ from jaxrl.sampler import metrics as rollout_metrics
 from jaxrl.train.checkpoint import Checkpointer, restore_params
 from jaxrl.train.evaluation import ExactMatch
 from jaxrl.train.loop import resume, start_run, train_loop
-from jaxrl.train.optim import make_optimizer
+from jaxrl.train.optim import CHOICES as OPTIM_CHOICES, make_optimizer
 from jaxrl.train.state import init_train_state, make_train_step, start_from_hf
 
-config_lib.CHOICES.update({
+# This trainer's keys with fixed choices, checked when a run starts (config.validate).
+CHOICES = {
+    **OPTIM_CHOICES,
     "algo.advantage": adv_lib.ESTIMATORS,
     "algo.aggregation": losses.AGGREGATIONS,
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.kl_in": ("loss", "reward"),
     "algo.ratio_level": ("token", "sequence"),
     "reward_model.ensemble": rm_lib.ENSEMBLES,
-})
+}
 
 
 def algo_section(**overrides) -> ml_collections.ConfigDict:
@@ -518,7 +520,7 @@ def _records(config, task):
 
 def run(config, workdir: str, *, out=print) -> dict:
   """Trains (or resumes) the GRPO run in `workdir`; returns the summary."""
-  main, cfg, run_dir, tokenizer = start_run(config, workdir, out=out)
+  main, cfg, run_dir, tokenizer = start_run(config, workdir, out=out, choices=CHOICES)
   placement = make_placement(config.mesh, config.placement)
   mesh = placement.learner.mesh
   a, r = config.algo, config.rollout

@@ -106,11 +106,12 @@ class Progress:
       self.bar.close()
 
 
-def start_run(config, workdir: str, *, out=print):
-  """What every trainer does first: validate the config, open the run dir (process 0 writes
-  config.json and says which keys changed on a resume) and build the tokenizer. Returns
-  (main, cfg, run_dir, tokenizer): main is True on process 0, cfg the ModelConfig."""
-  config_lib.validate(config)
+def start_run(config, workdir: str, *, out=print, choices=None):
+  """What every trainer does first: validate the config (the shared sections and `choices`, the
+  trainer's own CHOICES), open the run dir (process 0 writes config.json and says which keys
+  changed on a resume) and build the tokenizer. Returns (main, cfg, run_dir, tokenizer): main is
+  True on process 0, cfg the ModelConfig."""
+  config_lib.validate(config, choices)
   main = jax.process_index() == 0
   run_dir = RunDir(workdir, write=main)
   run_dir.write_config(config, out=out if main else None)
