@@ -20,6 +20,7 @@ Layers, bottom to top (a module may import its own layer and any layer below it)
 
 Function-local imports count as much as module-level ones: a lazy import hides an edge from a
 reader, not from the graph. So do relative imports and importlib.import_module("jaxrl...") calls.
+Peers within a layer may import each other, but no set of modules may import in a circle.
 """
 
 import ast
@@ -173,6 +174,60 @@ def test_imports_run_one_way():
 def test_every_module_has_a_layer():
   for _, module, _ in _all_edges():
     layer_of(module)
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """The import cycles of `graph` (module -> imported modules): its strongly connected
+  components of more than one module (Tarjan's algorithm, iterative)."""
+  index, low, stack, on_stack, out = {}, {}, [], set(), []
+  for root in sorted(graph):
+    if root in index:
+      continue
+    work = [(root, iter(sorted(graph.get(root, ()))))]
+    index[root] = low[root] = len(index)
+    stack.append(root)
+    on_stack.add(root)
+    while work:
+      v, it = work[-1]
+      w = next(it, None)
+      if w is not None:
+        if w not in index:
+          index[w] = low[w] = len(index)
+          stack.append(w)
+          on_stack.add(w)
+          work.append((w, iter(sorted(graph.get(w, ())))))
+        elif w in on_stack:
+          low[v] = min(low[v], index[w])
+        continue
+      work.pop()
+      if work:
+        low[work[-1][0]] = min(low[work[-1][0]], low[v])
+      if low[v] == index[v]:
+        comp = []
+        while True:
+          w = stack.pop()
+          on_stack.discard(w)
+          comp.append(w)
+          if w == v:
+            break
+        if len(comp) > 1:
+          out.append(sorted(comp))
+  return out
+
+
+def test_no_import_cycles():
+  """Peers in one layer may import each other, but not in a circle (function-local imports
+  included: a lazy import that closes a circle only moves the failure to run time)."""
+  graph = {}
+  for path, module, text in _all_edges():
+    graph[module] = {t for _, t in imports_of(module, text, path)
+                     if t != module and (module, t) not in ALLOWLIST}
+  assert not cycles(graph), f"import cycles: {cycles(graph)}"
+
+
+def test_the_cycle_check_finds_a_cycle():
+  assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+  assert not cycles({"a": {"b"}, "b": {"c"}, "d": {"a", "c"}})
 
 
 def test_allowlist_has_no_stale_edges():
