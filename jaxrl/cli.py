@@ -29,8 +29,9 @@ _LIBS = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "ml-coll
 TRAINERS = {"sft": "jaxrl.train.sft", "rm": "jaxrl.train.rm", "grpo": "jaxrl.rl.grpo",
             "dpo": "jaxrl.rl.dpo"}
 
-# Each command imports what it runs inside its function (lazy: the training stack adds about
-# 2 s to start-up, which `jaxrl data`, `plot`, `compare` or `--help` should not pay).
+# Commands import the trainers, io, data, plot and launch inside their functions (lazy: the
+# training stack adds about 2 s to start-up, which `jaxrl data`, `plot`, `compare` or `--help`
+# should not pay). config and parallel come with the jaxrl package anyway.
 
 
 def trainer(command: str):
@@ -40,7 +41,10 @@ def trainer(command: str):
 
 def _choices(command: str | None):
   """The choices a command's config is validated against beyond the shared sections: its
-  trainer's CHOICES, or none for a command that is not a trainer."""
+  module's CHOICES (a trainer's, or `jaxrl sample`'s), or none."""
+  if command == "sample":
+    from jaxrl.sampler import command as sample_command
+    return sample_command.CHOICES
   return trainer(command).CHOICES if command in TRAINERS else None
 
 
@@ -371,8 +375,8 @@ def cmd_train(args, overrides) -> None:
 
 def cmd_sample(args, overrides) -> None:
   from jaxrl.sampler import command
-  command.run(_load(args, overrides), prompts_path=args.prompts, workdir=args.workdir, n=args.n,
-              checkpoint=args.checkpoint)
+  command.run(_load(args, overrides, _choices("sample")), prompts_path=args.prompts,
+              workdir=args.workdir, n=args.n, checkpoint=args.checkpoint)
 
 
 def cmd_launch(args, overrides) -> None:

@@ -8,10 +8,11 @@ fails with one sentence naming the key and what is valid. A config file may also
 `sweep()`, which yields dicts of overrides, one per run.
 
 This module knows the sections every command shares (seed, layout, mesh, model, and the
-placement, plan and sampling sections built from the layers below). A trainer's own sections
-(algo, data, optim, ...) are its own: it lists their choices in its `CHOICES` and passes them to
-`validate` (its run does, as do `jaxrl launch` and `jaxrl sweep` before starting one). Nothing
-here imports a trainer, and nothing registers choices here at import time.
+placement and plan sections built from the layers below). A command's own sections (a trainer's
+algo, data, optim, ...; `jaxrl sample`'s sampling) are its own: its module lists their choices
+in its `CHOICES`, which reach `validate` as an argument (from the trainer's start_run, and from
+the CLI, `jaxrl launch` and `jaxrl sweep` before a run starts). Nothing here imports a trainer,
+and nothing registers choices here at import time.
 """
 
 from __future__ import annotations
@@ -46,8 +47,6 @@ BASE_CHOICES: Mapping[str, Iterable[str]] = MappingProxyType({
     "placement.mode": PLACEMENTS,
     "placement.sync_dtype": SYNC_DTYPES,
     "plan.device": ("", *DEVICE_MEMORY_GIB),
-    "sampling.mode": ("sample", "greedy"),
-    "sampling.batching": ("continuous", "static"),
 })
 _AUTO_KEYS = ("mesh.data", "mesh.fsdp", "mesh.tensor", "placement.sampler_mesh.data",
               "placement.sampler_mesh.fsdp", "placement.sampler_mesh.tensor")  # accept "auto" for -1

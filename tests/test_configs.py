@@ -8,6 +8,7 @@ from jaxrl import cli
 from jaxrl import config as config_lib
 from jaxrl.errors import ConfigError
 from jaxrl.models import PRESETS
+from jaxrl.sampler import command as sample_command
 
 # The args each config file documents, beside the default (None).
 ARGS = {"tiny.py": [None, "tp", "sampler"], "model.py": [None, *PRESETS],
@@ -17,13 +18,16 @@ ARGS = {"tiny.py": [None, "tp", "sampler"], "model.py": [None, *PRESETS],
         "dpo_tiny.py": [None, "ipo", "kto", "orpo", "simpo", "runlocal"],
         **{f: [None, "grpo", "sft", "fixture"] for f in ("qwen3_0p6b.py", "qwen2p5_1p5b.py",
                                                          "llama3p2_1b.py")}}
-# The trainer each config file is for (its choices are validated too), by file and arg.
-TRAINER = {"sft_tiny.py": "sft", "rm_tiny.py": "rm", "grpo_tiny.py": "grpo", "dpo_tiny.py": "dpo",
+# The command each config file is for (its own sections' choices are validated too).
+COMMAND = {"sft_tiny.py": "sft", "rm_tiny.py": "rm", "grpo_tiny.py": "grpo", "dpo_tiny.py": "dpo",
+           "sample_tiny.py": "sample",
            **{f: "grpo" for f in ("qwen3_0p6b.py", "qwen2p5_1p5b.py", "llama3p2_1b.py")}}
 
 
 def _choices(path, arg):
-  command = "sft" if arg == "sft" else TRAINER.get(os.path.basename(path))
+  command = "sft" if arg == "sft" else COMMAND.get(os.path.basename(path))
+  if command == "sample":
+    return sample_command.CHOICES
   return cli.trainer(command).CHOICES if command else None
 
 

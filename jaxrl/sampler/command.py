@@ -47,6 +47,11 @@ def read_prompts(path: str) -> list[dict]:
   return records
 
 
+# The sampling section's keys with fixed choices. The section is this command's (a config file
+# like configs/sample_tiny.py writes it), so its choices live here, not in jaxrl.config.
+CHOICES = {"sampling.mode": ("sample", "greedy"), "sampling.batching": ("continuous", "static")}
+
+
 def run(config, *, prompts_path: str, workdir: str | None, n: int | None = None,
         checkpoint: str | None = None, progress: bool = True, out=print) -> dict:
   if not workdir:
@@ -55,6 +60,7 @@ def run(config, *, prompts_path: str, workdir: str | None, n: int | None = None,
   if "sampling" not in config:
     raise ConfigError("the config has no `sampling` section: use configs/sample_tiny.py or add "
                       "one like it.")
+  config_lib.check_choices(config, CHOICES)  # the CLI checked them on load; a notebook may not
   records = read_prompts(prompts_path)
   s = config.sampling
   n = s.n if n is None else n
