@@ -21,6 +21,8 @@ no generation), "fixture" (a GRPO pulse on tests/fixtures/hf/llama, runs on CPU 
 import os
 
 from jaxrl.config import hf_model_config
+from jaxrl.rl import grpo
+from jaxrl.train import sft
 
 CHECKPOINT = "checkpoints/Llama-3.2-1B-Instruct"
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures",
@@ -29,4 +31,5 @@ FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"
 
 def get_config(arg=None):
   return hf_model_config(arg, preset="llama-3.2-1b", checkpoint=CHECKPOINT,
-                         fixture=os.path.normpath(FIXTURE))
+                         fixture=os.path.normpath(FIXTURE),
+                         sft_config=sft.default_config, grpo_config=grpo.default_config)

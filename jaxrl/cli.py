@@ -8,16 +8,44 @@ The logic lives in importable modules (a notebook calls them directly); this fil
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import platform
 import sys
 from importlib import metadata
 
+from jaxrl import config as config_lib
 from jaxrl.errors import ConfigError
-from jaxrl.tasks import ERROR_MODES
+from jaxrl.parallel import describe, init_params, mesh_from_config, param_table
+from jaxrl.parallel.plan import memory_plan
+from jaxrl.parallel.sync import WeightSync, make_placement, memcpy_gb_per_s
+from jaxrl.tasks import ERROR_MODES, get_task
 
 _LIBS = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "ml-collections",
          "numpy", "tokenizers", "safetensors")
+
+# The trainer commands and the modules that own their defaults (default_config) and their
+# sections' choices (CHOICES).
+TRAINERS = {"sft": "jaxrl.train.sft", "rm": "jaxrl.train.rm", "grpo": "jaxrl.rl.grpo",
+            "dpo": "jaxrl.rl.dpo"}
+
+# Commands import the trainers, io, data, plot and launch inside their functions (lazy: the
+# training stack adds about 2 s to start-up, which `jaxrl data`, `plot`, `compare` or `--help`
+# should not pay). config and parallel come with the jaxrl package anyway.
+
+
+def trainer(command: str):
+  """The module of a trainer command (jaxrl.rl.grpo for "grpo"), imported now."""
+  return importlib.import_module(TRAINERS[command])
+
+
+def _choices(command: str | None):
+  """The choices a command's config is validated against beyond the shared sections: its
+  module's CHOICES (a trainer's, or `jaxrl sample`'s), or none."""
+  if command == "sample":
+    from jaxrl.sampler import command as sample_command
+    return sample_command.CHOICES
+  return trainer(command).CHOICES if command in TRAINERS else None
 
 
 def _common(p: argparse.ArgumentParser, *, config_required: bool) -> None:
@@ -166,14 +194,13 @@ def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
   return rest, overrides
 
 
-def _load(args, overrides):
-  from jaxrl import config as config_lib
+def _load(args, overrides, choices=None):
   if args.config is None:
     config = config_lib.base_config()
     config_lib.apply_overrides(config, overrides)
-    config_lib.validate(config)
+    config_lib.validate(config, choices)
     return config
-  return config_lib.load_config(args.config, overrides)
+  return config_lib.load_config(args.config, overrides, choices)
 
 
 def _model_name(config) -> str:
@@ -190,7 +217,6 @@ def _model_name(config) -> str:
 def cmd_info(args, overrides) -> None:
   import jax
 
-  from jaxrl.parallel import describe, mesh_from_config
   print(f"python {platform.python_version()} ({sys.executable})")
   for lib in _LIBS:
     try:
@@ -212,8 +238,6 @@ def cmd_info(args, overrides) -> None:
 
 
 def cmd_model(args, overrides) -> None:
-  from jaxrl import config as config_lib
-  from jaxrl.parallel import mesh_from_config, param_table
   config = _load(args, overrides)
   cfg = config_lib.model_config(config)
   mesh = mesh_from_config(config.mesh)
@@ -224,13 +248,13 @@ def cmd_model(args, overrides) -> None:
 
 
 def cmd_sweep(args, overrides) -> None:
-  from jaxrl import config as config_lib
   from jaxrl import launch
   base = args.workdir or os.path.join("runs", os.path.splitext(os.path.basename(
       config_lib.split_spec(args.config)[0]))[0])
   plan = []
   # Every run's overrides apply and validate before anything is launched (as jaxrl launch).
-  for i, (run, extra, _) in enumerate(launch.sweep_items(args.config, overrides)):
+  for i, (run, extra, _) in enumerate(launch.sweep_items(args.config, overrides,
+                                                         choices=_choices(args.run_command))):
     argv = [args.run_command, "--config", args.config, *overrides, *extra]
     workdir = os.path.join(base, f"run{i:03d}")
     if args.run_command not in ("info", "model"):
@@ -247,14 +271,10 @@ def cmd_sweep(args, overrides) -> None:
 
 
 def _placement(config):
-  from jaxrl.parallel.sync import make_placement
   return make_placement(config.mesh, config.get("placement"))
 
 
 def cmd_plan(args, overrides) -> None:
-  from jaxrl import config as config_lib
-  from jaxrl.parallel import describe
-  from jaxrl.parallel.plan import memory_plan
   config = _load(args, overrides)
   cfg = config_lib.model_config(config)
   placement = _placement(config)
@@ -270,9 +290,6 @@ def cmd_plan(args, overrides) -> None:
 def cmd_bench(args, overrides) -> None:
   import jax
 
-  from jaxrl import config as config_lib
-  from jaxrl.parallel import describe, init_params
-  from jaxrl.parallel.sync import WeightSync, memcpy_gb_per_s
   config = _load(args, overrides)
   cfg = config_lib.model_config(config)
   placement = _placement(config)
@@ -296,8 +313,7 @@ def cmd_bench(args, overrides) -> None:
 
 
 def cmd_convert(args, overrides) -> None:
-  from jaxrl.models import hf
-  from jaxrl.parallel import describe, mesh_from_config
+  from jaxrl.io import hf
   config = _load(args, overrides)
   mesh = mesh_from_config(config.mesh)
   if args.direction == "hf-to-jaxrl":
@@ -327,7 +343,6 @@ def cmd_demo(args, overrides) -> None:
 
 def cmd_data(args, overrides) -> None:
   from jaxrl.data import write_jsonl
-  from jaxrl.tasks import get_task
   if overrides:
     raise ConfigError(f"jaxrl data takes no --config overrides, got {overrides[0]!r}.")
   task = get_task(args.task)
@@ -354,43 +369,28 @@ def cmd_data(args, overrides) -> None:
         f"{args.seed}) to {args.out}")
 
 
-def cmd_sft(args, overrides) -> None:
-  from jaxrl.train import run_trainer, sft
-  run_trainer(sft.run, args, overrides, _load)
-
-
-def cmd_rm(args, overrides) -> None:
-  from jaxrl.train import rm, run_trainer
-  run_trainer(rm.run, args, overrides, _load)
-
-
-def cmd_grpo(args, overrides) -> None:
-  from jaxrl.rl import grpo
+def cmd_train(args, overrides) -> None:
+  """jaxrl sft | rm | grpo | dpo: the trainer's config, checked against its choices, then run."""
   from jaxrl.train import run_trainer
-  run_trainer(grpo.run, args, overrides, _load)
-
-
-def cmd_dpo(args, overrides) -> None:
-  from jaxrl.rl import dpo
-  from jaxrl.train import run_trainer
-  run_trainer(dpo.run, args, overrides, _load)
+  module = trainer(args.command)
+  run_trainer(module.run, args, overrides, lambda a, o: _load(a, o, module.CHOICES))
 
 
 def cmd_sample(args, overrides) -> None:
   from jaxrl.sampler import command
-  command.run(_load(args, overrides), prompts_path=args.prompts, workdir=args.workdir, n=args.n,
-              checkpoint=args.checkpoint)
+  command.run(_load(args, overrides, _choices("sample")), prompts_path=args.prompts,
+              workdir=args.workdir, n=args.n, checkpoint=args.checkpoint)
 
 
 def cmd_launch(args, overrides) -> None:
-  from jaxrl import config as config_lib
   from jaxrl import launch
   from jaxrl.plot import compare_table
   spec = args.config
   command = args.run_command or ("grpo" if "rollout" in config_lib.load_config(spec) else "sft")
   root = args.workdir or os.path.join("runs", os.path.splitext(os.path.basename(
       config_lib.split_spec(spec)[0]))[0])
-  runs = launch.expand(spec, command=command, root=root, overrides=overrides, sweep=args.sweep)
+  runs = launch.expand(spec, command=command, root=root, overrides=overrides, sweep=args.sweep,
+                       choices=_choices(command))
   experiment = os.path.basename(root.rstrip("/"))
   print(f"experiment {experiment!r}: {len(runs)} run(s) of `jaxrl {command}` under {root}")
   launch.describe(runs)
@@ -448,7 +448,7 @@ def cmd_plot(args, overrides) -> None:
 
 COMMANDS = {"info": cmd_info, "model": cmd_model, "sweep": cmd_sweep, "plan": cmd_plan,
             "bench": cmd_bench, "convert": cmd_convert, "demo": cmd_demo, "data": cmd_data,
-            "sft": cmd_sft, "rm": cmd_rm, "grpo": cmd_grpo, "dpo": cmd_dpo,
+            "sft": cmd_train, "rm": cmd_train, "grpo": cmd_train, "dpo": cmd_train,
             "sample": cmd_sample, "launch": cmd_launch, "compare": cmd_compare, "plot": cmd_plot}
 
 

@@ -6,6 +6,13 @@
 the command line; an unknown key, a value of the wrong type or a value outside a key's choices
 fails with one sentence naming the key and what is valid. A config file may also define
 `sweep()`, which yields dicts of overrides, one per run.
+
+This module knows the sections every command shares (seed, layout, mesh, model, and the
+placement and plan sections built from the layers below). A command's own sections (a trainer's
+algo, data, optim, ...; `jaxrl sample`'s sampling) are its own: its module lists their choices
+in its `CHOICES`, which reach `validate` as an argument (from the trainer's start_run, and from
+the CLI, `jaxrl launch` and `jaxrl sweep` before a run starts). Nothing here imports a trainer,
+and nothing registers choices here at import time.
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ import difflib
 import importlib.util
 import inspect
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import ml_collections
@@ -24,12 +32,14 @@ import ml_collections
 from jaxrl.errors import ConfigError, check_choice
 from jaxrl.models import PRESETS, ModelConfig, model_config_from
 from jaxrl.models.config import DTYPES, model_section_fields
+from jaxrl.models.hf_config import config_from_hf, read_hf_config
 from jaxrl.parallel import LAYOUTS
-from jaxrl.parallel.plan import DEVICE_MEMORY_GIB
-from jaxrl.parallel.sync import PLACEMENTS, SYNC_DTYPES
+from jaxrl.parallel.plan import DEVICE_MEMORY_GIB, plan_config
+from jaxrl.parallel.sync import PLACEMENTS, SYNC_DTYPES, placement_config
 
-# Keys whose value must be one of a fixed set. Trainers add their own keys here.
-CHOICES: dict[str, Iterable[str]] = {
+# Keys of the shared sections whose value must be one of a fixed set. Read-only: a trainer's keys
+# stay in the trainer (its CHOICES) and reach `validate` as an argument.
+BASE_CHOICES: Mapping[str, Iterable[str]] = MappingProxyType({
     "layout": LAYOUTS,
     "model.preset": PRESETS,
     "model.dtype": DTYPES,
@@ -37,9 +47,7 @@ CHOICES: dict[str, Iterable[str]] = {
     "placement.mode": PLACEMENTS,
     "placement.sync_dtype": SYNC_DTYPES,
     "plan.device": ("", *DEVICE_MEMORY_GIB),
-    "sampling.mode": ("sample", "greedy"),
-    "sampling.batching": ("continuous", "static"),
-}
+})
 _AUTO_KEYS = ("mesh.data", "mesh.fsdp", "mesh.tensor", "placement.sampler_mesh.data",
               "placement.sampler_mesh.fsdp", "placement.sampler_mesh.tensor")  # accept "auto" for -1
 
@@ -55,7 +63,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict({k: None for k in model_section_fields()})
   c.model.preset = "tiny"
   # A Hugging Face checkpoint directory: its config.json replaces the preset and its weights
-  # replace the random init (jaxrl.models.hf.params_from_config).
+  # replace the random init (jaxrl.io.hf.params_from_config).
   c.model.hf_path = ""
   return c
 
@@ -87,8 +95,10 @@ def split_spec(spec: str) -> tuple[str, str | None]:
   return path, (arg or None)
 
 
-def load_config(spec: str, overrides: Iterable[str] = ()) -> ml_collections.ConfigDict:
-  """Loads `path[:arg]`, applies `a.b=value` overrides, validates, returns the config."""
+def load_config(spec: str, overrides: Iterable[str] = (),
+                choices: Mapping[str, Iterable[str]] | None = None) -> ml_collections.ConfigDict:
+  """Loads `path[:arg]`, applies `a.b=value` overrides, validates (the shared sections, and the
+  keys in `choices`: a trainer's CHOICES), returns the config."""
   path, arg = split_spec(spec)
   module = _load_module(path)
   getter = module.get_config
@@ -105,7 +115,7 @@ def load_config(spec: str, overrides: Iterable[str] = ()) -> ml_collections.Conf
     raise ConfigError(f"{path}: get_config must return an ml_collections.ConfigDict, "
                       f"not {type(config).__name__}.")
   apply_overrides(config, overrides)
-  validate(config)
+  validate(config, choices)
   return config
 
 
@@ -219,12 +229,12 @@ def _get(config, key):
   return node
 
 
-def validate(config: ml_collections.ConfigDict) -> None:
-  """Checks every key with fixed choices, the model section and the mesh, without devices."""
-  for key, choices in CHOICES.items():
-    value = _get(config, key)
-    if value is not None:
-      validate_choice(key, value, choices)
+def validate(config: ml_collections.ConfigDict,
+             choices: Mapping[str, Iterable[str]] | None = None) -> None:
+  """Checks every key with fixed choices (the shared sections' and `choices`, a trainer's own),
+  the model section and the mesh, without devices."""
+  check_choices(config, BASE_CHOICES)
+  check_choices(config, choices or {})
   if "model" in config:
     cfg = model_config(config)
     tensor = _get(config, "mesh.tensor")
@@ -238,6 +248,15 @@ def validate(config: ml_collections.ConfigDict) -> None:
       if not isinstance(v, int) or v == 0 or v < -1:
         raise ConfigError(f"mesh.{axis}={v!r} is not a valid axis size: use a positive "
                           "integer, or -1 (auto).")
+
+
+def check_choices(config: ml_collections.ConfigDict,
+                  choices: Mapping[str, Iterable[str]]) -> None:
+  """Each `key` of `choices` the config has must hold one of its values."""
+  for key, valid in choices.items():
+    value = _get(config, key)
+    if value is not None:
+      validate_choice(key, value, valid)
 
 
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
@@ -273,8 +292,7 @@ def hf_base(config: ml_collections.ConfigDict) -> ModelConfig | None:
   path = config.model.get("hf_path") or ""
   if not path or not os.path.isfile(os.path.join(path, "config.json")):
     return None
-  from jaxrl.models import hf
-  return hf.config_from_hf(hf.read_hf_config(path), where=os.path.join(path, "config.json"))
+  return config_from_hf(read_hf_config(path), where=os.path.join(path, "config.json"))
 
 
 def validate_choice(key: str, value: Any, choices: Iterable[str]) -> None:
@@ -287,27 +305,25 @@ def iter_config_files(root: str = "configs") -> Iterator[str]:
       yield os.path.join(root, name)
 
 
-def hf_model_config(arg, *, preset: str, checkpoint: str, fixture: str):
+def hf_model_config(arg, *, preset: str, checkpoint: str, fixture: str, sft_config,
+                    grpo_config):
   """The ready-made real-model configs (configs/qwen3_0p6b.py, ...): a local HF checkpoint on an
   8-chip slice, fp32 master weights with bf16 compute, the trainer's sections and the memory
-  plan that matches them.
+  plan that matches them. The config file passes the trainers' default_config functions (this
+  module imports no trainer).
 
   arg: "" or "grpo" (GRPO: actor + reference; sampler 64 slots x 2048 tokens), "sft" (SFT: no
   reference, no generation), "fixture" (GRPO on a tiny HF fixture, runs on CPU in seconds).
   """
-  from jaxrl.parallel.plan import plan_config
-  from jaxrl.parallel.sync import placement_config
   if arg not in (None, "", "grpo", "sft", "fixture"):
     raise ValueError(f"unknown arg {arg!r}: use '', 'grpo', 'sft' or 'fixture'")
   if arg == "sft":
-    from jaxrl.train.sft import default_config
-    c = default_config()
+    c = sft_config()
     c.data.update(seq_len=512, batch_size=64)
     c.optim.update(lr=1e-5, warmup_steps=20)
     c.eval.update(max_new_tokens=32, batch_size=64)
   else:
-    from jaxrl.rl.grpo import default_config
-    c = default_config()
+    c = grpo_config()
     # 512 prompt + 1536 completion tokens in 64 decode slots, as the plan below assumes.
     c.rollout.update(prompts_per_step=16, group_size=8, max_new_tokens=1536, slots=64)
     c.optim.update(lr=1e-6)

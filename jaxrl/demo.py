@@ -24,6 +24,10 @@ import jax
 
 from jaxrl import config as config_lib
 from jaxrl.errors import ConfigError
+from jaxrl.plot import plot_run
+from jaxrl.rl import grpo
+from jaxrl.train import sft
+from jaxrl.train.rundir import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Measured (jaxrl demo, 8 devices, 2026-12-01, AMD EPYC): held-out 0.629 after SFT -> 0.805
@@ -45,35 +49,30 @@ GRPO_OVERRIDES = {"train.steps": 80, "train.log_every": 5, "train.save_every": 2
                   "eval.every": 20, "optim.lr": 2e-5}
 
 
-def _config(name: str, overrides: dict, extra: list[str]):
+def _config(name: str, overrides: dict, extra: list[str], choices):
   path = os.path.join(ROOT, "configs", name)
   if not os.path.isfile(path):
     raise ConfigError(f"{path} is missing: run the demo from a jaxrl checkout (make demo).")
   config = config_lib.load_config(path)
   config_lib.apply_overrides(config, overrides)
   config_lib.apply_overrides(config, extra)
-  config_lib.validate(config)
+  config_lib.validate(config, choices)
   return config
 
 
 def run(workdir: str = "runs/demo", *, overrides: list[str] = (), out=print) -> dict:
-  from jaxrl.plot import plot_run
-  from jaxrl.rl import grpo
-  from jaxrl.train import sft
-  from jaxrl.train.rundir import read_metrics
-
   os.makedirs(workdir, exist_ok=True)
   out(f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} devices; "
       f"workdir {workdir}")
   t0 = time.perf_counter()
   sft_dir, grpo_dir = os.path.join(workdir, "sft"), os.path.join(workdir, "grpo")
   out("\n== 1. SFT on demonstrations that drop the carry (60% of the sums with one) ==")
-  sft_summary = sft.run(_config("sft_tiny.py", SFT_OVERRIDES, list(overrides)), sft_dir,
-                        out=out)
+  scfg = _config("sft_tiny.py", SFT_OVERRIDES, list(overrides), sft.CHOICES)
+  sft_summary = sft.run(scfg, sft_dir, out=out)
   t_sft = time.perf_counter() - t0
   out("\n== 2. GRPO with the task's verifiable reward ==")
   gcfg = _config("grpo_tiny.py", {**GRPO_OVERRIDES, "init.checkpoint": sft_dir},
-                 list(overrides))
+                 list(overrides), grpo.CHOICES)
   t1 = time.perf_counter()
   grpo_summary = grpo.run(gcfg, grpo_dir, out=out)
   t_grpo = time.perf_counter() - t1

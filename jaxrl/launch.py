@@ -26,6 +26,7 @@ from typing import Any
 
 from jaxrl import config as config_lib
 from jaxrl.errors import ConfigError
+from jaxrl.train.rundir import _write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINERS = ("sft", "grpo")  # commands that take --workdir and resume on it
@@ -51,10 +52,11 @@ def run_name(i: int, overrides: dict[str, Any]) -> str:
   return re.sub(r"[^A-Za-z0-9._=,+-]", "_", name)[:80]
 
 
-def sweep_items(spec: str, overrides: list[str] = (), *, sweep: bool = True):
+def sweep_items(spec: str, overrides: list[str] = (), *, sweep: bool = True, choices=None):
   """[(item, its --config.k=v arguments, its config)] for each of `spec`'s sweep() items (one
-  empty item without `sweep`). Every item's config is loaded and validated here, so a bad one
-  is a ConfigError naming it before any run starts. `jaxrl sweep` and `jaxrl launch` share it."""
+  empty item without `sweep`). Every item's config is loaded and validated here (against
+  `choices` too: the trainer's CHOICES), so a bad one is a ConfigError naming it before any run
+  starts. `jaxrl sweep` and `jaxrl launch` share it."""
   items = config_lib.load_sweep(spec) if sweep else [{}]
   if not items:
     raise ConfigError(f"{config_lib.split_spec(spec)[0]}: sweep() yielded no runs.")
@@ -62,7 +64,7 @@ def sweep_items(spec: str, overrides: list[str] = (), *, sweep: bool = True):
   for i, item in enumerate(items):
     extra = [f"--config.{k}={_value_text(v)}" for k, v in item.items()]
     try:
-      config = config_lib.load_config(spec, [*overrides, *extra])
+      config = config_lib.load_config(spec, [*overrides, *extra], choices)
     except ConfigError as e:
       raise ConfigError(f"sweep run {i} ({item}): {e}") from None
     out.append((item, extra, config))
@@ -70,13 +72,15 @@ def sweep_items(spec: str, overrides: list[str] = (), *, sweep: bool = True):
 
 
 def expand(spec: str, *, command: str, root: str, overrides: list[str] = (),
-           sweep: bool = True) -> list[Run]:
-  """The runs of `spec`'s sweep() (one run without `sweep`), each checked against the config."""
+           sweep: bool = True, choices=None) -> list[Run]:
+  """The runs of `spec`'s sweep() (one run without `sweep`), each checked against the config
+  and `choices` (the command's trainer's CHOICES)."""
   if command not in TRAINERS:
     raise ConfigError(f"jaxrl launch --command {command!r}: launch runs trainers that write a "
                       f"workdir; choose one of {', '.join(TRAINERS)}.")
   runs = []
-  for i, (item, extra, config) in enumerate(sweep_items(spec, overrides, sweep=sweep)):
+  for i, (item, extra, config) in enumerate(sweep_items(spec, overrides, sweep=sweep,
+                                                        choices=choices)):
     name = run_name(i, item)
     workdir = _join(root, name)
     argv = [command, "--config", spec, *overrides, *extra, "--workdir", workdir]
@@ -92,7 +96,6 @@ def _join(root: str, name: str) -> str:
 def write_experiment(runs: list[Run], root: str, spec: str) -> None:
   """ROOT/experiment.json (the runs and their overrides) and each ROOT/<name>/config.json,
   written as the trainers write theirs, so a resumed trainer sees no difference."""
-  from jaxrl.train.rundir import _write_json
   os.makedirs(root, exist_ok=True)
   for run in runs:
     os.makedirs(run.workdir, exist_ok=True)

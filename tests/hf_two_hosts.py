@@ -24,7 +24,8 @@ def main():
   pid, port, fixture, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
-  from jaxrl.models import apply, hf
+  from jaxrl.io import hf
+  from jaxrl.models import apply
   from jaxrl.parallel import make_mesh
 
   mesh = make_mesh(fsdp=2, tensor=4)

@@ -4,9 +4,11 @@ import os
 
 import pytest
 
+from jaxrl import cli
 from jaxrl import config as config_lib
 from jaxrl.errors import ConfigError
 from jaxrl.models import PRESETS
+from jaxrl.sampler import command as sample_command
 
 # The args each config file documents, beside the default (None).
 ARGS = {"tiny.py": [None, "tp", "sampler"], "model.py": [None, *PRESETS],
@@ -16,6 +18,17 @@ ARGS = {"tiny.py": [None, "tp", "sampler"], "model.py": [None, *PRESETS],
         "dpo_tiny.py": [None, "ipo", "kto", "orpo", "simpo", "runlocal"],
         **{f: [None, "grpo", "sft", "fixture"] for f in ("qwen3_0p6b.py", "qwen2p5_1p5b.py",
                                                          "llama3p2_1b.py")}}
+# The command each config file is for (its own sections' choices are validated too).
+COMMAND = {"sft_tiny.py": "sft", "rm_tiny.py": "rm", "grpo_tiny.py": "grpo", "dpo_tiny.py": "dpo",
+           "sample_tiny.py": "sample",
+           **{f: "grpo" for f in ("qwen3_0p6b.py", "qwen2p5_1p5b.py", "llama3p2_1b.py")}}
+
+
+def _choices(path, arg):
+  command = "sft" if arg == "sft" else COMMAND.get(os.path.basename(path))
+  if command == "sample":
+    return sample_command.CHOICES
+  return cli.trainer(command).CHOICES if command else None
 
 
 def _config_files(root):
@@ -28,10 +41,11 @@ def test_every_config_file_parses_and_validates(repo_root):
   for path in files:
     for arg in ARGS.get(os.path.basename(path), [None]):
       spec = path if arg is None else f"{path}:{arg}"
-      config = config_lib.load_config(spec)
+      choices = _choices(path, arg)
+      config = config_lib.load_config(spec, choices=choices)
       config_lib.model_config(config)  # the model section resolves to a ModelConfig
       for run in config_lib.load_sweep(path):  # and each sweep run applies and validates
-        config_lib.load_config(spec, [f"{k}={v}" for k, v in run.items()])
+        config_lib.load_config(spec, [f"{k}={v}" for k, v in run.items()], choices)
 
 
 def test_every_config_file_is_documented_in_ARGS_or_takes_no_arg(repo_root):
@@ -85,3 +99,24 @@ def test_sweep_yields_override_dicts(tiny):
   runs = config_lib.load_sweep(tiny)
   assert len(runs) == 8 and all(isinstance(r, dict) for r in runs)
   assert {r["model.preset"] for r in runs} == {"tiny", "tiny-qwen2", "tiny-qwen3", "tiny-llama3"}
+
+
+@pytest.mark.parametrize("command, override, pattern", [
+    ("grpo", "algo.advantage=grpx", r"algo.advantage='grpx' is not valid\. Did you mean 'grpo'\?"),
+    ("grpo", "optim.schedule=cosin", r"optim.schedule='cosin' is not valid\. Did you mean"),
+    ("dpo", "algo.loss=dpx", r"algo.loss='dpx' is not valid\. Did you mean 'dpo'\?"),
+    ("sft", "data.error_mode=systemic", r"data.error_mode='systemic' is not valid"),
+    ("rm", "data.bias=shorter", r"data.bias='shorter' is not valid"),
+])
+def test_a_trainer_validates_its_own_choices(repo_root, command, override, pattern):
+  """A trainer's sections are checked against the trainer's CHOICES, passed in; importing a
+  trainer registers nothing, so the shared choices stay what config.py defines."""
+  spec = os.path.join(repo_root, "configs", f"{command}_tiny.py")
+  before = dict(config_lib.BASE_CHOICES)
+  trainer = cli.trainer(command)
+  assert dict(config_lib.BASE_CHOICES) == before
+  with pytest.raises(TypeError):
+    config_lib.BASE_CHOICES["algo.loss"] = ("dpo",)  # read-only: nothing registers here
+  with pytest.raises(ConfigError, match=pattern):
+    config_lib.load_config(spec, [override], trainer.CHOICES)
+

@@ -347,7 +347,7 @@ def test_pulse_run_logs_every_metric_and_resumes(repo_root, tmp_path, devices, m
   assert rows[0]["is_ratio/mean"] == pytest.approx(1.0, abs=1e-3)  # sampler == learner
   # The checkpoint serves `jaxrl sample --checkpoint`: the params it loads are the run's own.
   from jaxrl.sampler import command
-  from jaxrl.train.checkpoint import restore_params
+  from jaxrl.io.params import restore_params
   trained = summary["state"].params
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                           trained)

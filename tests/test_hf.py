@@ -21,8 +21,9 @@ from jaxrl import cli
 from jaxrl import config as config_lib
 from jaxrl.data.hf_tokenizer import HFTokenizer
 from jaxrl.errors import ConfigError
-from jaxrl.models import apply, hf, init_cache
-from jaxrl.models.checkpoint import load_params, save_params
+from jaxrl.io import hf
+from jaxrl.io.params import load_params, save_params
+from jaxrl.models import apply, init_cache
 from jaxrl.parallel import cache_sharding, make_mesh, param_shardings
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")
@@ -488,7 +489,7 @@ def test_trainers_start_from_hf_weights_and_tokenizer(tmp_path, repo_root, devic
 
   from jaxrl import config as config_lib
   from jaxrl.data.hf_tokenizer import HFTokenizer, tokenizer_for
-  from jaxrl.models.hf import load_hf
+  from jaxrl.io.hf import load_hf
   from jaxrl.parallel import make_mesh
   from jaxrl.train import sft
   from jaxrl.train.state import init_train_state, start_from_hf

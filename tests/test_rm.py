@@ -214,7 +214,7 @@ def test_rm_starts_from_an_sft_checkpoint(repo_root, tmp_path, devices):
   mesh = make_mesh()
   tx, _ = make_optimizer(config.optim, 10)
   _, state, _ = rm.init_reward_state(config, mesh, tx)
-  from jaxrl.train.checkpoint import restore_params
+  from jaxrl.io.params import restore_params
   policy = restore_params(sft_dir, jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
       state.params["backbone"]))

@@ -16,6 +16,8 @@ import os
 from collections.abc import Sequence
 from functools import lru_cache
 
+from jaxrl import config as config_lib
+from jaxrl.data.tokenizer import ByteTokenizer
 from jaxrl.errors import ConfigError
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
@@ -199,12 +201,9 @@ class HFTokenizer:
 def tokenizer_for(config):
   """The tokenizer a trainer uses: the checkpoint's own (HFTokenizer) when model.hf_path holds
   a tokenizer.json, else the byte-level tokenizer. Its ids must fit the model's vocabulary."""
-  from jaxrl.data.tokenizer import ByteTokenizer
-  from jaxrl.errors import ConfigError
   path = config.model.get("hf_path") or ""
   tok = (HFTokenizer(path) if path and os.path.isfile(os.path.join(path, "tokenizer.json"))
          else ByteTokenizer())
-  from jaxrl import config as config_lib
   vocab = config_lib.model_config(config).vocab_size
   if tok.vocab_size > vocab:
     raise ConfigError(f"the tokenizer has {tok.vocab_size} ids but model.vocab_size is {vocab}: "

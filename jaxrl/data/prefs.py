@@ -29,6 +29,7 @@ from jaxrl.data.pipeline import (check_length, encode_turn, epochs, example, pad
 from jaxrl.data.records import check_choice, read_records
 from jaxrl.data.tokenizer import Tokenizer
 from jaxrl.errors import ConfigError
+from jaxrl.tasks import Task, get_task
 
 BIASES = ("none", "longer")
 SIDES = ("chosen", "rejected")
@@ -132,7 +133,6 @@ def task_prefs(task, split: str, n: int, seed: int, *, bias: str = "none",
   (the correct answer with 1-3 characters appended) and rejected = the correct answer. A
   reward model trained on those pairs learns length, not correctness: a proxy to hack.
   """
-  from jaxrl.tasks import Task, get_task
   task = task if isinstance(task, Task) else get_task(task)
   check_choice("bias", bias, BIASES)
   if not 0.0 <= bias_rate <= 1.0:

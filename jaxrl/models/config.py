@@ -134,7 +134,7 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 # Keys of a config's `model` section besides the ModelConfig fields. `hf_path` names a Hugging
-# Face checkpoint directory whose config.json replaces the preset (see jaxrl.models.hf).
+# Face checkpoint directory whose config.json replaces the preset (see jaxrl.models.hf_config).
 _MODEL_SECTION_EXTRA = ("preset", "hf_path")
 
 

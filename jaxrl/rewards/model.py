@@ -23,7 +23,10 @@ import ml_collections
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxrl import config as config_lib
+from jaxrl.data.hf_tokenizer import tokenizer_for
 from jaxrl.errors import ConfigError, check_choice
+from jaxrl.io.params import restore_params
 from jaxrl.models import RewardModel, abstract_model, reward_apply
 from jaxrl.parallel import shard_activations, tree_shardings
 
@@ -124,7 +127,6 @@ def read_run_config(path: str, key: str = "reward_model.checkpoints") -> ml_coll
 def plan_roles(config) -> list[tuple[str, object, bool]]:
   """(label, ModelConfig, logprob_feature) of each reward model a config names, for the memory
   plan. An RM run not trained yet is planned with the policy's shapes, and its label says so."""
-  from jaxrl import config as config_lib
   section = config.get("reward_model")
   roles = []
   for i, path in enumerate(checkpoint_list(section) if section is not None else []):
@@ -157,9 +159,6 @@ class RewardModels:
   def load(cls, paths, mesh, tokenizer, *, layout: str = "learner") -> "RewardModels":
     """Restores each RM run's latest params into `layout` on `mesh`. Every RM must read the
     policy's tokens: a different tokenizer is a ConfigError, not a silent misreading."""
-    from jaxrl.data.hf_tokenizer import tokenizer_for
-    from jaxrl.train.checkpoint import restore_params
-    from jaxrl import config as config_lib
     graphdefs, params = [], []
     for path in paths:
       rc = read_run_config(path)

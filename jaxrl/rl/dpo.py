@@ -57,20 +57,22 @@ from jaxrl.train.checkpoint import Checkpointer, restore_params
 from jaxrl.train.data import ShardedBatches, check_batch_size, data_shards
 from jaxrl.train.evaluation import ExactMatch
 from jaxrl.train.loop import resume, start_run, train_loop
-from jaxrl.train.optim import make_optimizer
+from jaxrl.train.optim import CHOICES as OPTIM_CHOICES, make_optimizer
 from jaxrl.train.state import init_train_state, make_train_step, start_from_hf
 
 ROW_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
 REF_MODES = ("live", "cached", "auto")
 
-config_lib.CHOICES.update({
+# This trainer's keys with fixed choices, checked when a run starts (config.validate).
+CHOICES = {
+    **OPTIM_CHOICES,
     "algo.loss": pl.LOSSES,
     "algo.kto_z0": ("mismatched", "batch"),
     "ref.mode": REF_MODES,
     "data.on_bad_row": ON_BAD_ROW,
     "data.format": ("prefs", "kto"),
     "data.bias": ("none", "longer"),
-})
+}
 
 
 def algo_section(**overrides) -> ml_collections.ConfigDict:
@@ -398,7 +400,7 @@ def _init_policy(config, state, mesh):
 
 def run(config, workdir: str, *, out=print) -> dict:
   """Trains (or resumes) the preference run in `workdir`; returns the summary."""
-  main, cfg, run_dir, tokenizer = start_run(config, workdir, out=out)
+  main, cfg, run_dir, tokenizer = start_run(config, workdir, out=out, choices=CHOICES)
   a, d = config.algo, config.data
   say = out if main else (lambda *_: None)
   mesh = mesh_from_config(config.mesh)

@@ -15,6 +15,7 @@ import jax
 from jaxrl import config as config_lib
 from jaxrl.data import ByteTokenizer
 from jaxrl.errors import ConfigError
+from jaxrl.io.params import restore_params
 from jaxrl.parallel import init_params, mesh_from_config
 from jaxrl.sampler.engine import Engine
 from jaxrl.sampler.rollout import generate, metrics
@@ -47,6 +48,11 @@ def read_prompts(path: str) -> list[dict]:
   return records
 
 
+# The sampling section's keys with fixed choices. The section is this command's (a config file
+# like configs/sample_tiny.py writes it), so its choices live here, not in jaxrl.config.
+CHOICES = {"sampling.mode": ("sample", "greedy"), "sampling.batching": ("continuous", "static")}
+
+
 def run(config, *, prompts_path: str, workdir: str | None, n: int | None = None,
         checkpoint: str | None = None, progress: bool = True, out=print) -> dict:
   if not workdir:
@@ -55,6 +61,7 @@ def run(config, *, prompts_path: str, workdir: str | None, n: int | None = None,
   if "sampling" not in config:
     raise ConfigError("the config has no `sampling` section: use configs/sample_tiny.py or add "
                       "one like it.")
+  config_lib.check_choices(config, CHOICES)  # the CLI checked them on load; a notebook may not
   records = read_prompts(prompts_path)
   s = config.sampling
   n = s.n if n is None else n
@@ -68,7 +75,6 @@ def run(config, *, prompts_path: str, workdir: str | None, n: int | None = None,
   mesh = mesh_from_config(config.mesh)
   graphdef, params = init_params(cfg, mesh, "sampler", seed=config.seed)
   if checkpoint:
-    from jaxrl.train.checkpoint import restore_params
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                             params)
     params = restore_params(checkpoint, abstract, key="--checkpoint")

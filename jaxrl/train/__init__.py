@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import sys
 
+from jaxrl.errors import ConfigError
+from jaxrl.parallel.distributed import maybe_initialize
 from jaxrl.train.checkpoint import Checkpointer
 from jaxrl.train.loop import TrainingDiverged, resume, train_loop
 from jaxrl.train.optim import make_optimizer, optim_section
@@ -15,8 +17,6 @@ from jaxrl.train.state import TrainState, init_train_state, make_train_step, put
 def run_trainer(run_fn, args, overrides, load) -> None:
   """What every trainer command does: load the config, join the other processes (before any
   device is touched), then train. A diverged run exits 1 with its one-line reason."""
-  from jaxrl.errors import ConfigError
-  from jaxrl.parallel.distributed import maybe_initialize
   config = load(args, overrides)
   if not args.workdir:
     raise ConfigError("--workdir is required: give the run directory (re-using one resumes).")

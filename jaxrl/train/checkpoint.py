@@ -18,6 +18,10 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+# restore_params reads this module's checkpoints into a layout; it lives with the other param
+# readers in jaxrl.io.params and is re-exported here for the trainers that import it from here.
+from jaxrl.io.params import restore_params  # noqa: F401
+
 
 class DataStateHandler(ocp.CheckpointHandler):
   """Writes/reads this process's iterator state as process_<i>-of-<n>.json."""
@@ -100,29 +104,3 @@ def abstract_state(state_shapes, shardings):
   """ShapeDtypeStructs carrying shardings: what restore needs to place each shard."""
   return jax.tree.map(lambda s, shd: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shd),
                       state_shapes, shardings)
-
-
-def restore_params(path: str, abstract_params, step: int | None = None, *,
-                   key: str = "init.checkpoint"):
-  """The params of a run's checkpoint (a run directory or its checkpoints/), placed with the
-  abstract params' shardings; the optimizer state is not read. This is how RL and preference
-  trainers start from an SFT run: `init.checkpoint=runs/sft`."""
-  from jaxrl.errors import ConfigError
-  root = epath.Path(path).absolute()  # orbax refuses relative paths (e.g. runs/sft)
-  if (root / "checkpoints").exists():
-    root = root / "checkpoints"
-  if not root.exists():
-    raise ConfigError(f"{key}={path!r} does not exist: give a run directory that holds "
-                      "checkpoints/ (e.g. the --workdir of a jaxrl sft run).")
-  manager = ocp.CheckpointManager(root, item_names=("state", "data"))
-  step = manager.latest_step() if step is None else step
-  manager.close()
-  if step is None:
-    raise ConfigError(f"{key}={path!r} holds no checkpoint: train there first.")
-  restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding),
-                              abstract_params)
-  with ocp.PyTreeCheckpointer() as ckptr:
-    out = ckptr.restore(root / str(step) / "state", args=ocp.args.PyTreeRestore(
-        item={"params": abstract_params}, restore_args={"params": restore_args},
-        partial_restore=True))
-  return out["params"]

@@ -23,6 +23,8 @@ import jax
 import numpy as np
 
 from jaxrl import backends
+from jaxrl import config as config_lib
+from jaxrl.data.hf_tokenizer import tokenizer_for
 from jaxrl.train.checkpoint import Checkpointer, abstract_state
 from jaxrl.train.rundir import RunDir, logged_before
 
@@ -104,13 +106,12 @@ class Progress:
       self.bar.close()
 
 
-def start_run(config, workdir: str, *, out=print):
-  """What every trainer does first: validate the config, open the run dir (process 0 writes
-  config.json and says which keys changed on a resume) and build the tokenizer. Returns
-  (main, cfg, run_dir, tokenizer): main is True on process 0, cfg the ModelConfig."""
-  from jaxrl import config as config_lib
-  from jaxrl.data.hf_tokenizer import tokenizer_for
-  config_lib.validate(config)
+def start_run(config, workdir: str, *, out=print, choices=None):
+  """What every trainer does first: validate the config (the shared sections and `choices`, the
+  trainer's own CHOICES), open the run dir (process 0 writes config.json and says which keys
+  changed on a resume) and build the tokenizer. Returns (main, cfg, run_dir, tokenizer): main is
+  True on process 0, cfg the ModelConfig."""
+  config_lib.validate(config, choices)
   main = jax.process_index() == 0
   run_dir = RunDir(workdir, write=main)
   run_dir.write_config(config, out=out if main else None)

@@ -12,12 +12,12 @@ from __future__ import annotations
 import jax
 import optax
 
-from jaxrl.config import CHOICES, validate_choice
-from jaxrl.errors import ConfigError
+from jaxrl.errors import ConfigError, check_choice
 
 OPTIMIZERS = ("adamw",)
 SCHEDULES = ("cosine", "constant")
-CHOICES.update({"optim.name": OPTIMIZERS, "optim.schedule": SCHEDULES})
+# The optim section's keys with fixed choices: each trainer's CHOICES includes these.
+CHOICES = {"optim.name": OPTIMIZERS, "optim.schedule": SCHEDULES}
 
 
 def lr_schedule(section, total_steps: int) -> optax.Schedule:
@@ -50,8 +50,8 @@ def decay_mask(params):
 def make_optimizer(section, total_steps: int) -> tuple[optax.GradientTransformation,
                                                        optax.Schedule]:
   """(optimizer, schedule). The schedule is returned so the step can log `lr`."""
-  validate_choice("optim.name", section.name, OPTIMIZERS)
-  validate_choice("optim.schedule", section.schedule, SCHEDULES)
+  check_choice("optim.name", section.name, OPTIMIZERS)
+  check_choice("optim.schedule", section.schedule, SCHEDULES)
   schedule = lr_schedule(section, total_steps)
   adamw = optax.adamw(schedule, b1=section.b1, b2=section.b2, eps=section.eps,
                       weight_decay=section.weight_decay, mask=decay_mask)

@@ -31,24 +31,25 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxrl import config as config_lib
 from jaxrl.data import ON_BAD_ROW, prefs
 from jaxrl.errors import ConfigError
+from jaxrl.io.params import restore_params
 from jaxrl.models import RewardModel, last_index, reward_apply
 from jaxrl.models.flops import packed_flops
 from jaxrl.parallel import batch_sharding, mesh_from_config, shard_activations
-from jaxrl.parallel.distributed import global_array
-from jaxrl.train.checkpoint import Checkpointer, restore_params
+from jaxrl.parallel.distributed import distributed_section, global_array
+from jaxrl.train import optim
+from jaxrl.train.checkpoint import Checkpointer
 from jaxrl.train.data import ShardedBatches, check_batch_size, data_shards
 from jaxrl.train.loop import resume, start_run, train_loop
-from jaxrl.train.optim import make_optimizer
+from jaxrl.train.optim import make_optimizer, optim_section
 from jaxrl.train.state import init_train_state, make_train_step, put_batch, start_from_hf
 
-config_lib.CHOICES.update({"data.on_bad_row": ON_BAD_ROW, "data.bias": prefs.BIASES})
+# This trainer's keys with fixed choices, checked when a run starts (config.validate).
+CHOICES = {**optim.CHOICES, "data.on_bad_row": ON_BAD_ROW, "data.bias": prefs.BIASES}
 PAIR_KEYS = ("inputs", "positions", "segment_ids", "loss_mask")
 
 
 def default_config():
   """Every field a reward-model run reads, with the defaults configs/rm_tiny.py starts from."""
-  from jaxrl.parallel.distributed import distributed_section
-  from jaxrl.train.optim import optim_section
   c = config_lib.base_config()
   # An SFT run dir (its latest checkpoint's params start the backbone; the head is new). Empty:
   # the preset's random init, or model.hf_path's weights.
@@ -234,7 +235,7 @@ def init_reward_state(config, mesh, tx, *, layout: str = "learner"):
 
 def run(config, workdir: str, *, out=print) -> dict:
   """Trains (or resumes) the reward-model run in `workdir`; returns the summary."""
-  main, cfg, run_dir, tokenizer = start_run(config, workdir, out=out)
+  main, cfg, run_dir, tokenizer = start_run(config, workdir, out=out, choices=CHOICES)
   mesh = mesh_from_config(config.mesh)
 
   # Data: pairs, cleaned and fingerprinted; the fingerprint and cleaning report go to

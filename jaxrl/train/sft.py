@@ -12,6 +12,7 @@ decoding (`eval/accuracy`).
 from __future__ import annotations
 
 import jax
+import ml_collections
 import numpy as np
 
 from jaxrl import config as config_lib
@@ -20,24 +21,22 @@ from jaxrl.errors import ConfigError
 from jaxrl.models import apply, token_logprobs
 from jaxrl.models.flops import packed_flops
 from jaxrl.parallel import batch_sharding, mesh_from_config
-from jaxrl.parallel.distributed import global_array
-from jaxrl.tasks import ERROR_MODES
+from jaxrl.parallel.distributed import distributed_section, global_array
+from jaxrl.tasks import ERROR_MODES, get_task
+from jaxrl.train import optim
 from jaxrl.train.checkpoint import Checkpointer
 from jaxrl.train.data import ShardedBatches, check_batch_size, data_shards
 from jaxrl.train.evaluation import ExactMatch, make_eval_loss
 from jaxrl.train.loop import resume, start_run, train_loop
-from jaxrl.train.optim import make_optimizer
+from jaxrl.train.optim import make_optimizer, optim_section
 from jaxrl.train.state import init_train_state, make_train_step, put_batch, start_from_hf
 
-config_lib.CHOICES["data.on_bad_row"] = ON_BAD_ROW
-config_lib.CHOICES["data.error_mode"] = ERROR_MODES
+# This trainer's keys with fixed choices, checked when a run starts (config.validate).
+CHOICES = {**optim.CHOICES, "data.on_bad_row": ON_BAD_ROW, "data.error_mode": ERROR_MODES}
 
 
 def default_config():
   """Every field an SFT run reads, with the defaults configs/sft_tiny.py starts from."""
-  import ml_collections
-  from jaxrl.parallel.distributed import distributed_section
-  from jaxrl.train.optim import optim_section
   c = config_lib.base_config()
   c.data = ml_collections.ConfigDict(dict(
       task="addition",     # built-in task (options as "addition:max_digits=3"): train demos,
@@ -85,7 +84,6 @@ def _records(config):
   d, seed = config.data, config.seed
   task = None
   if d.task:
-    from jaxrl.tasks import get_task
     task = get_task(d.task)
   if d.train_file:
     train, _ = read_jsonl(d.train_file, "sft", on_bad_row=d.on_bad_row)
@@ -107,7 +105,7 @@ def _records(config):
 
 def run(config, workdir: str, *, out=print) -> dict:
   """Trains (or resumes) the SFT run in `workdir`; returns the summary."""
-  main, cfg, run_dir, tokenizer = start_run(config, workdir, out=out)
+  main, cfg, run_dir, tokenizer = start_run(config, workdir, out=out, choices=CHOICES)
   mesh = mesh_from_config(config.mesh)
 
   # Data: the global batch is the concatenation of `shards` shard batches, and each process

@@ -24,6 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxrl.backends import compiler_options
+from jaxrl.io.hf import params_from_config
 from jaxrl.models import ModelConfig, Transformer, abstract_model
 from jaxrl.parallel import shard_activations, tree_shardings
 
@@ -147,7 +148,6 @@ def start_from_hf(config, state: TrainState, mesh: Mesh, layout: str = "learner"
   and checkpoint tensors it has no place for (an untied lm_head) are dropped."""
   if not (config.model.get("hf_path") or ""):
     return state
-  from jaxrl.models.hf import params_from_config
   _, _, params = params_from_config(config, mesh, layout)
   if into is None:
     return state.replace(params=params)

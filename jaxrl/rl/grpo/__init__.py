@@ -1,7 +1,7 @@
 """GRPO-family RL. trainer.py reads top to bottom (its docstring says how it departs from the
 paper); `from jaxrl.rl import grpo` gives the names a run, a test or a notebook needs."""
 
-from jaxrl.rl.grpo.config import algo_section, default_config
+from jaxrl.rl.grpo.config import CHOICES, algo_section, default_config
 from jaxrl.rl.grpo.experience import (Experience, PromptStream, _refill, completion_width,
                                       grouped_learner_batch, learner_batch, make_experience)
 from jaxrl.rl.grpo.monitors import Alarms, KLCoefficient
@@ -11,7 +11,7 @@ from jaxrl.rl.grpo.update import (batch_logprobs, grpo_loss, make_batch_logprobs
                                   make_logprobs_fn, old_logp_from_update, update)
 
 __all__ = [
-    "Alarms", "Experience", "KLCoefficient", "Parts", "PromptStream", "_refill", "algo_section",
+    "CHOICES", "Alarms", "Experience", "KLCoefficient", "Parts", "PromptStream", "_refill", "algo_section",
     "batch_logprobs", "completion_width", "default_config", "evaluate", "grouped_learner_batch",
     "grpo_loss", "learner_batch", "make_batch_logprobs_fn", "make_experience",
     "make_logprobs_fn", "old_logp_from_update", "reward_specs", "run", "setup", "step",

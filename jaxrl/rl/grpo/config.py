@@ -9,15 +9,18 @@ from jaxrl import config as config_lib
 from jaxrl.rewards import model as rm_lib
 from jaxrl.rl import advantages as adv_lib
 from jaxrl.rl import losses
+from jaxrl.train.optim import CHOICES as OPTIM_CHOICES
 
-config_lib.CHOICES.update({
+# This trainer's keys with fixed choices, checked when a run starts (config.validate).
+CHOICES = {
+    **OPTIM_CHOICES,
     "algo.advantage": adv_lib.ESTIMATORS,
     "algo.aggregation": losses.AGGREGATIONS,
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.kl_in": ("loss", "reward"),
     "algo.ratio_level": ("token", "sequence"),
     "reward_model.ensemble": rm_lib.ENSEMBLES,
-})
+}
 
 
 def algo_section(**overrides) -> ml_collections.ConfigDict:

@@ -60,6 +60,7 @@ from jaxrl.parallel.distributed import global_array
 from jaxrl.parallel.sync import Overlap, Placement, SamplerCopy, WeightSync, make_placement
 from jaxrl.rewards import RewardSpec
 from jaxrl.rewards import model as rm_lib
+from jaxrl.rl.grpo.config import CHOICES
 from jaxrl.rl.grpo.experience import Experience, PromptStream, make_experience
 from jaxrl.rl.grpo.monitors import Alarms, KLCoefficient
 from jaxrl.rl.grpo.rewards import reward_specs
@@ -210,7 +211,7 @@ class Parts:
 def setup(config, workdir: str, *, out=print) -> tuple[Parts, Any]:
   """(the run's parts, the starting train state: the policy from init.checkpoint or
   model.hf_path, fresh optimizer state). Checks the config first."""
-  main, cfg, run_dir, tokenizer = start_run(config, workdir, out=out)
+  main, cfg, run_dir, tokenizer = start_run(config, workdir, out=out, choices=CHOICES)
   placement = make_placement(config.mesh, config.placement)
   mesh = placement.learner.mesh
   a, r = config.algo, config.rollout

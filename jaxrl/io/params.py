@@ -1,4 +1,5 @@
-"""jaxrl's own parameter checkpoint: what `jaxrl convert` reads and writes on the jaxrl side.
+"""Parameters from disk into a layout: jaxrl's own parameter checkpoint (what `jaxrl convert`
+reads and writes on the jaxrl side) and the params of a training run's checkpoint.
 
 A directory holding
   config.json   the ModelConfig (dataclass fields; rope_scaling nested)
@@ -7,8 +8,8 @@ A directory holding
                 extras (bos/eos ids) and tokenizer files, so an export is servable as is.
 
 Restoring takes the target shardings from the layout, so each process reads only its shards.
-The training loop's checkpoints hold params beside optimizer state; `load_params(dir/...)` is
-meant to be pointed at their params item once that format lands.
+The training loop's checkpoints (jaxrl.train.checkpoint) hold params beside optimizer state;
+`restore_params` reads only their params.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import json
 import os
 
 import jax
+import orbax.checkpoint as ocp
+from etils import epath
 from jax.sharding import Mesh
 
 from jaxrl.errors import ConfigError
@@ -47,7 +50,6 @@ def config_from_dict(d: dict, where: str = "config.json") -> ModelConfig:
 
 def save_params(path: str, cfg: ModelConfig, params) -> None:
   """Writes `path`/config.json and `path`/params (orbax). Every process must call it."""
-  import orbax.checkpoint as ocp
   path = os.path.abspath(path)
   os.makedirs(path, exist_ok=True)
   ckpt = ocp.StandardCheckpointer()
@@ -69,7 +71,6 @@ def load_config(path: str) -> ModelConfig:
 
 def load_params(path: str, mesh: Mesh, layout: str = "learner"):
   """(cfg, graphdef, params) restored straight into `layout` on `mesh`."""
-  import orbax.checkpoint as ocp
   cfg = load_config(path)
   graphdef, shapes, axes = abstract_model(cfg)
   shardings = tree_shardings(shapes, axes, mesh, layout)
@@ -78,3 +79,28 @@ def load_params(path: str, mesh: Mesh, layout: str = "learner"):
   params = ocp.StandardCheckpointer().restore(os.path.join(os.path.abspath(path), "params"),
                                               target)
   return cfg, graphdef, params
+
+
+def restore_params(path: str, abstract_params, step: int | None = None, *,
+                   key: str = "init.checkpoint"):
+  """The params of a run's checkpoint (a run directory or its checkpoints/), placed with the
+  abstract params' shardings; the optimizer state is not read. This is how RL and preference
+  trainers start from an SFT run: `init.checkpoint=runs/sft`."""
+  root = epath.Path(path).absolute()  # orbax refuses relative paths (e.g. runs/sft)
+  if (root / "checkpoints").exists():
+    root = root / "checkpoints"
+  if not root.exists():
+    raise ConfigError(f"{key}={path!r} does not exist: give a run directory that holds "
+                      "checkpoints/ (e.g. the --workdir of a jaxrl sft run).")
+  manager = ocp.CheckpointManager(root, item_names=("state", "data"))
+  step = manager.latest_step() if step is None else step
+  manager.close()
+  if step is None:
+    raise ConfigError(f"{key}={path!r} holds no checkpoint: train there first.")
+  restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding),
+                              abstract_params)
+  with ocp.PyTreeCheckpointer() as ckptr:
+    out = ckptr.restore(root / str(step) / "state", args=ocp.args.PyTreeRestore(
+        item={"params": abstract_params}, restore_args={"params": restore_args},
+        partial_restore=True))
+  return out["params"]

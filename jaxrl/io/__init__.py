@@ -1,0 +1,1 @@
+"""Parameters in and out of a layout: Hugging Face checkpoints (hf) and jaxrl's own (params)."""
