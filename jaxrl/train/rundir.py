@@ -24,6 +24,15 @@ import time
 from typing import Any
 
 
+def read_config(workdir: str) -> dict | None:
+  """The resolved config a run wrote to DIR/config.json, as a dict; None when DIR has none."""
+  try:
+    with open(os.path.join(workdir, "config.json")) as f:
+      return json.load(f)
+  except FileNotFoundError:
+    return None
+
+
 class RunDir:
 
   def __init__(self, workdir: str, *, write: bool = True):
@@ -54,11 +63,7 @@ class RunDir:
       _write_json(self.path("config.json"), config.to_dict())
 
   def read_config(self) -> dict | None:
-    try:
-      with open(self.path("config.json")) as f:
-        return json.load(f)
-    except FileNotFoundError:
-      return None
+    return read_config(self.workdir)
 
   def truncate_metrics(self, after_step: int) -> None:
     """Drops metrics logged past `after_step`: on resume from that checkpoint those steps run
