@@ -54,7 +54,6 @@ from jaxrl.parallel.cpu_kernels import learner_compiler_options
 from jaxrl.parallel.distributed import global_array
 from jaxrl.rl import preference_losses as pl
 from jaxrl.train.data import answers, load_task, records
-from jaxrl.train.evaluation import ExactMatch
 from jaxrl.train.optim import make_optimizer
 from jaxrl.train.run import Run, count_tokens
 from jaxrl.train.state import make_train_step
@@ -604,9 +603,8 @@ def run(config, workdir: str, *, out=print) -> dict:
   eval_dev = [(global_rows(rows), global_array(ref, batch_sharding(mesh, 2, config.layout))
                if needs_ref else None)
               for rows, ref in zip(eval_rows, eval_ref or [None] * len(eval_rows))]
-  exact = (ExactMatch(graphdef, cfg, mesh, r.tokenizer, held_answers, task.check,
-                      batch=config.eval.batch_size, max_new=config.eval.max_new_tokens)
-           if held_answers else None)
+  exact = r.exact_match(graphdef, held_answers, task and task.check,
+                        max_new=config.eval.max_new_tokens)
   evaluate = PrefEval(seq_logps, a, mesh, ref_options, eval_dev, exact)
 
   summary = r.train(

@@ -22,6 +22,7 @@ from jaxrl import allocator
 from jaxrl.parallel import mesh_from_config
 from jaxrl.train.checkpoint import Checkpointer, restore_params
 from jaxrl.train.data import ShardedBatches, check_batch_size, data_shards
+from jaxrl.train.evaluation import ExactMatch
 from jaxrl.train.loop import resume, train_loop
 from jaxrl.train.rundir import RunDir
 from jaxrl.train.state import init_train_state, start_from_hf
@@ -99,6 +100,14 @@ class Run:
     layout = self.config.layout if layout is None else layout
     return starting_state(self.config, self.cfg, self.mesh, tx, layout=layout, model=model,
                           into=into)
+
+  def exact_match(self, graphdef, answers, check, *, max_new: int) -> ExactMatch | None:
+    """Greedy exact match on held-out {prompt, answer} records (eval/accuracy, and the samples
+    it keeps), or None without records or a checker."""
+    if not answers or check is None:
+      return None
+    return ExactMatch(graphdef, self.cfg, self.mesh, self.tokenizer, answers, check,
+                      batch=self.config.eval.batch_size, max_new=max_new)
 
   def checkpointer(self) -> Checkpointer:
     """DIR/checkpoints, opened on first use."""

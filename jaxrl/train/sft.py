@@ -19,7 +19,7 @@ from jaxrl.parallel import batch_sharding
 from jaxrl.parallel.distributed import global_array
 from jaxrl.tasks import ERROR_MODES
 from jaxrl.train.data import answers, load_task, records
-from jaxrl.train.evaluation import ExactMatch, make_eval_loss
+from jaxrl.train.evaluation import make_eval_loss
 from jaxrl.train.optim import make_optimizer
 from jaxrl.train.run import Run, count_tokens
 from jaxrl.train.state import make_train_step, put_batch
@@ -115,10 +115,8 @@ def run(config, workdir: str, *, out=print) -> dict:
           held_out, r.tokenizer, seq_len=d.seq_len, batch_size=eval_bs, seed=0, shuffle=False,
           num_epochs=1, on_bad_row=d.on_bad_row)]
   eval_loss = make_eval_loss(loss_fn, mesh)
-  held_answers = answers(config, task)
-  exact = (ExactMatch(graphdef, r.cfg, mesh, r.tokenizer, held_answers, task.check,
-                      batch=config.eval.batch_size, max_new=config.eval.max_new_tokens)
-           if held_answers else None)
+  exact = r.exact_match(graphdef, answers(config, task), task and task.check,
+                        max_new=config.eval.max_new_tokens)
 
   def evaluate(params, step):
     del step

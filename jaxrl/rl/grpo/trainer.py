@@ -251,9 +251,7 @@ def setup(config, workdir: str, *, out=print) -> tuple[Parts, Any]:
                         extras={"rm_norm": rm_norm} if rm_norm is not None else None,
                         learner_state={"kl_coef": beta, "alarms": alarms})
   run.checkpointer()
-  exact = (ExactMatch(graphdef, cfg, mesh, tokenizer, held_out, task.check,
-                      batch=config.eval.batch_size, max_new=r.max_new_tokens)
-           if held_out and task is not None else None)
+  exact = run.exact_match(graphdef, held_out, task and task.check, max_new=r.max_new_tokens)
   overlap = Overlap() if r.async_generation else None
   if overlap is not None:
     run.closers.append(overlap.close)
