@@ -10,7 +10,7 @@ fails with one sentence naming the key and what is valid. A config file may also
 This module knows the sections every command shares (seed, layout, mesh, model, and the
 placement and plan sections built from the layers below). A command's own sections (a trainer's
 algo, data, optim, ...; `jaxrl sample`'s sampling) are its own: its module lists their choices
-in its `CHOICES`, which reach `validate` as an argument (from the trainer's start_run, and from
+in its `CHOICES`, which reach `validate` as an argument (from the trainer's Run (jaxrl.train.run), and from
 the CLI, `jaxrl launch` and `jaxrl sweep` before a run starts). Nothing here imports a trainer,
 and nothing registers choices here at import time.
 """

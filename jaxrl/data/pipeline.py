@@ -23,9 +23,9 @@ from collections.abc import Iterable, Sequence
 import grain
 import numpy as np
 
-from jaxrl.data.records import BadRow, ON_BAD_ROW, check_choice, check_record, where
+from jaxrl.data.records import BadRow, ON_BAD_ROW, check_record, where
 from jaxrl.data.tokenizer import Tokenizer
-from jaxrl.errors import ConfigError
+from jaxrl.errors import ConfigError, check_choice
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ import numpy as np
 
 from jaxrl.data.pipeline import (check_length, encode_turn, epochs, example, pad_to, prepare,
                                  shard_indices)
-from jaxrl.data.records import check_choice, read_records
+from jaxrl.data.records import read_records
 from jaxrl.data.tokenizer import Tokenizer
-from jaxrl.errors import ConfigError
+from jaxrl.errors import ConfigError, check_choice
 from jaxrl.tasks import Task, get_task
 
 BIASES = ("none", "longer")

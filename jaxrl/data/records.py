@@ -18,9 +18,9 @@ import glob
 import json
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
-from jaxrl.errors import ConfigError
+from jaxrl.errors import ConfigError, check_choice
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +57,6 @@ def where(record, index: int) -> str:
 
 class BadRow(ConfigError):
   """A bad row; the reader turns it into an error or a counted skip."""
-
-
-def check_choice(name: str, value, choices: Sequence[str]) -> None:
-  if value not in choices:
-    raise ConfigError(f"{name}={value!r} is not valid: choose one of {', '.join(choices)}.")
 
 
 def _text(obj: dict, field: str, at: str) -> str:

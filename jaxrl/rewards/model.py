@@ -14,7 +14,6 @@ verifiable accuracy in view is how jaxrl guards against gaming it.
 from __future__ import annotations
 
 import functools
-import json
 import os
 
 import jax
@@ -112,12 +111,11 @@ class RunningNorm:
 
 def read_run_config(path: str, key: str = "reward_model.checkpoints") -> ml_collections.ConfigDict:
   """The resolved config of a `jaxrl rm` run dir; a ConfigError when `path` is not one."""
-  file = os.path.join(path, "config.json")
-  if not os.path.isfile(file):
+  from jaxrl.train.rundir import read_config
+  d = read_config(path)
+  if d is None:
     raise ConfigError(f"{key} names {path!r}, which holds no config.json: give the --workdir "
                       "of a finished `jaxrl rm` run.")
-  with open(file) as f:
-    d = json.load(f)
   if "center_coef" not in d.get("loss", {}):
     raise ConfigError(f"{key} names {path!r}, which is not a reward-model run (its config has "
                       "no loss.center_coef): train one with `jaxrl rm`.")

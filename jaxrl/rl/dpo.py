@@ -50,15 +50,13 @@ from jaxrl.data import ON_BAD_ROW
 from jaxrl.errors import ConfigError
 from jaxrl.models import apply, token_logprobs
 from jaxrl.models.flops import packed_flops
-from jaxrl.parallel import batch_sharding, mesh_from_config, shard_activations
+from jaxrl.parallel import batch_sharding, shard_activations
 from jaxrl.parallel.distributed import global_array
 from jaxrl.rl import preference_losses as pl
-from jaxrl.train.checkpoint import Checkpointer, restore_params
-from jaxrl.train.data import ShardedBatches, check_batch_size, data_shards
-from jaxrl.train.evaluation import ExactMatch
-from jaxrl.train.loop import resume, start_run, train_loop
+from jaxrl.train.data import answers, load_task, records
 from jaxrl.train.optim import CHOICES as OPTIM_CHOICES, make_optimizer
-from jaxrl.train.state import init_train_state, make_train_step, start_from_hf
+from jaxrl.train.run import Run, count_tokens
+from jaxrl.train.state import make_train_step
 
 ROW_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
 REF_MODES = ("live", "cached", "auto")
@@ -324,34 +322,21 @@ def _prefs():
 
 def _records(config, task):
   """(train records, held-out pairs, held-out {prompt, answer} or None, data report)."""
-  prefs, d, seed = _prefs(), config.data, config.seed
-  report: dict = {}
+  prefs, d = _prefs(), config.data
   if d.format == "kto" and config.algo.loss != "kto":
     raise ConfigError(f"data.format='kto' holds unpaired rows, which only algo.loss=kto trains "
                       f"on, but algo.loss={config.algo.loss!r}: set algo.loss=kto, or give a "
                       "file of preference pairs with data.format=prefs.")
-  if d.train_file:
-    if d.format == "kto":
-      train, skipped = prefs.read_kto(d.train_file, on_bad_row=d.on_bad_row)
-    else:
-      train, skipped = prefs.read_prefs(d.train_file, on_bad_row=d.on_bad_row)
-    report["skipped"] = skipped
-  elif task is not None:
-    train = prefs.task_prefs(d.task, "train", d.train_examples, seed, bias=d.bias,
-                             bias_rate=d.bias_rate)
-  else:
-    raise ConfigError("data.task and data.train_file are both empty: set data.task to a "
-                      "built-in task (e.g. addition) or data.train_file to a JSONL of "
-                      "{prompt, chosen, rejected}.")
-  if d.eval_file:
-    held_out, _ = prefs.read_prefs(d.eval_file, on_bad_row=d.on_bad_row)
-  elif task is not None:  # held-out pairs are labelled by the truth, never by a biased labeller
-    held_out = prefs.task_prefs(d.task, "test", config.eval.examples, seed + 1)
-  else:
-    held_out = []
-  answers = task.records("test", config.eval.examples, seed + 1) if task is not None else None
+
+  def build(split, n, seed):  # held-out pairs are labelled by the truth, never by a bias
+    bias = dict(bias=d.bias, bias_rate=d.bias_rate) if split == "train" else {}
+    return prefs.task_prefs(d.task, split, n, seed, **bias)
+  train, held_out, skipped = records(config, task, d.format, eval_kind="prefs", build=build,
+                                     what="{prompt, chosen, rejected}")
+  report: dict = {"skipped": skipped} if d.train_file else {}
+  held_answers = answers(config, task)
   if d.format == "prefs":
-    eval_prompts = [r["prompt"] for r in held_out] + [r["prompt"] for r in answers or []]
+    eval_prompts = [r["prompt"] for r in held_out] + [r["prompt"] for r in held_answers or []]
     train, clean = prefs.clean_prefs(train, eval_prompts=eval_prompts if d.decontaminate
                                      else ())
     report.update(clean)
@@ -360,7 +345,21 @@ def _records(config, task):
   if not train:
     raise ConfigError("no training rows are left after cleaning: see the data report "
                       f"{report}.")
-  return train, held_out, answers, report
+  return train, held_out, held_answers, report
+
+
+def check_algo(a) -> None:
+  """One sentence for a knob the chosen loss does not take."""
+  if a.nll_coef and a.loss not in ("dpo", "ipo", "simpo"):
+    raise ConfigError(f"algo.nll_coef={a.nll_coef} applies to dpo, ipo and simpo; "
+                      f"algo.loss={a.loss!r} " + ("has its own NLL term" if a.loss == "orpo"
+                                                  else "takes none") + ": set it to 0.")
+  if a.label_smoothing and a.loss not in ("dpo", "simpo"):
+    raise ConfigError(f"algo.label_smoothing={a.label_smoothing} applies to dpo (cDPO) and "
+                      f"simpo; algo.loss={a.loss!r} takes none: set it to 0.")
+  if not 0.0 <= a.label_smoothing < 0.5:
+    raise ConfigError(f"algo.label_smoothing={a.label_smoothing} is not valid: give the "
+                      "probability that a label is flipped, in [0, 0.5).")
 
 
 def plan_ref_mode(config, cfg, mesh, *, rows_per_step: int) -> tuple[str, str]:
@@ -385,69 +384,17 @@ def plan_ref_mode(config, cfg, mesh, *, rows_per_step: int) -> tuple[str, str]:
   return ("live" if need <= device else "cached"), why
 
 
-def _init_policy(config, state, mesh):
-  """The starting policy: model.hf_path, then init.checkpoint (an SFT run dir) over it."""
-  state = start_from_hf(config, state, mesh, config.layout)
-  if config.init.checkpoint:
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                           sharding=x.sharding), state.params)
-    state = state.replace(params=restore_params(config.init.checkpoint, abstract))
-  return state
-
-
-# ----------------------------------------------------------------------------- the trainer
-
-
-def run(config, workdir: str, *, out=print) -> dict:
-  """Trains (or resumes) the preference run in `workdir`; returns the summary."""
-  main, cfg, run_dir, tokenizer = start_run(config, workdir, out=out, choices=CHOICES)
+def reference_mode(config, cfg, mesh, say) -> str:
+  """none | live | cached: the reference the loss scores against; ref.mode=auto resolved by the
+  memory plan."""
   a, d = config.algo, config.data
-  say = out if main else (lambda *_: None)
-  mesh = mesh_from_config(config.mesh)
-  prefs = _prefs()
-  kto, paired = a.loss == "kto", d.format == "prefs"
-  if a.nll_coef and a.loss not in ("dpo", "ipo", "simpo"):
-    raise ConfigError(f"algo.nll_coef={a.nll_coef} applies to dpo, ipo and simpo; "
-                      f"algo.loss={a.loss!r} " + ("has its own NLL term" if a.loss == "orpo"
-                                                  else "takes none") + ": set it to 0.")
-
-  if a.label_smoothing and a.loss not in ("dpo", "simpo"):
-    raise ConfigError(f"algo.label_smoothing={a.label_smoothing} applies to dpo (cDPO) and "
-                      f"simpo; algo.loss={a.loss!r} takes none: set it to 0.")
-  if not 0.0 <= a.label_smoothing < 0.5:
-    raise ConfigError(f"algo.label_smoothing={a.label_smoothing} is not valid: give the "
-                      "probability that a label is flipped, in [0, 0.5).")
-
-  # Data.
-  task = None
-  if d.task:
-    from jaxrl.tasks import get_task
-    task = get_task(d.task)
-  train, held_out, answers, report = _records(config, task)
-  say(f"data: {report}")
-  shards, mine = data_shards(d.shards)
-  replicas = mesh.shape["data"] * mesh.shape["fsdp"]
-  accum = config.optim.accum_steps
-  check_batch_size(d.batch_size, shards, replicas, accum)
-  make_batches = prefs.prefs_batches if paired else prefs.kto_batches
-  batches = ShardedBatches([
-      make_batches(train, tokenizer, seq_len=d.seq_len, batch_size=d.batch_size // shards,
-                   seed=config.seed, shard_index=i, shard_count=shards,
-                   on_bad_row=d.on_bad_row) for i in mine])
-
-  # Policy, then the reference mode.
-  tx, schedule = make_optimizer(config.optim, config.train.steps)
-  graphdef, state, shardings = init_train_state(cfg, mesh, tx, seed=config.seed,
-                                                layout=config.layout)
-  state = _init_policy(config, state, mesh)
-  seq_logps = make_seq_logps(graphdef)
-  needs_ref = pl.NEEDS_REFERENCE[a.loss]
-  mode = config.ref.mode
-  if not needs_ref:
-    mode = "none"
+  kto, mode = a.loss == "kto", config.ref.mode
+  if not pl.NEEDS_REFERENCE[a.loss]:
     say(f"reference: none ({a.loss} is reference-free)")
-  elif mode == "auto":
-    rows = d.batch_size * (2 if paired else 1) * (2 if kto and a.kto_z0 == "mismatched" else 1)
+    return "none"
+  if mode == "auto":
+    rows = (d.batch_size * (2 if d.format == "prefs" else 1)
+            * (2 if kto and a.kto_z0 == "mismatched" else 1))
     mode, why = plan_ref_mode(config, cfg, mesh, rows_per_step=rows)
     say(f"reference: ref.mode=auto -> {mode}: {why}")
   else:
@@ -456,73 +403,156 @@ def run(config, workdir: str, *, out=print) -> dict:
     raise ConfigError("algo.kto_z0='mismatched' needs the live reference (the mismatched rows "
                       "change with every batch, so their log-probs cannot be cached): set "
                       "ref.mode=live, or algo.kto_z0=batch to keep the cache.")
+  return mode
 
-  # Shardings of every batch key: rows over the batch axes, pairs kept on one device.
+
+def batch_shardings(config, mesh, *, needs_ref: bool) -> dict:
+  """The sharding of every batch key: rows over the batch axes, a pair's two rows on one
+  device."""
+  a, kto = config.algo, config.algo.loss == "kto"
+
   def shd(ndim):
     return batch_sharding(mesh, ndim, config.layout)
-  rank = 3 if paired and not kto else 2
-  batch_shd = {k: shd(rank) for k in ROW_KEYS}
+  rank = 3 if config.data.format == "prefs" and not kto else 2
+  out = {k: shd(rank) for k in ROW_KEYS}
   if needs_ref:
-    batch_shd["ref_logps"] = shd(rank - 1)
+    out["ref_logps"] = shd(rank - 1)
   if kto:
-    batch_shd["label"] = shd(1)
+    out["label"] = shd(1)
     if a.kto_z0 == "mismatched":
-      batch_shd.update({"kl_" + k: shd(2) for k in ROW_KEYS})
-      batch_shd["kl_ref_logps"] = shd(1)
+      out.update({"kl_" + k: shd(2) for k in ROW_KEYS})
+      out["kl_ref_logps"] = shd(1)
+  return out
 
-  def to_rows(batch):
-    """The process-local numpy batch as the loss sees it (KTO: unpaired, with KL rows)."""
-    if kto and paired:
-      batch = unpair(batch)
-    batch = {k: v for k, v in batch.items() if k in ROW_KEYS or k == "label"}
-    if kto and a.kto_z0 == "mismatched":
-      # Shift 2 when unpaired pairs: rows i and i+1 share a prompt, so i+2 is another pair's.
-      kl = mismatched_rows(batch, 2 if paired else 1)
-      batch.update({"kl_" + k: v for k, v in kl.items()})
-    return batch
 
-  replicated = NamedSharding(mesh, P())
+def to_rows(batch: dict, a, *, paired: bool) -> dict:
+  """The process-local numpy batch as the loss sees it (KTO: unpaired, with KL rows)."""
+  kto = a.loss == "kto"
+  if kto and paired:
+    batch = unpair(batch)
+  batch = {k: v for k, v in batch.items() if k in ROW_KEYS or k == "label"}
+  if kto and a.kto_z0 == "mismatched":
+    # Shift 2 when unpaired pairs: rows i and i+1 share a prompt, so i+2 is another pair's.
+    kl = mismatched_rows(batch, 2 if paired else 1)
+    batch.update({"kl_" + k: v for k, v in kl.items()})
+  return batch
+
+
+def cached_reference(r, report, train, eval_rows, score) -> RefCache:
+  """The reference's log-probs of every train and held-out row: DIR/ref_logps.npz when it was
+  made for this data and reference, else one pass of score(rows) over all of them, saved."""
+  config, d, prefs = r.config, r.config.data, _prefs()
+  key = "|".join([report["fingerprint"], report["eval_fingerprint"], f"seq_len={d.seq_len}",
+                  f"format={d.format}", f"init={config.init.checkpoint}",
+                  f"hf={config.model.get('hf_path') or ''}", f"model={r.cfg}",
+                  f"seed={config.seed}"])
+  cache = RefCache(r.run_dir.path("ref_logps.npz"), key)
+  if cache.load():
+    r.say(f"reference: {len(cache.table)} cached row log-probs from {cache.path}")
+    return cache
+  # The policy has not moved yet: it is the reference. All of the data, every process.
+  fill_make = prefs.prefs_batches if d.format == "prefs" else prefs.kto_batches
+  n = len(train)
+  bs = max(r.replicas, min(config.ref.batch_size, n) // r.replicas * r.replicas)
+  padded = [train[i % n] for i in range(-(-n // bs) * bs)]  # whole batches cover every row
+  fill = fill_make(padded, r.tokenizer, seq_len=d.seq_len, batch_size=bs, seed=0,
+                   shuffle=False, num_epochs=1, on_bad_row=d.on_bad_row)
+  cache.fill(score, list(fill) + eval_rows)
+  if r.main:
+    cache.save()
+  r.say(f"reference: scored {len(cache.table)} rows once; cached in {cache.path}")
+  return cache
+
+
+def held_out_rows(r, held_out) -> list[dict]:
+  """The held-out pairs in whole fixed batches (a remainder under one batch is dropped)."""
+  d = r.config.data
+  eval_bs = min(d.batch_size, len(held_out) // r.replicas * r.replicas)
+  if not held_out or eval_bs <= 0:
+    return []
+  return list(_prefs().prefs_batches(held_out, r.tokenizer, seq_len=d.seq_len,
+                                     batch_size=eval_bs, seed=0, shuffle=False, num_epochs=1,
+                                     on_bad_row=d.on_bad_row))
+
+
+class PrefEval:
+  """Held-out preference accuracy on pairs (eval/rewards/*, eval/loss), and greedy exact match
+  on the task (eval/accuracy)."""
+
+  def __init__(self, seq_logps, a, mesh, compiler_options, batches, exact):
+    objective = pair_objective(a)
+    replicated = NamedSharding(mesh, P())
+
+    # The learner's kernels, as the reference's forwards: at step 0 the policy's and the
+    # reference's log-probs then agree to the bit (margins exactly 0).
+    @functools.partial(jax.jit, compiler_options=compiler_options)
+    @functools.partial(shard_activations, mesh=mesh)
+    def eval_sums(params, rows, ref):
+      lp, n = seq_logps(params, rows)
+      loss, m = objective(lp, n, ref)
+      keep = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected")
+      out = {"loss": loss.sum(), "count": jnp.float32(loss.shape[0]),
+             **{k: m[k].sum() for k in keep}}
+      return jax.lax.with_sharding_constraint(out, replicated)
+    self.sums, self.batches, self.exact = eval_sums, batches, exact
+
+  def __call__(self, params, step) -> dict:
+    del step
+    metrics = {}
+    if self.batches:
+      tot = None
+      for rows, ref in self.batches:
+        s = jax.device_get(self.sums(params, rows, ref))
+        tot = s if tot is None else {k: tot[k] + s[k] for k in s}
+      n = max(float(tot.pop("count")), 1.0)
+      metrics.update({f"eval/{k}": float(v) / n for k, v in tot.items()})
+    if self.exact is not None:
+      metrics.update(self.exact(params))
+    return metrics
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+def run(config, workdir: str, *, out=print) -> dict:
+  """Trains (or resumes) the preference run in `workdir`; returns the summary."""
+  r = Run(config, workdir, out=out, choices=CHOICES)
+  a, d, mesh, cfg, prefs = config.algo, config.data, r.mesh, r.cfg, _prefs()
+  kto, paired = a.loss == "kto", d.format == "prefs"
+  check_algo(a)
+
+  # Data.
+  task = load_task(config)
+  train, held_out, held_answers, report = _records(config, task)
+  r.say(f"data: {report}")
+  batches = r.batches(prefs.prefs_batches if paired else prefs.kto_batches, train)
+
+  # Policy, then the reference.
+  tx, schedule = make_optimizer(config.optim, config.train.steps)
+  graphdef, state, shardings = r.init_state(tx)
+  seq_logps = make_seq_logps(graphdef)
+  needs_ref = pl.NEEDS_REFERENCE[a.loss]
+  mode = reference_mode(config, cfg, mesh, r.say)
+  batch_shd = batch_shardings(config, mesh, needs_ref=needs_ref)
+
   # Replicated, so every process can read the scores of rows it holds in full.
   # The reference's forwards compile with the learner's options (on CPU, its dot kernels).
   ref_options = compiler_options(mesh.devices.flat)
   ref_forward = shard_activations(lambda p, rows: seq_logps(p, rows)[0], mesh)
-  ref_score = jax.jit(ref_forward, out_shardings=replicated, compiler_options=ref_options)
-  cache = reference = None
-  eval_rows = []
-  if held_out:
-    eval_bs = min(d.batch_size, len(held_out) // replicas * replicas)
-    if eval_bs > 0:
-      eval_rows = list(prefs.prefs_batches(held_out, tokenizer, seq_len=d.seq_len,
-                                           batch_size=eval_bs, seed=0, shuffle=False,
-                                           num_epochs=1, on_bad_row=d.on_bad_row))
+  ref_score = jax.jit(ref_forward, out_shardings=NamedSharding(mesh, P()),
+                      compiler_options=ref_options)
+  eval_rows = held_out_rows(r, held_out)
 
   def global_rows(rows):  # every process holds the rows in full; each device takes its own
-    nd = rows["inputs"].ndim
-    return {k: global_array(v, shd(nd)) for k, v in rows.items() if k in ROW_KEYS}
+    shd = batch_sharding(mesh, rows["inputs"].ndim, config.layout)
+    return {k: global_array(v, shd) for k, v in rows.items() if k in ROW_KEYS}
 
+  cache = reference = None
   if mode == "cached":
-    key = "|".join([report["fingerprint"], report["eval_fingerprint"], f"seq_len={d.seq_len}",
-                    f"format={d.format}", f"init={config.init.checkpoint}",
-                    f"hf={config.model.get('hf_path') or ''}", f"model={cfg}",
-                    f"seed={config.seed}"])
-    cache = RefCache(run_dir.path("ref_logps.npz"), key)
-    if cache.load():
-      say(f"reference: {len(cache.table)} cached row log-probs from {cache.path}")
-    else:
-      # The policy has not moved yet: it is the reference. All of the data, every process.
-      fill_make = prefs.prefs_batches if paired else prefs.kto_batches
-      n = len(train)
-      bs = max(replicas, min(config.ref.batch_size, n) // replicas * replicas)
-      padded = [train[i % n] for i in range(-(-n // bs) * bs)]  # whole batches cover every row
-      fill = fill_make(padded, tokenizer, seq_len=d.seq_len, batch_size=bs, seed=0,
-                       shuffle=False, num_epochs=1, on_bad_row=d.on_bad_row)
-      cache.fill(lambda rows: ref_score(state.params, global_rows(rows)), list(fill) + eval_rows)
-      if main:
-        cache.save()
-      say(f"reference: scored {len(cache.table)} rows once; cached in {cache.path}")
+    cache = cached_reference(r, report, train, eval_rows,
+                             lambda rows: ref_score(state.params, global_rows(rows)))
   elif mode == "live":
     reference = jax.tree.map(jnp.copy, state.params)  # frozen; rebuilt from init on resume
-
   eval_ref = []
   for rows in eval_rows if needs_ref else []:
     eval_ref.append(cache.lookup(rows) if cache is not None else
@@ -534,7 +564,7 @@ def run(config, workdir: str, *, out=print) -> dict:
 
   def rows_of(batch):
     if last.get("batch") is not batch:
-      last.update(batch=batch, rows=to_rows(batch))
+      last.update(batch=batch, rows=to_rows(batch, a, paired=paired))
     return last["rows"]
 
   def put(batch):
@@ -546,8 +576,10 @@ def run(config, workdir: str, *, out=print) -> dict:
 
   loss_fn = kto_loss(graphdef, a) if kto else pair_loss(graphdef, a)
   update = make_train_step(loss_fn, tx, schedule, shardings, batch_shd, mesh=mesh,
-                           accum_steps=accum)
-  ref_rows = jax.jit(ref_forward, out_shardings=shd(rank - 1), compiler_options=ref_options)
+                           accum_steps=config.optim.accum_steps)
+  rank = 3 if paired and not kto else 2
+  ref_rows = jax.jit(ref_forward, out_shardings=batch_sharding(mesh, rank - 1, config.layout),
+                     compiler_options=ref_options)
 
   def step_fn(state, batch):
     if reference is not None:  # live: score the batch with the frozen reference first
@@ -568,59 +600,20 @@ def run(config, workdir: str, *, out=print) -> dict:
       total += (1 + live) * packed_flops(cfg, rows, "kl_")
     return total
 
-  ckpt = Checkpointer(run_dir.checkpoints, keep=config.train.keep_checkpoints,
-                      async_save=config.train.async_checkpoints)
-  state, start = resume(ckpt, state, shardings, batches, run_dir, out=out)
+  state = r.resume(state, shardings, batches)
 
-  # Eval: held-out preference accuracy on pairs; greedy exact match on the task.
-  objective = pair_objective(a)
-
-  # The learner's kernels, as the reference's forwards: at step 0 the policy's and the
-  # reference's log-probs then agree to the bit (margins exactly 0).
-  @functools.partial(jax.jit, compiler_options=ref_options)
-  @functools.partial(shard_activations, mesh=mesh)
-  def eval_sums(params, rows, ref):
-    lp, n = seq_logps(params, rows)
-    loss, m = objective(lp, n, ref)
-    keep = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected")
-    out = {"loss": loss.sum(), "count": jnp.float32(loss.shape[0]),
-           **{k: m[k].sum() for k in keep}}
-    return jax.lax.with_sharding_constraint(out, replicated)
-
-  eval_dev = [(global_rows(rows), global_array(ref, shd(2)) if needs_ref else None)
+  eval_dev = [(global_rows(rows), global_array(ref, batch_sharding(mesh, 2, config.layout))
+               if needs_ref else None)
               for rows, ref in zip(eval_rows, eval_ref or [None] * len(eval_rows))]
-  exact = (ExactMatch(graphdef, cfg, mesh, tokenizer, answers, task.check,
-                      batch=config.eval.batch_size, max_new=config.eval.max_new_tokens)
-           if answers else None)
+  exact = r.exact_match(graphdef, held_answers, task and task.check,
+                        max_new=config.eval.max_new_tokens)
+  evaluate = PrefEval(seq_logps, a, mesh, ref_options, eval_dev, exact)
 
-  def evaluate(params, step):
-    del step
-    metrics = {}
-    if eval_dev:
-      tot = None
-      for rows, ref in eval_dev:
-        s = jax.device_get(eval_sums(params, rows, ref))
-        tot = s if tot is None else {k: tot[k] + s[k] for k in s}
-      n = max(float(tot.pop("count")), 1.0)
-      metrics.update({f"eval/{k}": float(v) / n for k, v in tot.items()})
-    if exact is not None:
-      metrics.update(exact(params))
-    return metrics
-
-  if main and start == 0:
-    out(f"{a.loss}: {cfg.num_params:,} parameters, {len(train)} train "
-        f"{'pairs' if paired else 'rows'}, global batch {d.batch_size} x {d.seq_len}, "
-        f"{config.train.steps} steps")
-  try:
-    summary = train_loop(
-        state=state, step_fn=step_fn, batches=batches, put=put,
-        total_steps=config.train.steps, run=run_dir, ckpt=ckpt,
-        log_every=config.train.log_every, save_every=config.train.save_every,
-        eval_every=config.eval.every, eval_fn=evaluate,
-        tokens_fn=lambda b: int(np.count_nonzero(b["segment_ids"])), flops_fn=step_flops,
-        summary_extra=lambda: {"data": report, "ref_mode": mode}, out=out)
-  finally:
-    ckpt.close()
-    run_dir.close()
+  summary = r.train(
+      state, step_fn, batches, put=put, eval_fn=evaluate, tokens_fn=count_tokens,
+      flops_fn=step_flops, summary_extra=lambda: {"data": report, "ref_mode": mode},
+      banner=f"{a.loss}: {cfg.num_params:,} parameters, {len(train)} train "
+             f"{'pairs' if paired else 'rows'}, global batch {d.batch_size} x {d.seq_len}, "
+             f"{config.train.steps} steps")
   summary["samples"] = exact.samples if exact is not None else []
   return summary

@@ -1,5 +1,6 @@
 """The shared training machinery: optimizer, train state and step, checkpoints, run directory,
-the loop (guards, progress, interrupts), evaluation; and the trainers built on it (sft, rm)."""
+the loop (guards, progress, interrupts), evaluation, the Run skeleton that ties them together
+(run.py); and the trainers built on it (sft, rm)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from jaxrl.parallel.distributed import maybe_initialize
 from jaxrl.train.checkpoint import Checkpointer
 from jaxrl.train.loop import TrainingDiverged, resume, train_loop
 from jaxrl.train.optim import make_optimizer, optim_section
+from jaxrl.train.run import Run
 from jaxrl.train.rundir import RunDir, read_metrics
 from jaxrl.train.state import TrainState, init_train_state, make_train_step, put_batch
 
@@ -28,6 +30,6 @@ def run_trainer(run_fn, args, overrides, load) -> None:
     raise SystemExit(1) from None
 
 
-__all__ = ["Checkpointer", "RunDir", "TrainState", "TrainingDiverged", "init_train_state",
+__all__ = ["Checkpointer", "Run", "RunDir", "TrainState", "TrainingDiverged", "init_train_state",
            "make_optimizer", "make_train_step", "optim_section", "put_batch", "read_metrics",
            "resume", "run_trainer", "train_loop"]

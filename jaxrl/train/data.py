@@ -1,4 +1,5 @@
-"""Data sharding for trainers: a fixed number of shards, each process reading its own.
+"""Data for trainers: the records (a file or a built-in task), and a fixed number of data shards,
+each process reading its own.
 
 The global batch is the concatenation of one batch from each of `shards` shard iterators. A
 process reads only the shards it owns, so with data.shards fixed a run sees the same global
@@ -7,10 +8,62 @@ batches whether it runs as one process or several (shards default to one per pro
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import numpy as np
 
+from jaxrl.data import read_jsonl, read_records
 from jaxrl.errors import ConfigError
+
+
+def load_task(config):
+  """The built-in task data.task names (with its options, e.g. "addition:max_digits=3"), or
+  None when it is empty."""
+  if not config.data.task:
+    return None
+  from jaxrl.tasks import get_task
+  return get_task(config.data.task)
+
+
+def records(config, task, kind: str, *, build: Callable, eval_kind: str = "", what: str):
+  """(train records, held-out records, train rows skipped) of a run.
+
+  Train: data.train_file's records of `kind` ("sft" and "rl": JSONL; "prefs" and "kto": JSONL
+  or array_record), else the task's build("train", data.train_examples, seed). Held out:
+  data.eval_file's records of `eval_kind` (default `kind`), else the task's build("test",
+  eval.examples, seed + 1), else none. `what` names a train file's rows in the error when
+  there is neither a task nor a file.
+  """
+  d, seed = config.data, config.seed
+
+  def read(path, kind):
+    if kind in ("sft", "rl"):
+      return read_jsonl(path, kind, on_bad_row=d.on_bad_row)
+    return read_records(path, kind, on_bad_row=d.on_bad_row)
+
+  skipped = 0
+  if d.train_file:
+    train, skipped = read(d.train_file, kind)
+  elif task is not None:
+    train = build("train", d.train_examples, seed)
+  else:
+    raise ConfigError("data.task and data.train_file are both empty: set data.task to a "
+                      f"built-in task (e.g. addition) or data.train_file to a JSONL of {what}.")
+  if d.eval_file:
+    held_out, _ = read(d.eval_file, eval_kind or kind)
+  elif task is not None:
+    held_out = build("test", config.eval.examples, seed + 1)
+  else:
+    held_out = []
+  return train, held_out, skipped
+
+
+def answers(config, task) -> list[dict] | None:
+  """The task's held-out {prompt, answer} records (greedy exact match), or None."""
+  if task is None:
+    return None
+  return task.records("test", config.eval.examples, config.seed + 1)
 
 
 def data_shards(shards: int = 0) -> tuple[int, list[int]]:

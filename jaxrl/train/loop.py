@@ -22,9 +22,6 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from jaxrl import backends
-from jaxrl import config as config_lib
-from jaxrl.data.hf_tokenizer import tokenizer_for
 from jaxrl.train.checkpoint import Checkpointer, abstract_state
 from jaxrl.train.rundir import RunDir, logged_before
 
@@ -104,23 +101,6 @@ class Progress:
   def close(self) -> None:
     if self.bar is not None:
       self.bar.close()
-
-
-def start_run(config, workdir: str, *, out=print, choices=None):
-  """What every trainer does first: validate the config (the shared sections and `choices`, the
-  trainer's own CHOICES), open the run dir (process 0 writes config.json and says which keys
-  changed on a resume) and build the tokenizer. Returns (main, cfg, run_dir, tokenizer): main is
-  True on process 0, cfg the ModelConfig."""
-  config_lib.validate(config, choices)
-  main = jax.process_index() == 0
-  run_dir = RunDir(workdir, write=main)
-  run_dir.write_config(config, out=out if main else None)
-  if main:  # what config.json records under "backend"
-    backend = backends.describe()
-    out(f"memory allocator: {backend['allocator']}")
-    out(f"backend: {backend['platform']}; attention {backend['attention']}; dots "
-        f"{backend['dots']}")
-  return main, config_lib.model_config(config), run_dir, tokenizer_for(config)
 
 
 def _fmt(v: float) -> str:

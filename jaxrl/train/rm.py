@@ -31,17 +31,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxrl import config as config_lib
 from jaxrl.data import ON_BAD_ROW, prefs
 from jaxrl.errors import ConfigError
-from jaxrl.io.params import restore_params
 from jaxrl.models import RewardModel, last_index, reward_apply
 from jaxrl.models.flops import packed_flops
-from jaxrl.parallel import batch_sharding, mesh_from_config, shard_activations
+from jaxrl.parallel import batch_sharding, shard_activations
 from jaxrl.parallel.distributed import distributed_section, global_array
 from jaxrl.train import optim
-from jaxrl.train.checkpoint import Checkpointer
-from jaxrl.train.data import ShardedBatches, check_batch_size, data_shards
-from jaxrl.train.loop import resume, start_run, train_loop
 from jaxrl.train.optim import make_optimizer, optim_section
-from jaxrl.train.state import init_train_state, make_train_step, put_batch, start_from_hf
+from jaxrl.train.run import Run, count_tokens, starting_state
+from jaxrl.train.state import make_train_step, put_batch
 
 # This trainer's keys with fixed choices, checked when a run starts (config.validate).
 CHOICES = {**optim.CHOICES, "data.on_bad_row": ON_BAD_ROW, "data.bias": prefs.BIASES}
@@ -219,90 +216,59 @@ def init_reward_state(config, mesh, tx, *, layout: str = "learner"):
   """(graphdef, state, shardings) of a reward model, born sharded: the backbone from
   init.checkpoint (an SFT run) or model.hf_path when given, else the preset's init; the head
   always new."""
-  cfg = config_lib.model_config(config)
   model = functools.partial(RewardModel, logprob_feature=bool(config.head.logprob_feature))
-  graphdef, state, shardings = init_train_state(cfg, mesh, tx, seed=config.seed, layout=layout,
-                                                model=model)
-  state = start_from_hf(config, state, mesh, layout, into="backbone")
-  if config.init.checkpoint:
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                           sharding=x.sharding),
-                            state.params["backbone"])
-    backbone = restore_params(config.init.checkpoint, abstract)
-    state = state.replace(params={**state.params, "backbone": backbone})
-  return graphdef, state, shardings
+  return starting_state(config, config_lib.model_config(config), mesh, tx, layout=layout,
+                        model=model, into="backbone")
 
 
 def run(config, workdir: str, *, out=print) -> dict:
   """Trains (or resumes) the reward-model run in `workdir`; returns the summary."""
-  main, cfg, run_dir, tokenizer = start_run(config, workdir, out=out, choices=CHOICES)
-  mesh = mesh_from_config(config.mesh)
+  r = Run(config, workdir, out=out, choices=CHOICES)
+  d, mesh = config.data, r.mesh
 
   # Data: pairs, cleaned and fingerprinted; the fingerprint and cleaning report go to
   # DIR/data.json now (beside config.json) and to summary.json at the end.
-  d = config.data
   train, held_out, info = _pairs(config)
-  if main:
-    with open(run_dir.path("data.json"), "w") as f:
+  if r.main:
+    with open(r.run_dir.path("data.json"), "w") as f:
       json.dump(info, f, indent=2, sort_keys=True)
-    r = info["train"]["report"]
-    out(f"rm data: {info['train']['source']}: read {r['read']}, duplicates "
-        f"{r['duplicates_exact']} exact + {r['duplicates_normalized']} normalised, ties "
-        f"{r['ties']}, contaminated {r['contaminated']}, kept {r['kept']} "
+    rep = info["train"]["report"]
+    out(f"rm data: {info['train']['source']}: read {rep['read']}, duplicates "
+        f"{rep['duplicates_exact']} exact + {rep['duplicates_normalized']} normalised, ties "
+        f"{rep['ties']}, contaminated {rep['contaminated']}, kept {rep['kept']} "
         f"({info['train']['fingerprint'][:19]}...); held out {len(held_out)} pairs")
-  shards, mine = data_shards(d.shards)
-  replicas = mesh.shape["data"] * mesh.shape["fsdp"]
-  check_batch_size(d.batch_size, shards, replicas, config.optim.accum_steps)
-  batches = ShardedBatches([
-      prefs.prefs_batches(train, tokenizer, seq_len=d.seq_len, batch_size=d.batch_size // shards,
-                          seed=config.seed, shard_index=i, shard_count=shards,
-                          on_bad_row=d.on_bad_row) for i in mine])
+  batches = r.batches(prefs.prefs_batches, train)
   shd = batch_sharding(mesh, 3, config.layout)
 
-  def put(batch):
-    return put_batch({k: batch[k] for k in PAIR_KEYS}, shd)
-
   # State: the backbone from the SFT run (or preset), a new head; then DIR's latest checkpoint.
-  total = config.train.steps
-  tx, schedule = make_optimizer(config.optim, total)
+  tx, schedule = make_optimizer(config.optim, config.train.steps)
   graphdef, state, shardings = init_reward_state(config, mesh, tx, layout=config.layout)
-  loss_fn = rm_loss(graphdef, margin=float(config.loss.margin),
-                    center_coef=float(config.loss.center_coef))
+  margin, center_coef = float(config.loss.margin), float(config.loss.center_coef)
+  loss_fn = rm_loss(graphdef, margin=margin, center_coef=center_coef)
   step_fn = make_train_step(loss_fn, tx, schedule, shardings, shd, mesh=mesh,
                             accum_steps=config.optim.accum_steps)
-  ckpt = Checkpointer(run_dir.checkpoints, keep=config.train.keep_checkpoints,
-                      async_save=config.train.async_checkpoints)
-  state, start = resume(ckpt, state, shardings, batches, run_dir, out=out)
+  state = r.resume(state, shardings, batches)
 
   # Eval: fixed held-out pair batches, every process holding them in full (see sft.py).
   eval_batches = []
   if held_out:
-    eval_bs = -(-min(config.eval.batch_size, len(held_out)) // replicas) * replicas
+    eval_bs = -(-min(config.eval.batch_size, len(held_out)) // r.replicas) * r.replicas
     rows = list(held_out) + list(held_out[:(-len(held_out)) % eval_bs])  # whole batches
     eval_batches = [{k: global_array(v, shd) for k, v in b.items() if k in PAIR_KEYS}
                     for b in prefs.prefs_batches(
-                        rows, tokenizer, seq_len=d.seq_len, batch_size=eval_bs, seed=0,
+                        rows, r.tokenizer, seq_len=d.seq_len, batch_size=eval_bs, seed=0,
                         shuffle=False, num_epochs=1, on_bad_row=d.on_bad_row)]
-  evaluate_pairs = PairEval(graphdef, mesh, eval_batches, len(held_out),
-                            margin=float(config.loss.margin),
-                            center_coef=float(config.loss.center_coef))
+  evaluate_pairs = PairEval(graphdef, mesh, eval_batches, len(held_out), margin=margin,
+                            center_coef=center_coef)
 
-  if main and start == 0:
-    out(f"rm: the {cfg.num_params:,}-parameter decoder + a {cfg.embed_dim}-wide head, "
-        f"{len(train)} train pairs, global batch {d.batch_size} pairs x 2 x {d.seq_len}, "
-        f"{total} steps; backbone from {config.init.checkpoint or 'the preset init'}")
-  try:
-    summary = train_loop(
-        state=state, step_fn=step_fn, batches=batches, put=put, total_steps=total,
-        run=run_dir, ckpt=ckpt, log_every=config.train.log_every,
-        save_every=config.train.save_every, eval_every=config.eval.every,
-        eval_fn=lambda params, step: evaluate_pairs(params),
-        tokens_fn=lambda b: int(np.count_nonzero(b["segment_ids"])),
-        # The backbone's (the scalar head is D per row); its LM head only for the log-prob
-        # feature.
-        flops_fn=lambda b: 3 * packed_flops(cfg, b, lm_head=bool(config.head.logprob_feature)),
-        summary_extra=lambda: {"data": info}, out=out)
-  finally:
-    ckpt.close()
-    run_dir.close()
-  return summary
+  return r.train(
+      state, step_fn, batches, put=lambda b: put_batch({k: b[k] for k in PAIR_KEYS}, shd),
+      eval_fn=lambda params, step: evaluate_pairs(params), tokens_fn=count_tokens,
+      # The backbone's (the scalar head is D per row); its LM head only for the log-prob
+      # feature.
+      flops_fn=lambda b: 3 * packed_flops(r.cfg, b, lm_head=bool(config.head.logprob_feature)),
+      summary_extra=lambda: {"data": info},
+      banner=f"rm: the {r.cfg.num_params:,}-parameter decoder + a {r.cfg.embed_dim}-wide head, "
+             f"{len(train)} train pairs, global batch {d.batch_size} pairs x 2 x {d.seq_len}, "
+             f"{config.train.steps} steps; backbone from "
+             f"{config.init.checkpoint or 'the preset init'}")

@@ -31,6 +31,15 @@ from typing import Any
 from jaxrl import backends
 
 
+def read_config(workdir: str) -> dict | None:
+  """The resolved config a run wrote to DIR/config.json, as a dict; None when DIR has none."""
+  try:
+    with open(os.path.join(workdir, "config.json")) as f:
+      return json.load(f)
+  except FileNotFoundError:
+    return None
+
+
 class RunDir:
 
   def __init__(self, workdir: str, *, write: bool = True):
@@ -64,11 +73,7 @@ class RunDir:
       _write_json(self.path("config.json"), {**config.to_dict(), "backend": backend})
 
   def read_config(self) -> dict | None:
-    try:
-      with open(self.path("config.json")) as f:
-        return json.load(f)
-    except FileNotFoundError:
-      return None
+    return read_config(self.workdir)
 
   def truncate_metrics(self, after_step: int) -> None:
     """Drops metrics logged past `after_step`: on resume from that checkpoint those steps run

@@ -46,18 +46,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 
-from jaxrl.data import read_jsonl
-from jaxrl.data.tokenizer import Tokenizer
 from jaxrl.errors import ConfigError
-from jaxrl.models.config import ModelConfig
 from jaxrl.models.flops import rollout_flops
 from jaxrl.parallel import batch_sharding
 from jaxrl.parallel.distributed import global_array
-from jaxrl.parallel.sync import Overlap, Placement, SamplerCopy, WeightSync, make_placement
+from jaxrl.parallel.sync import Overlap, SamplerCopy, WeightSync
 from jaxrl.rewards import RewardSpec
 from jaxrl.rewards import model as rm_lib
 from jaxrl.rl.grpo.config import CHOICES
@@ -67,34 +63,25 @@ from jaxrl.rl.grpo.rewards import reward_specs
 from jaxrl.rl.grpo.update import (grpo_loss, make_batch_logprobs_fn, old_logp_from_update,
                                   update)
 from jaxrl.sampler import Engine, SamplingParams, bucket
-from jaxrl.train.checkpoint import Checkpointer, restore_params
+from jaxrl.train.data import load_task, records
 from jaxrl.train.evaluation import ExactMatch
-from jaxrl.train.loop import resume, start_run, train_loop
 from jaxrl.train.optim import make_optimizer
-from jaxrl.train.rundir import RunDir
-from jaxrl.train.state import init_train_state, make_train_step, start_from_hf
+from jaxrl.train.run import Run
+from jaxrl.train.state import make_train_step
 
 
 def run(config, workdir: str, *, out=print) -> dict:
   """Trains (or resumes) the GRPO run in `workdir`; returns the summary."""
   p, state = setup(config, workdir, out=out)
-  state, start = resume(p.ckpt, state, p.shardings, p.stream, p.run_dir, out=out,
-                        updates_per_step=p.updates_per_step)
   r = config.rollout
-  if p.main and start == 0:
-    out(f"grpo: {p.cfg.num_params:,} parameters, {len(p.stream.records)} prompts, "
-        f"{r.prompts_per_step} x {r.group_size} samples per step, {config.train.steps} steps; "
-        f"placement {p.placement.mode}")
-  try:
-    return train_loop(
-        state=state, step_fn=functools.partial(step, p), batches=p.stream, put=lambda b: b,
-        total_steps=config.train.steps, run=p.run_dir, ckpt=p.ckpt,
-        log_every=config.train.log_every, save_every=config.train.save_every,
-        eval_every=config.eval.every, eval_fn=functools.partial(evaluate, p), out=out,
-        updates_per_step=p.updates_per_step,
-        summary_extra=lambda: {"alarms": dict(p.alarms.raised), "kl/max": p.alarms.kl_max})
-  finally:
-    p.close()
+  state = p.run.resume(state, p.shardings, p.stream, updates_per_step=p.updates_per_step)
+  return p.run.train(
+      state, functools.partial(step, p), p.stream, put=lambda b: b,
+      eval_fn=functools.partial(evaluate, p), updates_per_step=p.updates_per_step,
+      summary_extra=lambda: {"alarms": dict(p.alarms.raised), "kl/max": p.alarms.kl_max},
+      banner=f"grpo: {p.cfg.num_params:,} parameters, {len(p.stream.records)} prompts, "
+             f"{r.prompts_per_step} x {r.group_size} samples per step, {config.train.steps} "
+             f"steps; placement {p.run.placement.mode}")
 
 
 def step(p: Parts, state, prompts: list[dict]):
@@ -160,15 +147,8 @@ class Parts:
   """A run's fixed parts, built once by setup(): what make_experience, update, step_metrics and
   evaluate read. Only the host state (the stream, beta, the alarms, the reward models'
   normaliser, async generation's pending rollout) changes between steps."""
-  config: ml_collections.ConfigDict
-  cfg: ModelConfig
-  tokenizer: Tokenizer
+  run: Run                    # the run dir, learner mesh, placement, checkpointer
   task: Any                   # the built-in task (its checker), or None
-  main: bool                  # this process reports
-  run_dir: RunDir
-  ckpt: Checkpointer
-  placement: Placement
-  mesh: Mesh                  # the learner's
   shardings: Any              # the train state's
   shd: NamedSharding          # the learner batch's rows
   updates_per_step: int       # num_iterations x minibatches
@@ -194,6 +174,12 @@ class Parts:
   alarms: Alarms
   exact: ExactMatch | None
 
+  # The run's: the config, the ModelConfig, the tokenizer and the learner's mesh.
+  config = property(lambda self: self.run.config)
+  cfg = property(lambda self: self.run.cfg)
+  tokenizer = property(lambda self: self.run.tokenizer)
+  mesh = property(lambda self: self.run.mesh)
+
   def put(self, rows: dict, sharding=None) -> dict:
     """Host rows -> global arrays (the learner batch's sharding unless given). Every process
     holds the whole batch (the rollout and its scores are the same on all of them, see
@@ -202,32 +188,20 @@ class Parts:
 
   def close(self) -> None:
     """Waits for the rollout under way and the checkpoint being written; closes the run dir."""
-    if self.overlap is not None:
-      self.overlap.close()
-    self.ckpt.close()
-    self.run_dir.close()
+    self.run.close()
 
 
 def setup(config, workdir: str, *, out=print) -> tuple[Parts, Any]:
   """(the run's parts, the starting train state: the policy from init.checkpoint or
   model.hf_path, fresh optimizer state). Checks the config first."""
-  main, cfg, run_dir, tokenizer = start_run(config, workdir, out=out, choices=CHOICES)
-  placement = make_placement(config.mesh, config.placement)
-  mesh = placement.learner.mesh
+  run = Run(config, workdir, out=out, choices=CHOICES)
+  mesh, cfg, tokenizer = run.mesh, run.cfg, run.tokenizer
   a, r = config.algo, config.rollout
-
-  task = None
-  if config.data.task:
-    from jaxrl.tasks import get_task
-    task = get_task(config.data.task)
-  if r.async_generation and config.placement.mode != "disaggregated":
-    raise ConfigError("rollout.async_generation=True needs placement.mode=disaggregated (the "
-                      "sampler overlaps the update on its own devices): set both, or turn "
-                      "async_generation off.")
-  if r.async_generation and a.filter_zero_std:
-    raise ConfigError("rollout.async_generation=True cannot refill groups "
-                      "(algo.filter_zero_std=True) yet: turn one of them off.")
-  train_records, held_out = _records(config, task)
+  task = load_task(config)
+  _check(config)
+  train_records, held_out, _ = records(
+      config, task, "rl", build=lambda split, n, seed: task.records(split, n, seed),
+      what="{prompt, answer}")
   specs = reward_specs(config.rewards, task, config.get("reward_kwargs"))
   rm_cfg = config.reward_model
   rm_paths = rm_lib.checkpoint_list(rm_cfg)
@@ -240,14 +214,9 @@ def setup(config, workdir: str, *, out=print) -> tuple[Parts, Any]:
                       "standard deviations; use k >= 0.")
 
   # Models: the policy (trained) and its frozen reference, both in the learner layout.
-  tx, schedule = make_optimizer(config.optim, config.train.steps * a.num_iterations *
-                                a.minibatches)
-  graphdef, state, shardings = init_train_state(cfg, mesh, tx, seed=config.seed)
-  state = start_from_hf(config, state, mesh)  # an SFT checkpoint, if given, comes next
-  if config.init.checkpoint:
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                           sharding=x.sharding), state.params)
-    state = state.replace(params=restore_params(config.init.checkpoint, abstract))
+  updates_per_step = a.num_iterations * a.minibatches
+  tx, schedule = make_optimizer(config.optim, config.train.steps * updates_per_step)
+  graphdef, state, shardings = run.init_state(tx, layout="learner")
   # The reference is the starting policy, rebuilt from the same source on resume (never saved).
   reference = jax.tree.map(jnp.copy, state.params)
   # Reward models: frozen `jaxrl rm` runs in the learner layout, beside the reference.
@@ -259,28 +228,13 @@ def setup(config, workdir: str, *, out=print) -> tuple[Parts, Any]:
   sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                             max_new_tokens=r.max_new_tokens,
                             eos_id=None if r.ignore_eos else tokenizer.eos_id)
-  engine = Engine(graphdef, cfg, placement.sampler.mesh, sampling=sampling)
-  weight_sync = WeightSync(cfg, placement, dtype=config.placement.sync_dtype or None)
+  engine = Engine(graphdef, cfg, run.placement.sampler.mesh, sampling=sampling)
+  weight_sync = WeightSync(cfg, run.placement, dtype=config.placement.sync_dtype or None)
   sampler_copy = SamplerCopy(weight_sync)
 
   prompt_len = bucket(max(len(tokenizer.encode(x["prompt"], bos=True))
                           for x in train_records + held_out))
-  length = prompt_len + r.max_new_tokens  # fixed, so the learner's jits compile once
-  N = r.prompts_per_step * r.group_size
-  replicas = mesh.shape["data"] * mesh.shape["fsdp"]
-  accum = config.optim.accum_steps
-  split = a.minibatches * replicas * accum  # rows of one micro-batch on one device: N / split
-  if accum < 1 or N % split:
-    raise ConfigError(
-        f"rollout.prompts_per_step x rollout.group_size = {N} is not divisible by "
-        f"algo.minibatches x replicas x optim.accum_steps = {a.minibatches} x {replicas} x "
-        f"{accum}: adjust them.")
-  # Micro-batches of the shared-prompt form hold whole groups (make_train_step's units).
-  grouped = bool(a.shared_prompt_forward) and r.prompts_per_step % split == 0
-  if a.shared_prompt_forward and not grouped:
-    out(f"shared-prompt forward off: rollout.prompts_per_step={r.prompts_per_step} is not "
-        f"divisible by algo.minibatches x replicas x optim.accum_steps = {split}, so each "
-        f"completion runs with its own copy of its prompt")
+  grouped = _grouped(config, run.replicas, out)
   shd = batch_sharding(mesh, 2, "learner")
   loss_fn = grpo_loss(graphdef, a, temperature=r.temperature, norm_len=r.max_new_tokens)
   old_from_update = old_logp_from_update(a)
@@ -289,7 +243,7 @@ def setup(config, workdir: str, *, out=print) -> tuple[Parts, Any]:
   logprobs_fn = make_batch_logprobs_fn(graphdef, r.temperature, mesh=mesh,
                                        entropy=not old_from_update)
   train_step = make_train_step(loss_fn, tx, schedule, shardings, shd, mesh=mesh,
-                               accum_steps=accum)
+                               accum_steps=config.optim.accum_steps)
   beta = KLCoefficient(a.beta)
   alarms = Alarms(kl_threshold=config.alarm.kl_threshold, window=config.alarm.window, out=out,
                   min_drop=config.alarm.min_accuracy_drop,
@@ -297,37 +251,46 @@ def setup(config, workdir: str, *, out=print) -> tuple[Parts, Any]:
   stream = PromptStream(train_records, r.prompts_per_step, config.seed,
                         extras={"rm_norm": rm_norm} if rm_norm is not None else None,
                         learner_state={"kl_coef": beta, "alarms": alarms})
-  ckpt = Checkpointer(run_dir.checkpoints, keep=config.train.keep_checkpoints,
-                      async_save=config.train.async_checkpoints)
-  exact = (ExactMatch(graphdef, cfg, mesh, tokenizer, held_out, task.check,
-                      batch=config.eval.batch_size, max_new=r.max_new_tokens)
-           if held_out and task is not None else None)
+  run.checkpointer()
+  exact = run.exact_match(graphdef, held_out, task and task.check, max_new=r.max_new_tokens)
+  overlap = Overlap() if r.async_generation else None
+  if overlap is not None:
+    run.closers.append(overlap.close)
   parts = Parts(
-      config=config, cfg=cfg, tokenizer=tokenizer, task=task, main=main, run_dir=run_dir,
-      ckpt=ckpt, placement=placement, mesh=mesh, shardings=shardings, shd=shd,
-      updates_per_step=a.num_iterations * a.minibatches, engine=engine,
-      weight_sync=weight_sync, sampler_copy=sampler_copy,
-      overlap=Overlap() if r.async_generation else None, pending={}, stream=stream,
-      specs=specs, rms=rms, rm_norm=rm_norm, prompt_len=prompt_len, length=length,
+      run=run, task=task, shardings=shardings, shd=shd, updates_per_step=updates_per_step,
+      engine=engine, weight_sync=weight_sync, sampler_copy=sampler_copy,
+      overlap=overlap, pending={}, stream=stream, specs=specs, rms=rms, rm_norm=rm_norm,
+      prompt_len=prompt_len, length=prompt_len + r.max_new_tokens,  # fixed: jits compile once
       grouped=grouped, old_from_update=old_from_update, logprobs_fn=logprobs_fn,
       train_step=train_step, reference=reference, beta=beta, alarms=alarms, exact=exact)
   return parts, state
 
 
-def _records(config, task):
-  d = config.data
-  if d.train_file:
-    train, _ = read_jsonl(d.train_file, "rl", on_bad_row=d.on_bad_row)
-  elif task is not None:
-    train = task.records("train", d.train_examples, config.seed)
-  else:
-    raise ConfigError("data.task and data.train_file are both empty: set data.task to a "
-                      "built-in task or data.train_file to a JSONL of {prompt, answer}.")
-  if d.eval_file:
-    held_out, _ = read_jsonl(d.eval_file, "rl", on_bad_row=d.on_bad_row)
-  elif task is not None:
-    held_out = task.records("test", config.eval.examples, config.seed + 1)
-  else:
-    held_out = []
-  return train, held_out
+def _check(config) -> None:
+  """One sentence for rollout settings that cannot go together."""
+  if config.rollout.async_generation and config.placement.mode != "disaggregated":
+    raise ConfigError("rollout.async_generation=True needs placement.mode=disaggregated (the "
+                      "sampler overlaps the update on its own devices): set both, or turn "
+                      "async_generation off.")
+  if config.rollout.async_generation and config.algo.filter_zero_std:
+    raise ConfigError("rollout.async_generation=True cannot refill groups "
+                      "(algo.filter_zero_std=True) yet: turn one of them off.")
 
+
+def _grouped(config, replicas: int, out) -> bool:
+  """Whether the learner runs each group's prompt once (algo.shared_prompt_forward): its
+  micro-batches must hold whole groups (make_train_step's units). Checks the split first."""
+  a, r, accum = config.algo, config.rollout, config.optim.accum_steps
+  N = r.prompts_per_step * r.group_size
+  split = a.minibatches * replicas * accum  # rows of one micro-batch on one device: N / split
+  if accum < 1 or N % split:
+    raise ConfigError(
+        f"rollout.prompts_per_step x rollout.group_size = {N} is not divisible by "
+        f"algo.minibatches x replicas x optim.accum_steps = {a.minibatches} x {replicas} x "
+        f"{accum}: adjust them.")
+  grouped = bool(a.shared_prompt_forward) and r.prompts_per_step % split == 0
+  if a.shared_prompt_forward and not grouped:
+    out(f"shared-prompt forward off: rollout.prompts_per_step={r.prompts_per_step} is not "
+        f"divisible by algo.minibatches x replicas x optim.accum_steps = {split}, so each "
+        f"completion runs with its own copy of its prompt")
+  return grouped

@@ -1,0 +1,156 @@
+"""The skeleton every trainer shares: a Run owns the run dir, the mesh, the starting policy, the
+checkpointer, resume and the loop (eval, interrupts, summary.json); a trainer adds its data,
+its loss and step, and its eval.
+
+    r = Run(config, workdir, out=out, choices=CHOICES)  # validate, DIR/config.json, mesh, ...
+    batches = r.batches(sft_batches, train)        # the data shards this process reads
+    graphdef, state, shardings = r.init_state(tx)  # born sharded, from HF / init.checkpoint
+    state = r.resume(state, shardings, batches)    # DIR's latest checkpoint, if any
+    summary = r.train(state, step_fn, batches, put=..., eval_fn=..., banner="sft: ...")
+
+Only process 0 reports (`r.say`) and writes files; every process runs the same calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from jaxrl import backends
+from jaxrl import config as config_lib
+from jaxrl.data.hf_tokenizer import tokenizer_for
+from jaxrl.parallel import mesh_from_config
+from jaxrl.parallel.sync import make_placement
+from jaxrl.train.checkpoint import Checkpointer, restore_params
+from jaxrl.train.data import ShardedBatches, check_batch_size, data_shards
+from jaxrl.train.evaluation import ExactMatch
+from jaxrl.train.loop import resume, train_loop
+from jaxrl.train.rundir import RunDir
+from jaxrl.train.state import init_train_state, start_from_hf
+
+
+def count_tokens(batch) -> int:
+  """The real (non-padding) tokens of a process-local batch: the loop's tokens_fn."""
+  return int(np.count_nonzero(batch["segment_ids"]))
+
+
+def starting_state(config, cfg, mesh, tx, *, layout: str, model=None, into: str | None = None):
+  """(graphdef, state, shardings): the starting policy, born sharded. The preset's init, then
+  model.hf_path's weights when given, then init.checkpoint's params (a run dir, e.g. an SFT
+  run) over them when the config has that section. `into` names the sub-tree both load into (a
+  reward model's "backbone"; its head keeps the init). The optimizer state is fresh."""
+  graphdef, state, shardings = init_train_state(cfg, mesh, tx, seed=config.seed,
+                                                layout=layout, model=model)
+  state = start_from_hf(config, state, mesh, layout, into=into)
+  path = config.init.checkpoint if "init" in config else ""
+  if path:
+    target = state.params if into is None else state.params[into]
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                           sharding=x.sharding), target)
+    params = restore_params(path, abstract)
+    state = state.replace(params=params if into is None else {**state.params, into: params})
+  return graphdef, state, shardings
+
+
+class Run:
+  """One training run's shared parts. Built first: it validates the config, opens the run dir
+  (process 0 writes config.json and says which keys changed on a resume), builds the mesh and
+  the tokenizer. The mesh is the learner's: config.mesh over all devices, or, when the config
+  has a `placement` section (GRPO), the learner part of that placement."""
+
+  def __init__(self, config, workdir: str, *, out=print, choices: dict | None = None):
+    config_lib.validate(config, choices)  # the shared sections, and the trainer's CHOICES
+    self.config, self.out = config, out
+    self.main = jax.process_index() == 0
+    self.say = out if self.main else (lambda *_: None)
+    self.run_dir = RunDir(workdir, write=self.main)
+    self.run_dir.write_config(config, out=out if self.main else None)
+    if self.main:  # what config.json records under "backend"
+      backend = backends.describe()
+      out(f"memory allocator: {backend['allocator']}")
+      out(f"backend: {backend['platform']}; attention {backend['attention']}; dots "
+          f"{backend['dots']}")
+    self.cfg = config_lib.model_config(config)  # the ModelConfig
+    self.tokenizer = tokenizer_for(config)
+    self.placement = None
+    if "placement" in config:
+      self.placement = make_placement(config.mesh, config.placement)
+      self.mesh = self.placement.learner.mesh
+    else:
+      self.mesh = mesh_from_config(config.mesh)
+    self.replicas = self.mesh.shape["data"] * self.mesh.shape["fsdp"]  # the batch shards
+    self.ckpt: Checkpointer | None = None
+    self.start = 0
+    self.closers: list[Callable[[], None]] = []  # closed first, in order (GRPO's rollout)
+
+  def batches(self, make: Callable, records, **kwargs) -> ShardedBatches:
+    """The global batch is the concatenation of `data.shards` shard batches, and each process
+    reads only its own shards, so the batches do not depend on the process count.
+    make(records, tokenizer, seq_len=, batch_size=, seed=, shard_index=, shard_count=,
+    on_bad_row=, **kwargs) is one shard's iterator (sft_batches, prefs_batches, ...)."""
+    c, d = self.config, self.config.data
+    shards, mine = data_shards(d.shards)
+    check_batch_size(d.batch_size, shards, self.replicas, c.optim.accum_steps)
+    return ShardedBatches([
+        make(records, self.tokenizer, seq_len=d.seq_len, batch_size=d.batch_size // shards,
+             seed=c.seed, shard_index=i, shard_count=shards, on_bad_row=d.on_bad_row,
+             **kwargs) for i in mine])
+
+  def init_state(self, tx, *, layout: str | None = None, model=None, into: str | None = None):
+    """(graphdef, state, shardings): the starting policy (see starting_state), in config.layout
+    unless `layout` is given."""
+    layout = self.config.layout if layout is None else layout
+    return starting_state(self.config, self.cfg, self.mesh, tx, layout=layout, model=model,
+                          into=into)
+
+  def exact_match(self, graphdef, answers, check, *, max_new: int) -> ExactMatch | None:
+    """Greedy exact match on held-out {prompt, answer} records (eval/accuracy, and the samples
+    it keeps), or None without records or a checker."""
+    if not answers or check is None:
+      return None
+    return ExactMatch(graphdef, self.cfg, self.mesh, self.tokenizer, answers, check,
+                      batch=self.config.eval.batch_size, max_new=max_new)
+
+  def checkpointer(self) -> Checkpointer:
+    """DIR/checkpoints, opened on first use."""
+    if self.ckpt is None:
+      t = self.config.train
+      self.ckpt = Checkpointer(self.run_dir.checkpoints, keep=t.keep_checkpoints,
+                               async_save=t.async_checkpoints)
+    return self.ckpt
+
+  def resume(self, state, shardings, batches, *, updates_per_step: int = 1):
+    """The state (and the batches' position) of DIR's latest checkpoint, else the given one;
+    sets `start`, the step the loop starts from."""
+    state, self.start = resume(self.checkpointer(), state, shardings, batches, self.run_dir,
+                               out=self.out, updates_per_step=updates_per_step)
+    return state
+
+  def train(self, state, step_fn: Callable, batches, *, put: Callable, banner: str = "",
+            **loop) -> dict:
+    """Runs the loop (jaxrl/train/loop.py) from `start` to train.steps:
+    interrupts save and stop, a non-finite loss stops, DIR/summary.json is written however it
+    ends; then the checkpointer and the run dir are closed. `banner` is said on a fresh start.
+    `loop` passes eval_fn, tokens_fn, flops_fn, updates_per_step, summary_extra through."""
+    c = self.config
+    if banner and self.start == 0:
+      self.say(banner)
+    try:
+      return train_loop(
+          state=state, step_fn=step_fn, batches=batches, put=put,
+          total_steps=c.train.steps, run=self.run_dir, ckpt=self.checkpointer(),
+          log_every=c.train.log_every, save_every=c.train.save_every, eval_every=c.eval.every,
+          out=self.out, **loop)
+    finally:
+      self.close()
+
+  def close(self) -> None:
+    """Closes what the trainer added (`closers`), waits for the checkpoint being written and
+    closes the run dir."""
+    for close in self.closers:
+      close()
+    if self.ckpt is not None:
+      self.ckpt.close()
+    self.run_dir.close()
