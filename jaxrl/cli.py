@@ -27,7 +27,7 @@ _LIBS = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "ml-coll
 # The trainer commands and the modules that own their defaults (default_config) and their
 # sections' choices (CHOICES).
 TRAINERS = {"sft": "jaxrl.train.sft", "rm": "jaxrl.train.rm", "grpo": "jaxrl.rl.grpo",
-            "dpo": "jaxrl.rl.dpo"}
+            "dpo": "jaxrl.train.dpo"}
 
 # Commands import the trainers, io, data, plot and launch inside their functions (lazy: the
 # training stack adds about 2 s to start-up, which `jaxrl data`, `plot`, `compare` or `--help`

@@ -373,7 +373,7 @@ def test_pulse_run_logs_every_metric_and_resumes(repo_root, tmp_path, devices, m
   rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
   assert [r["step"] for r in rows] == [0, 1, 2, 3]
   # The resumed step continues from the beta step 2 reached, not from algo.beta again...
-  from jaxrl.rl import losses
+  from jaxrl.objectives import losses
   def moved(beta):
     return losses.adaptive_kl_beta(beta, kl=rows[3]["kl"], target=0.001, horizon=100,
                                    n_steps=16)

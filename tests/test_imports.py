@@ -16,8 +16,8 @@ Layers, bottom to top (a module may import its own layer and any layer below it)
               reward-model scoring), sampler, train (the shared skeleton). One layer, not four:
               they are peers that a trainer composes (e.g. rewards' reward model restores with
               train's checkpointer and tokenizes with data's tokenizer).
-  objectives  jaxrl.rl.{advantages,losses,preference_losses}: pure math over arrays.
-  algorithms  the trainers: rl/grpo.py, rl/dpo.py, train/sft.py, train/rm.py.
+  objectives  jaxrl.objectives (advantages, losses, preference_losses): pure math over arrays.
+  algorithms  the trainers: rl/ (GRPO), train/sft.py, train/rm.py, train/dpo.py.
   top         the entry points: cli, demo, launch, plot and the package's public API.
 
 Function-local imports count as much as module-level ones: a lazy import hides an edge from a
@@ -47,9 +47,10 @@ LAYER_OF = {
     "jaxrl.config": "config",
     "jaxrl.io": "services", "jaxrl.data": "services", "jaxrl.tasks": "services",
     "jaxrl.rewards": "services", "jaxrl.sampler": "services", "jaxrl.train": "services",
-    "jaxrl.rl": "objectives",
-    "jaxrl.rl.grpo": "algorithms", "jaxrl.rl.dpo": "algorithms",
+    "jaxrl.objectives": "objectives",
+    "jaxrl.rl": "algorithms",
     "jaxrl.train.sft": "algorithms", "jaxrl.train.rm": "algorithms",
+    "jaxrl.train.dpo": "algorithms",
 }
 
 # The one module outside jaxrl.backends that may import a backend's own modules: the console
@@ -252,7 +253,8 @@ def test_the_checker_reports_a_forbidden_import(module, text, want):
 
 
 def test_the_checker_passes_allowed_imports():
-  assert not violations("jaxrl.rl.grpo", "from jaxrl.rl import losses\nfrom jaxrl import errors\n"
+  assert not violations("jaxrl.rl.grpo",
+                        "from jaxrl.objectives import losses\nfrom jaxrl import errors\n"
                         "from jaxrl.train.state import make_train_step\n", "fake.py")
   assert not violations("jaxrl.train.state", "from jaxrl.backends import compiler_options\n",
                         "fake.py")  # the switch

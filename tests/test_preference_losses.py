@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.rl import preference_losses as pl
+from jaxrl.objectives import preference_losses as pl
 
 
 def _a(*x):

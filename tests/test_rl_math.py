@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.rl import advantages, losses
+from jaxrl.objectives import advantages, losses
 
 
 def test_clipped_pg_golden():

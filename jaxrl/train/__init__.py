@@ -1,6 +1,6 @@
 """The shared training machinery: optimizer, train state and step, checkpoints, run directory,
 the loop (guards, progress, interrupts), evaluation, the Run skeleton that ties them together
-(run.py); and the trainers built on it (sft, rm)."""
+(run.py); and the offline trainers built on it (sft, rm, dpo)."""
 
 from __future__ import annotations
 

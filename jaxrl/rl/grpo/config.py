@@ -7,8 +7,8 @@ import ml_collections
 
 from jaxrl import config as config_lib
 from jaxrl.rewards import model as rm_lib
-from jaxrl.rl import advantages as adv_lib
-from jaxrl.rl import losses
+from jaxrl.objectives import advantages as adv_lib
+from jaxrl.objectives import losses
 from jaxrl.train.optim import CHOICES as OPTIM_CHOICES
 
 # This trainer's keys with fixed choices, checked when a run starts (config.validate).

@@ -15,8 +15,8 @@ import numpy as np
 from jaxrl.errors import ConfigError
 from jaxrl.models.flops import rollout_flops
 from jaxrl.parallel.distributed import to_host
-from jaxrl.rl import advantages as adv_lib
-from jaxrl.rl import losses
+from jaxrl.objectives import advantages as adv_lib
+from jaxrl.objectives import losses
 from jaxrl.rl.grpo.rewards import score_rollout
 from jaxrl.rl.grpo.update import old_policy_sums, sampler_log_ratio
 from jaxrl.sampler import Rollout, bucket, generate

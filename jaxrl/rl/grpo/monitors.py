@@ -7,7 +7,7 @@ import collections
 
 import numpy as np
 
-from jaxrl.rl import losses
+from jaxrl.objectives import losses
 
 
 class KLCoefficient:

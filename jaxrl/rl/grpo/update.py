@@ -17,7 +17,7 @@ from jaxrl.backends import compiler_options
 from jaxrl.models import apply, token_logprobs
 from jaxrl.parallel import shard_activations
 from jaxrl.parallel.distributed import to_host
-from jaxrl.rl import losses
+from jaxrl.objectives import losses
 
 if TYPE_CHECKING:
   from jaxrl.rl.grpo.experience import Experience

@@ -12,7 +12,7 @@ forward and backward over a batch of preference pairs.
     unpaired rows [N, S] with a label each; paired data is unpaired for it (chosen desirable,
     rejected undesirable), as TRL does.
   * The loss sees per-sequence log-probs (sums over the response tokens and the eos, plus
-    token counts) and is one of the pure functions of jaxrl/rl/preference_losses.py.
+    token counts) and is one of the pure functions of jaxrl/objectives/preference_losses.py.
   * Reference log-probs (dpo, ipo, kto; orpo and simpo have no reference and build none):
       ref.mode=live    the frozen reference lives on the same mesh, in the learner layout, and
                        a jitted forward scores each batch before the update;
@@ -52,7 +52,7 @@ from jaxrl.models import apply, token_logprobs
 from jaxrl.models.flops import packed_flops
 from jaxrl.parallel import batch_sharding, shard_activations
 from jaxrl.parallel.distributed import global_array
-from jaxrl.rl import preference_losses as pl
+from jaxrl.objectives import preference_losses as pl
 from jaxrl.train.data import answers, load_task, records
 from jaxrl.train.optim import CHOICES as OPTIM_CHOICES, make_optimizer
 from jaxrl.train.run import Run, count_tokens
