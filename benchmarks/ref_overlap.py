@@ -1,5 +1,5 @@
 """Would streaming the reference forward during decoding shorten a GRPO step? The probe behind
-the README's answer (no, on CPU).
+benchmarks/README.md's answer (no, on CPU).
 
     .venv/bin/python benchmarks/ref_overlap.py                      # one CPU device
     XLA_FLAGS=--xla_force_host_platform_device_count=2 .venv/bin/python benchmarks/ref_overlap.py

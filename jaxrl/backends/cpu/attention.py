@@ -2,7 +2,7 @@
 called through XLA's FFI: the sampler's decode step, and the learner's full-sequence attention
 with its gradient under a custom VJP. Each equals XLA's attention (jaxrl.models.attention) to
 float rounding (tests/test_decode_attention.py, tests/test_learner_attention.py); the figures
-are in the README's Benchmarks.
+are in benchmarks/README.md.
 
 Decode. A batch-64 decode step of the bench preset spends about a quarter of its time in
 attention: per layer and (slot, KV head), a 2 x 64 x S product for the logits, a masked softmax
