@@ -25,8 +25,8 @@ The peer, side by side:
 runs TRL's GRPOTrainer on the anchor shape (benchmarks/peers/trl_grpo_anchor.py, under that
 interpreter: a separate venv with torch and trl, never a jaxrl dependency) after each round of
 the shapes, so both are measured in the same hour of this shared machine, whose speed drifts by
-up to 1.5x over a day. The "vs TRL" column then divides by the TRL median measured in the run;
-without --trl-python it divides by the 2.28 s midpoint of the issue's 2.23-2.33 s anchor.
+up to 1.5x over a day. The "vs TRL" ratios divide by the TRL median measured in the run;
+without --trl-python the script prints jaxrl's figures and no ratio.
 
 jaxrl's side runs on tcmalloc when the machine has it, as the `jaxrl` command does (the script
 re-executes itself once; JAXRL_TCMALLOC=0 keeps glibc malloc; see
@@ -188,15 +188,17 @@ def main():
             f"{t.get('transformers', '?')}, {t['threads']} threads, "
             f"{t['params']:,} params, {t['completion_length']:.0f}-token completions)",
             flush=True)
-  peers = {name: statistics.median(v) for name, v in trl_steps.items()} or {"TRL": 2.28}
-  label = "this run" if trl_steps else "the issue's anchor"
-  print(f"\nmedians over {args.rounds} round(s); TRL from {label}: " +
-        ", ".join(f"{name} {t:.2f} s/step" for name, t in peers.items()))
+  peers = {name: statistics.median(v) for name, v in trl_steps.items()}
+  # A ratio only to a peer timed in this run: the machine's speed drifts by up to 1.5x over a
+  # day, so a stored TRL figure would compare two different hours.
+  print(f"\nmedians over {args.rounds} round(s); " + (
+      "TRL from this run: " + ", ".join(f"{name} {t:.2f} s/step" for name, t in peers.items())
+      if peers else "no ratio to TRL without --trl-python (run the peer beside jaxrl)"))
   for shape in args.shapes.split(","):
     if not shape.startswith("anchor"):
       continue
     step = statistics.median(m["step"] for s, m in results if s == shape)
-    print(f"{shape:13s} {step:7.2f} s/step  " +
+    print(f"{shape:13s} {step:7.2f} s/step" + ("  " if peers else "") +
           "  ".join(f"{t / step:5.2f}x {name}" for name, t in peers.items()))
   # Model GFLOP/s by phase (jaxrl.models.flops): the same work counted the same way on both
   # sides, so it says how close each phase runs to the machine's product rate.
