@@ -208,3 +208,22 @@ def test_partial_multihost_settings_name_the_missing_key(monkeypatch):
   assert not environment_asks() and maybe_initialize(distributed_section()) is False
   monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "w0,w1")
   assert environment_asks()
+
+
+def test_the_run_skeleton_takes_the_placement_only_when_the_trainer_samples(devices, tmp_path):
+  """A real-model config file carries a placement section (for its GRPO variant and `jaxrl
+  plan`), and its SFT run must still train on config.mesh over every device; only a trainer
+  that samples (GRPO: Run(..., placement=True)) takes the placement's learner devices. (The
+  first version of the skeleton decided from the section, and the own-checkpoint notebook's SFT
+  on 1 device failed on its 8-device sampler mesh.)"""
+  from jaxrl.parallel.sync import placement_config
+  from jaxrl.train import sft
+  from jaxrl.train.run import Run
+  c = sft.default_config()
+  c.placement = placement_config()
+  c.placement.mode = "disaggregated"  # half the devices learn, half sample
+  quiet = lambda *_: None  # noqa: E731
+  r = Run(c, str(tmp_path / "sft"), out=quiet, choices=sft.CHOICES)
+  assert r.placement is None and r.mesh.devices.size == len(devices)
+  g = Run(c, str(tmp_path / "grpo"), out=quiet, choices=sft.CHOICES, placement=True)
+  assert g.placement is not None and g.mesh.devices.size == len(devices) // 2

@@ -57,10 +57,13 @@ def starting_state(config, cfg, mesh, tx, *, layout: str, model=None, into: str 
 class Run:
   """One training run's shared parts. Built first: it validates the config, opens the run dir
   (process 0 writes config.json and says which keys changed on a resume), builds the mesh and
-  the tokenizer. The mesh is the learner's: config.mesh over all devices, or, when the config
-  has a `placement` section (GRPO), the learner part of that placement."""
+  the tokenizer. The mesh is the learner's: config.mesh over all devices, or, for a trainer that
+  samples (placement=True: GRPO), the learner part of config.placement. Not inferred from the
+  config's sections: a real-model config file carries a placement section for its GRPO variant
+  and `jaxrl plan`, and its SFT run must still take config.mesh."""
 
-  def __init__(self, config, workdir: str, *, out=print, choices: dict | None = None):
+  def __init__(self, config, workdir: str, *, out=print, choices: dict | None = None,
+               placement: bool = False):
     config_lib.validate(config, choices)  # the shared sections, and the trainer's CHOICES
     self.config, self.out = config, out
     self.main = jax.process_index() == 0
@@ -75,7 +78,7 @@ class Run:
     self.cfg = config_lib.model_config(config)  # the ModelConfig
     self.tokenizer = tokenizer_for(config)
     self.placement = None
-    if "placement" in config:
+    if placement:
       self.placement = make_placement(config.mesh, config.placement)
       self.mesh = self.placement.learner.mesh
     else:
