@@ -11,7 +11,7 @@ from conftest import assert_model_flops_per_token, jaxrl_cli
 from jaxrl import cli
 from jaxrl import config as config_lib
 from jaxrl.errors import ConfigError
-from jaxrl.train import dpo
+from jaxrl.train import dpo, dpo_data
 from jaxrl.train import read_metrics
 
 CONFIG = "configs/dpo_tiny.py:runlocal"
@@ -100,11 +100,11 @@ def test_reference_cache_matches_the_live_forward(devices):
   score = jax.jit(lambda p, r: dpo.make_seq_logps(graphdef)(p, r)[0])
   dev = {k: global_array(v, batch_sharding(mesh, 3)) for k, v in rows.items()}
   live = np.asarray(score(params, dev))  # [8, 2]
-  cache = dpo.RefCache("/nonexistent/never-written.npz", "k")
+  cache = dpo_data.RefCache("/nonexistent/never-written.npz", "k")
   cache.fill(lambda r: live, [rows])
   np.testing.assert_array_equal(cache.lookup(rows), live)
   # The same rows unpaired (KTO's [2B, S]) find the same values.
-  np.testing.assert_array_equal(cache.lookup(dpo.unpair(rows)), live.reshape(-1))
+  np.testing.assert_array_equal(cache.lookup(dpo_data.unpair(rows)), live.reshape(-1))
 
 
 def test_starts_from_a_hugging_face_checkpoint_with_a_cached_reference(tmp_path, repo_root,
@@ -129,7 +129,7 @@ def test_starts_from_a_hugging_face_checkpoint_with_a_cached_reference(tmp_path,
 def test_auto_reference_mode_follows_the_memory_plan(devices, gib, want):
   from jaxrl.parallel import mesh_from_config
   config = _config(**{"plan.device_gib": gib})
-  mode, why = dpo.plan_ref_mode(config, config_lib.model_config(config),
+  mode, why = dpo_data.plan_ref_mode(config, config_lib.model_config(config),
                                 mesh_from_config(config.mesh), rows_per_step=32)
   assert mode == want
   assert ("do not fit" if want == "cached" else " fit in") in why
@@ -142,7 +142,7 @@ def test_mismatched_rows_pair_a_prompt_with_another_completion():
   records = [{"prompt": "1+2=", "completion": "3", "label": True},
              {"prompt": "10+20=", "completion": "30", "label": False}]
   rows = next(prefs.kto_batches(records, tok, seq_len=12, batch_size=2, seed=0, shuffle=False))
-  kl = dpo.mismatched_rows(rows, 1)
+  kl = dpo_data.mismatched_rows(rows, 1)
   # Row 0 is "1+2=" followed by row 1's "30" and the eos; its loss covers exactly those.
   want = [tok.bos_id] + tok.encode("1+2=") + tok.encode("30") + [tok.eos_id]
   n = len(want) - 1

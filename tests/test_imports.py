@@ -50,7 +50,7 @@ LAYER_OF = {
     "jaxrl.objectives": "objectives",
     "jaxrl.rl": "algorithms",
     "jaxrl.train.sft": "algorithms", "jaxrl.train.rm": "algorithms",
-    "jaxrl.train.dpo": "algorithms",
+    "jaxrl.train.dpo": "algorithms", "jaxrl.train.dpo_data": "algorithms",
 }
 
 # The one module outside jaxrl.backends that may import a backend's own modules: the console
