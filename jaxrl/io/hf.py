@@ -214,6 +214,23 @@ def _check(path: str, files: dict[str, str], maps: dict) -> None:
                             f"reads {', '.join(_HF_DTYPES)}.")
 
 
+# The ModelConfig fields that shape the parameters. param_dtype is not one: load_hf casts every
+# tensor to model.param_dtype, which is how a bf16 checkpoint trains in fp32.
+_SHAPE_FIELDS = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim", "mlp_dim", "qkv_bias", "qk_norm", "tie_embeddings")
+
+
+def _check_config(path: str, cfg: ModelConfig, saved: ModelConfig) -> None:
+  """The model the config asks for has the checkpoint's shapes: an override such as
+  model.num_layers=1 would otherwise read a subset of the tensors and drop the rest."""
+  for name in _SHAPE_FIELDS:
+    want, have = getattr(cfg, name), getattr(saved, name)
+    if want != have:
+      raise ConfigError(f"model.{name}={want!r} but model.hf_path={path!r} has {have!r} (its "
+                        f"config.json): drop the model.{name} override, or the checkpoint's "
+                        "tensors would not fit the model.")
+
+
 def load_hf(path: str, mesh: Mesh, layout: str = "learner", *, cfg: ModelConfig | None = None,
             param_dtype: str | None = None, reader: _Reader | None = None):
   """(cfg, graphdef, params) from an HF checkpoint directory, placed in `layout` on `mesh`.
@@ -222,9 +239,11 @@ def load_hf(path: str, mesh: Mesh, layout: str = "learner", *, cfg: ModelConfig 
   callback reads only that device's slice from safetensors, so a host reads what its devices
   hold and nothing else. Shards replicated across this host's devices are read once.
   """
+  where = os.path.join(path, "config.json")
   if cfg is None:
-    cfg = config_from_hf(read_hf_config(path), param_dtype=param_dtype,
-                         where=os.path.join(path, "config.json"))
+    cfg = config_from_hf(read_hf_config(path), param_dtype=param_dtype, where=where)
+  else:
+    _check_config(path, cfg, config_from_hf(read_hf_config(path), where=where))
   graphdef, shapes, axes = abstract_model(cfg)
   shardings = tree_shardings(shapes, axes, mesh, layout)
   maps = tensor_map(cfg)

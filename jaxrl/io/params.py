@@ -19,6 +19,7 @@ import json
 import os
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import Mesh
@@ -27,6 +28,47 @@ from jaxrl.errors import ConfigError
 from jaxrl.models.config import ModelConfig, RopeScaling
 from jaxrl.models.llama import abstract_model
 from jaxrl.parallel.layouts import tree_shardings
+
+
+# ----------------------------------------------------------------------------- structure
+
+
+def _flat(tree) -> dict[str, tuple[tuple[int, ...], str]]:
+  """{"layers.0.attn.q": (shape, dtype)} of a tree of arrays, ShapeDtypeStructs or orbax's
+  ArrayMetadata."""
+  leaves = jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))[0]
+  return {".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path):
+          (tuple(x.shape), str(np.dtype(x.dtype)))
+          for path, x in leaves}
+
+
+def check_structure(saved, target, *, where: str, fix: str) -> None:
+  """Raises one sentence when the saved tree (orbax metadata, arrays or shapes) is not the
+  target's: a tensor missing on either side, or a different shape or dtype. `where` names the
+  checkpoint (e.g. "init.checkpoint='runs/sft'"), `fix` what to do about it. A restore never
+  casts or drops silently: a model with fewer layers than its checkpoint is refused here."""
+  a, b = _flat(saved), _flat(target)
+  for k in sorted(set(a) | set(b)):
+    if k not in b:
+      raise ConfigError(f"{where}: tensor {k} {list(a[k][0])} has no place in this model: {fix}.")
+    if k not in a:
+      raise ConfigError(f"{where}: tensor {k} {list(b[k][0])} of this model is not in the "
+                        f"checkpoint: {fix}.")
+    if a[k][0] != b[k][0]:
+      raise ConfigError(f"{where}: tensor {k} has shape {list(a[k][0])} there but "
+                        f"{list(b[k][0])} in this model: {fix}.")
+    if a[k][1] != b[k][1]:
+      raise ConfigError(f"{where}: tensor {k} is {a[k][1]} there but {b[k][1]} in this model: "
+                        f"set model.param_dtype={a[k][1]!r}, or {fix}.")
+
+
+def _saved_tree(path):
+  """The tree of ArrayMetadata an orbax item directory holds, read without reading arrays."""
+  with ocp.PyTreeCheckpointer() as ckptr:
+    md = ckptr.metadata(path)
+  md = getattr(md, "item_metadata", md)
+  return getattr(md, "tree", md)
 
 
 def config_to_dict(cfg: ModelConfig) -> dict:
@@ -76,8 +118,10 @@ def load_params(path: str, mesh: Mesh, layout: str = "learner"):
   shardings = tree_shardings(shapes, axes, mesh, layout)
   target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, shardings)
-  params = ocp.StandardCheckpointer().restore(os.path.join(os.path.abspath(path), "params"),
-                                              target)
+  where = os.path.join(os.path.abspath(path), "params")
+  check_structure(_saved_tree(where), target, where=f"{path!r}",
+                  fix="its params do not match its config.json; convert or save it again")
+  params = ocp.StandardCheckpointer().restore(where, target)
   return cfg, graphdef, params
 
 
@@ -97,6 +141,11 @@ def restore_params(path: str, abstract_params, step: int | None = None, *,
   manager.close()
   if step is None:
     raise ConfigError(f"{key}={path!r} holds no checkpoint: train there first.")
+  saved = _saved_tree(root / str(step) / "state")
+  check_structure(saved.get("params", {}) if isinstance(saved, dict) else saved, abstract_params,
+                  where=f"{key}={path!r} (step {step})",
+                  fix="give the model that run trained (its config's model section), or another "
+                  "checkpoint")
   restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding),
                               abstract_params)
   with ocp.PyTreeCheckpointer() as ckptr:
