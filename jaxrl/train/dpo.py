@@ -347,7 +347,7 @@ class PrefEval:
 
 def run(config, workdir: str, *, out=print) -> dict:
   """Trains (or resumes) the preference run in `workdir`; returns the summary."""
-  r = Run(config, workdir, out=out, choices=CHOICES)
+  r = Run(config, workdir, out=out, choices=CHOICES, command="dpo")
   a, d, mesh, cfg, prefs = config.algo, config.data, r.mesh, r.cfg, _prefs()
   kto, paired = a.loss == "kto", d.format == "prefs"
   check_algo(a)
@@ -355,6 +355,7 @@ def run(config, workdir: str, *, out=print) -> dict:
   # Data.
   task = load_task(config)
   train, held_out, held_answers, report = _records(config, task)
+  r.record_data(report["fingerprint"])
   r.say(f"data: {report}")
   batches = r.batches(prefs.prefs_batches if paired else prefs.kto_batches, train)
 

@@ -223,12 +223,13 @@ def init_reward_state(config, mesh, tx, *, layout: str = "learner"):
 
 def run(config, workdir: str, *, out=print) -> dict:
   """Trains (or resumes) the reward-model run in `workdir`; returns the summary."""
-  r = Run(config, workdir, out=out, choices=CHOICES)
+  r = Run(config, workdir, out=out, choices=CHOICES, command="rm")
   d, mesh = config.data, r.mesh
 
   # Data: pairs, cleaned and fingerprinted; the fingerprint and cleaning report go to
   # DIR/data.json now (beside config.json) and to summary.json at the end.
   train, held_out, info = _pairs(config)
+  r.record_data(info["train"]["fingerprint"])
   if r.main:
     with open(r.run_dir.path("data.json"), "w") as f:
       json.dump(info, f, indent=2, sort_keys=True)

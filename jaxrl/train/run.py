@@ -13,6 +13,7 @@ Only process 0 reports (`r.say`) and writes files; every process runs the same c
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import jax
@@ -27,6 +28,7 @@ from jaxrl.train.checkpoint import Checkpointer, restore_params
 from jaxrl.train.data import ShardedBatches, check_batch_size, data_shards
 from jaxrl.train.evaluation import ExactMatch
 from jaxrl.train.loop import resume, train_loop
+from jaxrl.train import rundir
 from jaxrl.train.rundir import RunDir
 from jaxrl.train.state import init_train_state, start_from_hf
 
@@ -54,6 +56,18 @@ def starting_state(config, cfg, mesh, tx, *, layout: str, model=None, into: str 
   return graphdef, state, shardings
 
 
+def claim(workdir: str, command: str, cfg, *, steps: int | None = None,
+          write: bool = True) -> None:
+  """Checks that DIR is this run's to write (rundir.check_owner: the command, the model
+  signature, no checkpoint past `steps`), then records DIR/run.json. Nothing in DIR is written
+  before the checks pass, so a refused resume leaves DIR as it was."""
+  model, params = rundir.model_signature(cfg)
+  rundir.check_owner(workdir, command=command, model=model, params=params, steps=steps)
+  if write:
+    os.makedirs(workdir, exist_ok=True)
+    rundir.write_run(workdir, {"command": command, "model": model, "params": params})
+
+
 class Run:
   """One training run's shared parts. Built first: it validates the config, opens the run dir
   (process 0 writes config.json and says which keys changed on a resume), builds the mesh and
@@ -63,19 +77,23 @@ class Run:
   and `jaxrl plan`, and its SFT run must still take config.mesh."""
 
   def __init__(self, config, workdir: str, *, out=print, choices: dict | None = None,
-               placement: bool = False):
+               placement: bool = False, command: str | None = None):
     config_lib.validate(config, choices)  # the shared sections, and the trainer's CHOICES
     self.config, self.out = config, out
     self.main = jax.process_index() == 0
     self.say = out if self.main else (lambda *_: None)
+    self.cfg = config_lib.model_config(config)  # the ModelConfig
+    self.command = command or rundir.infer_command(config.to_dict()) or "train"
+    claim(workdir, self.command, self.cfg, steps=config.train.steps, write=self.main)
     self.run_dir = RunDir(workdir, write=self.main)
+    if self.main and rundir.backup_config(workdir, config):
+      out(f"note: the previous config.json is kept as {workdir}/config.prev.json")
     self.run_dir.write_config(config, out=out if self.main else None)
     if self.main:  # what config.json records under "backend"
       backend = backends.describe()
       out(f"memory allocator: {backend['allocator']}")
       out(f"backend: {backend['platform']}; attention {backend['attention']}; dots "
           f"{backend['dots']}")
-    self.cfg = config_lib.model_config(config)  # the ModelConfig
     self.tokenizer = tokenizer_for(config)
     self.placement = None
     if placement:
@@ -87,6 +105,16 @@ class Run:
     self.ckpt: Checkpointer | None = None
     self.start = 0
     self.closers: list[Callable[[], None]] = []  # closed first, in order (GRPO's rollout)
+
+  def record_data(self, fingerprint: str) -> None:
+    """Records the training data's fingerprint in DIR/run.json; a resume on other data is
+    allowed (e.g. a cleaned file) but said."""
+    was = (rundir.read_run(self.run_dir.workdir) or {}).get("data")
+    if was and was != fingerprint:
+      self.say(f"note: the data differs from the one this run started on (fingerprint "
+               f"{was[:19]}... -> {fingerprint[:19]}...)")
+    if self.main:
+      rundir.write_run(self.run_dir.workdir, {"data": fingerprint})
 
   def batches(self, make: Callable, records, **kwargs) -> ShardedBatches:
     """The global batch is the concatenation of `data.shards` shard batches, and each process

@@ -1,6 +1,8 @@
 """The run directory every command writes (docs/design.md):
 
+    DIR/run.json         the run's owner: the command and the model signature (see claim())
     DIR/config.json      the resolved config, and under "backend" what the process runs on
+    DIR/config.prev.json the config.json a resume with a changed config replaced
     DIR/metrics.jsonl    one JSON object per log step: {"step": s, "loss": ..., ...}
     DIR/tb/              TensorBoard scalars (events.out.tfevents.*)
     DIR/checkpoints/     orbax (see checkpoint.py)
@@ -29,6 +31,7 @@ import time
 from typing import Any
 
 from jaxrl import backends
+from jaxrl.errors import ConfigError
 
 
 def read_config(workdir: str) -> dict | None:
@@ -104,6 +107,144 @@ class RunDir:
     if self._tb is not None:
       self._tb.close()
       self._tb = None
+
+
+# ----------------------------------------------------------------------------- ownership
+#
+# DIR/run.json says which command wrote DIR and for which model: {"command": "sft", "model":
+# {ModelConfig fields}, "params": {"layers.0.attn.q": [[D, N, H], "float32"], ...}}. A resume
+# checks both before anything in DIR is written, so a DPO run cannot take over an SFT run's dir
+# and a changed architecture never reaches orbax's restore.
+
+
+def read_run(workdir: str) -> dict | None:
+  """DIR/run.json as a dict; None when DIR has none."""
+  try:
+    with open(os.path.join(workdir, "run.json")) as f:
+      return json.load(f)
+  except FileNotFoundError:
+    return None
+
+
+def infer_command(config: dict) -> str | None:
+  """The trainer a config.json was written by, from the sections only that trainer has; None
+  when the sections do not say (a config.json from before run.json existed)."""
+  for section, command in (("rollout", "grpo"), ("ref", "dpo"), ("head", "rm"),
+                           ("sampling", "sample")):
+    if section in config:
+      return command
+  if "data" in config and "train" in config and "init" not in config:
+    return "sft"
+  return None
+
+
+def checkpoint_steps(workdir: str) -> list[int]:
+  """The committed checkpoint steps in DIR/checkpoints (orbax names each step's directory by
+  its number; one still being written carries a suffix and is not counted)."""
+  try:
+    names = os.listdir(os.path.join(workdir, "checkpoints"))
+  except (FileNotFoundError, NotADirectoryError):
+    return []
+  return sorted(int(n) for n in names if n.isdigit())
+
+
+def check_owner(workdir: str, *, command: str, model: dict | None = None,
+                params: dict | None = None, steps: int | None = None) -> None:
+  """Raises the one-sentence ConfigError when DIR belongs to another command or model, or holds
+  a checkpoint past `steps`; reads DIR and writes nothing. `model` is the ModelConfig as a dict
+  and `params` the model signature ({path: [shape, dtype]}) of this run; without them only the
+  command is checked."""
+  run = read_run(workdir)
+  if run is None:
+    old = read_config(workdir) if os.path.isfile(os.path.join(workdir, "config.json")) else None
+    if old is None:
+      run = {}
+    else:  # written before run.json existed: what its config.json says, where it says it
+      run = {"command": infer_command(old)}
+      sig = _legacy_signature(old)
+      if sig is not None:
+        run.update(sig)
+  was = run.get("command")
+  if was and was != command:
+    raise ConfigError(f"{workdir} was written by `jaxrl {was}`, not `jaxrl {command}`: use a "
+                      "new --workdir.")
+  old_params = run.get("params")
+  if params is not None and old_params is not None and old_params != params:
+    old_model = run.get("model") or {}
+    model = model or {}
+    for k in [k for k in _SHAPING if k in model] + [k for k in model if k not in _SHAPING]:
+      v = model[k]
+      if k in old_model and json.dumps(old_model[k]) != json.dumps(v, default=str):
+        raise ConfigError(f"model.{k} is {old_model[k]!r} in {workdir}'s run, {v!r} now: drop "
+                          "the override or use a new --workdir.")
+    for k in sorted(set(old_params) | set(params)):
+      a, b = old_params.get(k), params.get(k)
+      if a != b:
+        raise ConfigError(f"parameter {k} is {_sig_text(a)} in {workdir}'s run, {_sig_text(b)} "
+                          "now: use the model that run trained, or a new --workdir.")
+  done = checkpoint_steps(workdir)
+  if steps is not None and done and done[-1] > steps:
+    raise ConfigError(f"train.steps={steps} is below step {done[-1]} of the latest checkpoint in "
+                      f"{workdir}: pass --config.train.steps={done[-1]} or more, or use a new "
+                      "--workdir.")
+
+
+# The ModelConfig fields that shape the parameters, named first when a model differs.
+_SHAPING = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+            "mlp_dim", "qkv_bias", "qk_norm", "tie_embeddings", "param_dtype")
+
+
+def write_run(workdir: str, record: dict) -> None:
+  """Writes DIR/run.json, keeping fields an earlier write added (e.g. a data fingerprint)."""
+  old = read_run(workdir) or {}
+  _write_json(os.path.join(workdir, "run.json"), {**old, **record})
+
+
+def model_signature(cfg) -> tuple[dict, dict]:
+  """(the ModelConfig as a JSON dict, {param path: [shape, dtype]}) of the policy model."""
+  import dataclasses
+
+  import jax
+
+  from jaxrl.models.llama import abstract_model
+  _, shapes, _ = abstract_model(cfg)
+  params = {".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path):
+            [list(x.shape), str(x.dtype)]
+            for path, x in jax.tree_util.tree_flatten_with_path(shapes)[0]}
+  return json.loads(json.dumps(dataclasses.asdict(cfg), default=str)), params
+
+
+def _legacy_signature(old: dict) -> dict | None:
+  """The model signature of an old config.json's model section; None when it cannot be built
+  (e.g. its model.hf_path is gone)."""
+  try:
+    import ml_collections
+
+    from jaxrl import config as config_lib
+    cfg = config_lib.model_config(ml_collections.ConfigDict(old))
+  except Exception:  # an unreadable old section is no reason to refuse the dir
+    return None
+  model, params = model_signature(cfg)
+  return {"model": model, "params": params}
+
+
+def _sig_text(sig) -> str:
+  return "absent" if sig is None else f"{sig[1]} {sig[0]}"
+
+
+def backup_config(workdir: str, config) -> bool:
+  """Copies DIR/config.json to DIR/config.prev.json when `config` differs from it (the backend
+  aside), so a resume with overrides keeps what it replaced. True when it did."""
+  old = read_config(workdir)
+  if old is None:
+    return False
+  flat_old = {k: v for k, v in _flatten(old).items() if not k.startswith("backend.")}
+  flat_new = _flatten(json.loads(json.dumps(config.to_dict(), default=str)))
+  if flat_old == flat_new:
+    return False
+  import shutil
+  shutil.copyfile(os.path.join(workdir, "config.json"), os.path.join(workdir, "config.prev.json"))
+  return True
 
 
 def logged_before(workdir: str, step: int) -> tuple[dict, dict]:

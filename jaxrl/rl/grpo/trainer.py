@@ -194,7 +194,8 @@ class Parts:
 def setup(config, workdir: str, *, out=print) -> tuple[Parts, Any]:
   """(the run's parts, the starting train state: the policy from init.checkpoint or
   model.hf_path, fresh optimizer state). Checks the config first."""
-  run = Run(config, workdir, out=out, choices=CHOICES, placement=True)
+  run = Run(config, workdir, out=out, choices=CHOICES, placement=True,
+            command="grpo")
   mesh, cfg, tokenizer = run.mesh, run.cfg, run.tokenizer
   a, r = config.algo, config.rollout
   task = load_task(config)
