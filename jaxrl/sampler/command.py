@@ -20,6 +20,7 @@ from jaxrl.parallel import init_params, mesh_from_config
 from jaxrl.sampler.engine import Engine
 from jaxrl.sampler.rollout import generate, metrics
 from jaxrl.sampler.sampling import from_config
+from jaxrl.train import rundir
 from jaxrl.train.rundir import RunDir
 
 
@@ -62,6 +63,14 @@ def run(config, *, prompts_path: str, workdir: str | None, n: int | None = None,
     raise ConfigError("the config has no `sampling` section: use configs/sample_tiny.py or add "
                       "one like it.")
   config_lib.check_choices(config, CHOICES)  # the CLI checked them on load; a notebook may not
+  if config.model.get("hf_path"):
+    # This command reads the byte tokenizer and a run's checkpoint only; an HF model's weights
+    # and tokenizer are not wired here, and a random init must never pass for them.
+    raise ConfigError(f"model.hf_path={config.model.hf_path!r} is not supported by `jaxrl "
+                      "sample` yet (it would sample random weights): drop it, and pass "
+                      "--checkpoint with a jaxrl sft or grpo run directory instead.")
+  # A training run's dir is not overwritten: its config.json would be replaced by this one.
+  rundir.check_owner(workdir, command="sample")
   records = read_prompts(prompts_path)
   s = config.sampling
   n = s.n if n is None else n
@@ -86,6 +95,8 @@ def run(config, *, prompts_path: str, workdir: str | None, n: int | None = None,
                      pad_id=tok.pad_id, progress=progress)
 
   run = RunDir(workdir)  # config.json and summary.json as every command writes them
+  if not rundir.read_run(workdir):
+    rundir.write_run(workdir, {"command": "sample"})
   run.write_config(config)
   path = os.path.join(workdir, "completions.jsonl")
   with open(path, "w", encoding="utf-8") as f:
