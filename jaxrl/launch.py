@@ -126,12 +126,12 @@ class Result:
 def run_local(runs: list[Run], *, parallel: int = 1, out=print, poll_s: float = 0.2,
               env: dict | None = None) -> list[Result]:
   """Runs each `jaxrl <argv>` as a subprocess, `parallel` at a time, its stdout and stderr in
-  <workdir>/launch.log. Ctrl-C or SIGTERM passes SIGTERM to the running ones (each saves a
-  checkpoint and stops), then returns."""
+  <workdir>/launch.log. Ctrl-C or SIGTERM passes one SIGTERM to each running one (each saves a
+  checkpoint and stops), waits for them, then returns."""
   if parallel < 1:
     raise ConfigError(f"--parallel {parallel}: run at least 1 at a time.")
   pending, active, results = list(runs), {}, {}
-  stop = []
+  stop, signalled = [], set()
   previous = signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
   try:
     while (pending and not stop) or active:
@@ -149,9 +149,12 @@ def run_local(runs: list[Run], *, parallel: int = 1, out=print, poll_s: float = 
       except KeyboardInterrupt:
         stop.append(True)
       if stop:
+        # One SIGTERM each, then wait: a run saves and stops on the first, and a repeated
+        # signal must not be what a run is busy absorbing while it writes its checkpoint.
         for proc, *_ in active.values():
-          if proc.poll() is None:
+          if proc.poll() is None and proc.pid not in signalled:
             proc.send_signal(signal.SIGTERM)
+            signalled.add(proc.pid)
       for name, (proc, f, t0, log) in list(active.items()):
         if proc.poll() is None:
           continue
