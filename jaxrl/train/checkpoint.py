@@ -93,7 +93,8 @@ class _Caught(logging.Filter):
     self.errors: list[BaseException] = []
 
   def filter(self, record):
-    if "orbax" in record.pathname and record.exc_info and record.exc_info[1] is not None:
+    if (record.levelno >= logging.ERROR and "orbax" in record.pathname and record.exc_info
+        and record.exc_info[1] is not None):
       self.errors.append(record.exc_info[1])
       return False
     return True
