@@ -32,7 +32,8 @@ def _steps(workdir):
   return [r["step"] for r in read_metrics(workdir)]
 
 
-def test_launch_forwards_one_sigterm_and_waits(monkeypatch, tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_launch_forwards_one_sigterm_and_waits(monkeypatch, tmp_path, stop):
   sent = []
 
   class Proc:
@@ -40,7 +41,7 @@ def test_launch_forwards_one_sigterm_and_waits(monkeypatch, tmp_path):
 
     def __init__(self, *a, **k):
       self.polls_after_signal = 0
-      os.kill(os.getpid(), signal.SIGTERM)  # the user stops the launch as the run starts
+      os.kill(os.getpid(), stop)  # the user stops the launch (or presses Ctrl-C) as it starts
 
     def poll(self):
       if sent:
@@ -228,6 +229,67 @@ def test_full_disk_stops_in_one_sentence_and_resumes_elsewhere_bitwise(repo_root
   clean = str(tmp_path / "clean")
   cli.main(["sft", "--config", SFT, "--workdir", clean, *over])
   a, b = _final_params(clean, over)[0], _final_params(moved, over)[0]
+  for x, y in zip(jax.tree.leaves((a.params, a.opt_state)), jax.tree.leaves((b.params,
+                                                                             b.opt_state))):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # bitwise
+
+
+# Freezes `jaxrl sft` mid-way through writing step 8's checkpoint (or, with "cleanup", mid-way
+# through removing an old step), after touching a marker: the test then sends kill -9.
+FREEZE = r"""
+import pathlib, sys, time
+from jaxrl.train import checkpoint
+marker, where = sys.argv[1], sys.argv[2]
+def freeze():
+  pathlib.Path(marker).touch()
+  time.sleep(600)
+if where == "write":
+  real_save = checkpoint.DataStateHandler.save
+  def save(self, directory, args):
+    if args.state and "8.orbax-checkpoint-tmp" in str(directory):
+      freeze()
+    real_save(self, directory, args)
+  checkpoint.DataStateHandler.save = save
+else:
+  real_rmtree = checkpoint.shutil.rmtree
+  def rmtree(path, **k):
+    if str(path).endswith("deleting") and pathlib.Path(path).exists():
+      freeze()
+    real_rmtree(path, **k)
+  checkpoint.shutil.rmtree = rmtree
+from jaxrl import cli
+cli.main(sys.argv[3:])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["write", "cleanup"])
+def test_kill_9_mid_checkpoint_then_resume_is_bitwise_with_unique_metrics(repo_root, tmp_path,
+                                                                          devices, where):
+  from test_sft import _final_params
+  os.chdir(repo_root)
+  over = ["--config.train.steps=12", "--config.train.log_every=1", "--config.train.save_every=4",
+          "--config.train.keep_checkpoints=1"]
+  killed, marker = str(tmp_path / "killed"), tmp_path / "frozen"
+  proc = subprocess.Popen([sys.executable, "-c", FREEZE, str(marker), where, "sft", "--config",
+                           SFT, "--workdir", killed, *over],
+                          env=subprocess_env(), cwd=repo_root, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  deadline = time.time() + 300
+  while not marker.exists() and proc.poll() is None and time.time() < deadline:
+    time.sleep(0.05)
+  assert marker.exists(), proc.communicate()[0][-3000:]
+  proc.kill()
+  proc.wait()
+  left = os.listdir(os.path.join(killed, "checkpoints"))
+  assert ("deleting" in left) if where == "cleanup" else any("tmp" in p for p in left), left
+
+  cli.main(["sft", "--config", SFT, "--workdir", killed, *over])
+  assert sorted(os.listdir(os.path.join(killed, "checkpoints"))) == ["12"]
+  assert _steps(killed) == list(range(13))
+  clean = str(tmp_path / "clean")
+  cli.main(["sft", "--config", SFT, "--workdir", clean, *over])
+  a, b = _final_params(clean, over)[0], _final_params(killed, over)[0]
   for x, y in zip(jax.tree.leaves((a.params, a.opt_state)), jax.tree.leaves((b.params,
                                                                              b.opt_state))):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # bitwise
