@@ -13,6 +13,7 @@ for NaN/Inf, so a checkpoint is never written from a diverged state.
 from __future__ import annotations
 
 import math
+import os
 import signal
 import sys
 import threading
@@ -45,9 +46,9 @@ class Interrupts:
   every step, so all of them stop (and save) at the same step even if only one received it.
   """
 
-  def __init__(self, out=print):
+  def __init__(self, *, say: bool = True):
     self.signum: int | None = None
-    self.out = out
+    self.say = say
     self._absorbed = False
     self._previous = {}
 
@@ -56,8 +57,14 @@ class Interrupts:
       self.signum = signum
     elif not self._absorbed:
       self._absorbed = True
-      self.out(f"{signal.Signals(signum).name} again: ignored while the checkpoint is saved and "
-               "summary.json written (kill -9 abandons them).")
+      if self.say:
+        # os.write, not print: the signal may land inside a print, and print is not reentrant.
+        line = (f"{signal.Signals(signum).name} again: ignored while the checkpoint is saved "
+                "and summary.json written (kill -9 abandons them).\n")
+        try:
+          os.write(sys.stderr.fileno(), line.encode())
+        except (OSError, ValueError, AttributeError):
+          pass  # no real stderr (a notebook): absorbed silently
 
   def __enter__(self):
     if threading.current_thread() is threading.main_thread():
@@ -175,7 +182,7 @@ def train_loop(*, state, step_fn: Callable, batches, put: Callable, total_steps:
   last, evals = logged_before(run.workdir, step) if step > 0 else ({}, {})
   status = "failed"  # until the loop ends normally or is interrupted
   t_last, steps_since, tokens_since, flops_since = time.perf_counter(), 0, 0, 0.0
-  with Interrupts(progress.note) as interrupts:
+  with Interrupts(say=main) as interrupts:
     try:
       if step == 0 and eval_fn is not None and eval_every > 0:
         # The untrained baseline, so every curve starts where the model started.
