@@ -28,6 +28,7 @@ import sys
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -177,16 +178,24 @@ class Checkpointer:
     committed. Old steps renamed for deletion are removed here."""
     step, self._pending = self._pending, None
     self._guard(self.manager.wait_until_finished, step)
-    if jax.process_index() != 0:
-      return
-    if step is not None and step not in self.committed_steps():
-      self._fail(step, None)  # orbax's finalize logged the failure and returned
-    shutil.rmtree(self.directory / _DELETING, ignore_errors=True)
+    if step is not None:
+      # Process 0 looks (orbax's finalize logs a failure and returns); all of them stop.
+      lost = jax.process_index() == 0 and step not in self.committed_steps()
+      if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        lost = bool(np.any(multihost_utils.process_allgather(np.int32(lost))))
+      if lost:
+        self._fail(step, None)
+    if jax.process_index() == 0:
+      shutil.rmtree(self.directory / _DELETING, ignore_errors=True)
 
   def check(self) -> None:
     """Raises CheckpointFailed as soon as a background write is over and was not committed,
     without waiting for one still in flight: the loop calls it at each log step."""
-    if self._pending is not None and not self.manager.is_saving_in_progress():
+    # With several processes each could see its write end at a different step, and wait()
+    # agrees across them, so they find out at the next save instead.
+    if (self._pending is not None and jax.process_count() == 1
+        and not self.manager.is_saving_in_progress()):
       self.wait()
 
   def close(self) -> None:
