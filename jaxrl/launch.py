@@ -126,13 +126,15 @@ class Result:
 def run_local(runs: list[Run], *, parallel: int = 1, out=print, poll_s: float = 0.2,
               env: dict | None = None) -> list[Result]:
   """Runs each `jaxrl <argv>` as a subprocess, `parallel` at a time, its stdout and stderr in
-  <workdir>/launch.log. Ctrl-C or SIGTERM passes SIGTERM to the running ones (each saves a
-  checkpoint and stops), then returns."""
+  <workdir>/launch.log. Ctrl-C or SIGTERM passes one SIGTERM to each running one (each saves a
+  checkpoint and stops), waits for them, then returns."""
   if parallel < 1:
     raise ConfigError(f"--parallel {parallel}: run at least 1 at a time.")
   pending, active, results = list(runs), {}, {}
-  stop = []
-  previous = signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+  stop, signalled = [], set()
+  # Ctrl-C too, so that no KeyboardInterrupt leaves the runs behind unwatched mid-save.
+  previous = {s: signal.signal(s, lambda *_: stop.append(True))
+              for s in (signal.SIGTERM, signal.SIGINT)}
   try:
     while (pending and not stop) or active:
       while pending and len(active) < parallel and not stop:
@@ -144,14 +146,14 @@ def run_local(runs: list[Run], *, parallel: int = 1, out=print, poll_s: float = 
                                 stderr=subprocess.STDOUT, env=env)
         active[run.name] = (proc, f, time.perf_counter(), log)
         out(f"started  {run.name} (pid {proc.pid}; log {log})")
-      try:
-        time.sleep(poll_s)
-      except KeyboardInterrupt:
-        stop.append(True)
+      time.sleep(poll_s)
       if stop:
+        # One SIGTERM each, then wait: a run saves and stops on the first, and a repeated
+        # signal must not be what a run is busy absorbing while it writes its checkpoint.
         for proc, *_ in active.values():
-          if proc.poll() is None:
+          if proc.poll() is None and proc.pid not in signalled:
             proc.send_signal(signal.SIGTERM)
+            signalled.add(proc.pid)
       for name, (proc, f, t0, log) in list(active.items()):
         if proc.poll() is None:
           continue
@@ -161,7 +163,8 @@ def run_local(runs: list[Run], *, parallel: int = 1, out=print, poll_s: float = 
         out(f"finished {name}: {state} in {results[name].wall_s:.1f} s")
         del active[name]
   finally:
-    signal.signal(signal.SIGTERM, previous)
+    for s, handler in previous.items():
+      signal.signal(s, handler)
   for run in pending:
     out(f"not started: {run.name} (stopped)")
   return [results[r.name] for r in runs if r.name in results]

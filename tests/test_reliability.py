@@ -1,17 +1,30 @@
-"""Reliability: bad input, foreign run dirs and mismatched checkpoints each get one sentence
-(and leave the run dir as it was), never a traceback or a silently wrong model (issue 32)."""
+"""Reliability (issue 32): bad input, foreign run dirs, mismatched checkpoints, signals, failed
+writes and torn files, each a crafted situation and the exact sentence or behaviour: one
+sentence (and the run dir left as it was), never a traceback or a silently wrong model."""
 
 import json
+import logging
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
+import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl import cli
+from conftest import JAXRL, subprocess_env
+
+from jaxrl import cli, launch
 from jaxrl import config as config_lib
 from jaxrl.errors import ConfigError
+from jaxrl.train import Checkpointer, RunDir, read_metrics
+from jaxrl.train import checkpoint as checkpoint_lib
+from jaxrl.train.loop import resume
 
 # --- run ownership and restore checks
 
@@ -198,3 +211,275 @@ def test_sample_into_a_training_run_dir_is_refused(capsys, sft_copy, tmp_path):
                         str(prompts), "--n", "1", "--workdir", sft_copy])
   assert err == f"{sft_copy} was written by `jaxrl sft`, not `jaxrl sample`: use a new --workdir."
   assert _read(os.path.join(sft_copy, "config.json")) == before
+
+
+# --- signals, failed writes, metrics written once, old-checkpoint cleanup
+
+SFT_CONFIG = "configs/sft_tiny.py:runlocal"
+
+
+def _steps(workdir):
+  return [r["step"] for r in read_metrics(workdir)]
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_launch_forwards_one_sigterm_and_waits(monkeypatch, tmp_path, stop):
+  sent = []
+
+  class Proc:
+    pid = 4242
+
+    def __init__(self, *a, **k):
+      self.polls_after_signal = 0
+      os.kill(os.getpid(), stop)  # the user stops the launch (or presses Ctrl-C) as it starts
+
+    def poll(self):
+      if sent:
+        self.polls_after_signal += 1
+      return 0 if self.polls_after_signal > 5 else None  # saving takes a while
+
+    @property
+    def returncode(self):
+      return self.poll()
+
+    def send_signal(self, sig):
+      sent.append(sig)
+
+  monkeypatch.setattr(launch.subprocess, "Popen", Proc)
+  run = launch.Run("r0", {}, str(tmp_path / "r0"), ["sft"], {})
+  results = launch.run_local([run], poll_s=0.01, out=lambda *_: None)
+  assert sent == [signal.SIGTERM]  # one, however long the run takes to save
+  assert [r.returncode for r in results] == [0]
+
+
+def test_torn_metrics_line_is_dropped_and_rows_past_the_checkpoint_truncated(tmp_path):
+  run = RunDir(str(tmp_path))
+  for s in range(7):
+    run.log(s, {"loss": float(s)})
+  with open(run.path("metrics.jsonl"), "a") as f:
+    f.write('{"step": 7, "lo')  # a kill mid-write
+  assert _steps(str(tmp_path)) == list(range(7))  # read_metrics skips the torn line
+  run.truncate_metrics(4)
+  assert open(run.path("metrics.jsonl")).read().splitlines()[-1] == '{"step": 4, "loss": 4.0}'
+  assert _steps(str(tmp_path)) == [0, 1, 2, 3, 4]
+  run.close()
+
+
+def test_restart_without_a_committed_checkpoint_starts_metrics_afresh(tmp_path):
+  run = RunDir(str(tmp_path))
+  for s in range(5):  # logged by an attempt killed during its first save
+    run.log(s, {"loss": 1.0})
+
+  class NoCheckpoint:
+    def latest_step(self):
+      return None
+
+  state = types.SimpleNamespace(step=np.int32(0))
+  assert resume(NoCheckpoint(), state, None, None, run)[1] == 0
+  assert read_metrics(str(tmp_path)) == []
+  run.close()
+
+
+def test_old_checkpoints_are_renamed_before_removal_and_leftovers_removed_quietly(
+    tmp_path, monkeypatch, caplog):
+  directory = tmp_path / "checkpoints"
+  state = {"w": jnp.arange(4.0)}
+  ckpt = Checkpointer(str(directory), keep=2)
+  removed = []
+  # A kill during cleanup, frozen: the rename into deleting/ has happened, the removal not.
+  monkeypatch.setattr(checkpoint_lib.shutil, "rmtree",
+                      lambda p, **k: removed.append(os.path.basename(str(p))))
+  for step in (1, 2, 3):
+    ckpt.save(step, state, {"pos": step})
+  ckpt.close()
+  monkeypatch.undo()
+  assert sorted(os.listdir(directory)) == ["2", "3", "deleting"]  # step 1 whole, off to one side
+  assert removed and set(removed) == {"deleting"}
+  (directory / "7.orbax-checkpoint-tmp-1234" / "state").mkdir(parents=True)  # a kill mid-write
+  with caplog.at_level(logging.WARNING):
+    ckpt = Checkpointer(str(directory), keep=2)
+    assert ckpt.latest_step() == 3
+    assert ckpt.restore({"w": jax.ShapeDtypeStruct((4,), jnp.float32)})[1] == {"pos": 3}
+    ckpt.close()
+  assert sorted(os.listdir(directory)) == ["2", "3"]
+  assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+# The sft subprocess of test_sft.py's SIGTERM test, whose final checkpoint wait also takes 2 s,
+# so that signals sent after "checkpoint saved" land while the write is still in flight.
+SLOW_WAIT = r"""
+import time
+from jaxrl.train.checkpoint import Checkpointer
+real_wait = Checkpointer.wait
+def slow_wait(self):
+  if self._pending is not None:
+    time.sleep(2)
+  real_wait(self)
+Checkpointer.wait = slow_wait
+"""
+
+
+@pytest.mark.slow
+def test_two_sigterms_leave_a_committed_checkpoint_and_summary_then_resume(repo_root, tmp_path,
+                                                                           devices):
+  from test_sft import SLOW_AFTER
+  os.chdir(repo_root)
+  steps, workdir = 12, str(tmp_path / "run")
+  over = [f"--config.train.steps={steps}", "--config.train.log_every=1",
+          "--config.train.save_every=4"]
+  marker = tmp_path / "half"
+  proc = subprocess.Popen(
+      [sys.executable, "-c", SLOW_WAIT + SLOW_AFTER, str(marker), "5", "sft", "--config", SFT_CONFIG,
+       "--workdir", workdir, *over],
+      env={**subprocess_env(), "PYTHONUNBUFFERED": "1"}, cwd=repo_root,
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  deadline, out = time.time() + 300, []
+  while not marker.exists() and proc.poll() is None and time.time() < deadline:
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGTERM)
+  for line in proc.stdout:  # until the save is requested and in flight
+    out.append(line)
+    if "checkpoint saved" in line:
+      break
+  proc.send_signal(signal.SIGTERM)
+  time.sleep(0.2)
+  proc.send_signal(signal.SIGTERM)
+  out.append(proc.communicate(timeout=300)[0])
+  out = "".join(out)
+  assert proc.returncode == 0, out[-3000:]
+  assert out.count("SIGTERM again: ignored while the checkpoint is saved and summary.json "
+                   "written (kill -9 abandons them).") == 1
+  summary = json.load(open(os.path.join(workdir, "summary.json")))
+  stopped = summary["step"]
+  assert summary["status"] == "interrupted" and 5 < stopped < steps
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints")))[-1] == str(stopped)
+  assert not [p for p in os.listdir(os.path.join(workdir, "checkpoints")) if "tmp" in p]
+
+  cli.main(["sft", "--config", SFT_CONFIG, "--workdir", workdir, *over])  # resumes
+  summary = json.load(open(os.path.join(workdir, "summary.json")))
+  assert summary["status"] == "completed" and summary["start_step"] == stopped
+  assert _steps(workdir) == list(range(steps + 1))
+
+
+@pytest.mark.slow
+def test_torn_metrics_and_an_uncommitted_step_resume_with_every_step_once(repo_root, tmp_path,
+                                                                         devices):
+  os.chdir(repo_root)
+  workdir = str(tmp_path / "run")
+  over = ["--config.train.steps=8", "--config.train.log_every=1", "--config.train.save_every=4"]
+  cli.main(["sft", "--config", SFT_CONFIG, "--workdir", workdir, *over])
+  # As if killed while writing step 8's checkpoint and a metrics row after it.
+  shutil.rmtree(os.path.join(workdir, "checkpoints", "8"))
+  with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+    f.write('{"step": 9, "loss": 1.2')
+  cli.main(["sft", "--config", SFT_CONFIG, "--workdir", workdir, *over])  # was a JSONDecodeError
+  assert json.load(open(os.path.join(workdir, "summary.json")))["start_step"] == 4
+  assert _steps(workdir) == list(range(9))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  """A 8 MiB tmpfs: one checkpoint of the runlocal SFT model (5 MiB) fits, a second does not."""
+  mnt = tmp_path / "disk"
+  mnt.mkdir()
+  res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
+                       capture_output=True)
+  if res.returncode != 0:
+    pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+  yield mnt
+  subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.slow
+def test_full_disk_stops_in_one_sentence_and_resumes_elsewhere_bitwise(repo_root, tmp_path,
+                                                                      devices, small_disk):
+  from test_sft import _final_params
+  os.chdir(repo_root)
+  over = ["--config.train.steps=12", "--config.train.log_every=1", "--config.train.save_every=4"]
+  full = str(small_disk / "run")
+  res = subprocess.run([JAXRL, "sft", "--config", SFT_CONFIG, "--workdir", full, *over],
+                       env=subprocess_env(), cwd=repo_root, capture_output=True, text=True,
+                       timeout=600)
+  ckdir = os.path.join(full, "checkpoints")
+  assert res.returncode == 1, res.stderr[-3000:]
+  assert res.stderr.strip() == (
+      f"jaxrl sft: writing the checkpoint of step 8 to {ckdir} failed (No space left on "
+      f"device): training stopped; the last good checkpoint is step 4 in {ckdir}. Free space "
+      "or make the directory writable, then re-run the same command to resume.")
+  summary = json.load(open(os.path.join(full, "summary.json")))
+  assert summary["status"] == "failed" and "No space left on device" in summary["error"]
+  assert Checkpointer(ckdir).latest_step() == 4
+
+  moved = str(tmp_path / "moved")
+  shutil.copytree(full, moved)
+  cli.main(["sft", "--config", SFT_CONFIG, "--workdir", moved, *over])
+  assert json.load(open(os.path.join(moved, "summary.json")))["start_step"] == 4
+  assert _steps(moved) == list(range(13))
+  assert not [p for p in os.listdir(os.path.join(moved, "checkpoints")) if "tmp" in p]
+  clean = str(tmp_path / "clean")
+  cli.main(["sft", "--config", SFT_CONFIG, "--workdir", clean, *over])
+  a, b = _final_params(clean, over)[0], _final_params(moved, over)[0]
+  for x, y in zip(jax.tree.leaves((a.params, a.opt_state)), jax.tree.leaves((b.params,
+                                                                             b.opt_state))):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # bitwise
+
+
+# Freezes `jaxrl sft` mid-way through writing step 8's checkpoint (or, with "cleanup", mid-way
+# through removing an old step), after touching a marker: the test then sends kill -9.
+FREEZE = r"""
+import pathlib, sys, time
+from jaxrl.train import checkpoint
+marker, where = sys.argv[1], sys.argv[2]
+def freeze():
+  pathlib.Path(marker).touch()
+  time.sleep(600)
+if where == "write":
+  real_save = checkpoint.DataStateHandler.save
+  def save(self, directory, args):
+    if args.state and "8.orbax-checkpoint-tmp" in str(directory):
+      freeze()
+    real_save(self, directory, args)
+  checkpoint.DataStateHandler.save = save
+else:
+  real_rmtree = checkpoint.shutil.rmtree
+  def rmtree(path, **k):
+    if str(path).endswith("deleting") and pathlib.Path(path).exists():
+      freeze()
+    real_rmtree(path, **k)
+  checkpoint.shutil.rmtree = rmtree
+from jaxrl import cli
+cli.main(sys.argv[3:])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["write", "cleanup"])
+def test_kill_9_mid_checkpoint_then_resume_is_bitwise_with_unique_metrics(repo_root, tmp_path,
+                                                                          devices, where):
+  from test_sft import _final_params
+  os.chdir(repo_root)
+  over = ["--config.train.steps=12", "--config.train.log_every=1", "--config.train.save_every=4",
+          "--config.train.keep_checkpoints=1"]
+  killed, marker = str(tmp_path / "killed"), tmp_path / "frozen"
+  proc = subprocess.Popen([sys.executable, "-c", FREEZE, str(marker), where, "sft", "--config",
+                           SFT_CONFIG, "--workdir", killed, *over],
+                          env=subprocess_env(), cwd=repo_root, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  deadline = time.time() + 300
+  while not marker.exists() and proc.poll() is None and time.time() < deadline:
+    time.sleep(0.05)
+  assert marker.exists(), proc.communicate()[0][-3000:]
+  proc.kill()
+  proc.wait()
+  left = os.listdir(os.path.join(killed, "checkpoints"))
+  assert ("deleting" in left) if where == "cleanup" else any("tmp" in p for p in left), left
+
+  cli.main(["sft", "--config", SFT_CONFIG, "--workdir", killed, *over])
+  assert sorted(os.listdir(os.path.join(killed, "checkpoints"))) == ["12"]
+  assert _steps(killed) == list(range(13))
+  clean = str(tmp_path / "clean")
+  cli.main(["sft", "--config", SFT_CONFIG, "--workdir", clean, *over])
+  a, b = _final_params(clean, over)[0], _final_params(killed, over)[0]
+  for x, y in zip(jax.tree.leaves((a.params, a.opt_state)), jax.tree.leaves((b.params,
+                                                                             b.opt_state))):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # bitwise

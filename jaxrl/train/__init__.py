@@ -8,7 +8,7 @@ import sys
 
 from jaxrl.errors import ConfigError
 from jaxrl.parallel.distributed import maybe_initialize
-from jaxrl.train.checkpoint import Checkpointer
+from jaxrl.train.checkpoint import CheckpointFailed, Checkpointer
 from jaxrl.train.loop import TrainingDiverged, resume, train_loop
 from jaxrl.train.optim import make_optimizer, optim_section
 from jaxrl.train.run import Run
@@ -18,14 +18,15 @@ from jaxrl.train.state import TrainState, init_train_state, make_train_step, put
 
 def run_trainer(run_fn, args, overrides, load) -> None:
   """What every trainer command does: load the config, join the other processes (before any
-  device is touched), then train. A diverged run exits 1 with its one-line reason."""
+  device is touched), then train. A diverged run, or one whose checkpoint could not be written,
+  exits 1 with its one-line reason."""
   config = load(args, overrides)
   if not args.workdir:
     raise ConfigError("--workdir is required: give the run directory (re-using one resumes).")
   maybe_initialize(config.get("distributed"))
   try:
     run_fn(config, args.workdir)
-  except TrainingDiverged as e:
+  except (TrainingDiverged, CheckpointFailed) as e:
     print(f"jaxrl {args.command}: {e}", file=sys.stderr)
     raise SystemExit(1) from None
 

@@ -13,6 +13,7 @@ for NaN/Inf, so a checkpoint is never written from a diverged state.
 from __future__ import annotations
 
 import math
+import os
 import signal
 import sys
 import threading
@@ -22,7 +23,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from jaxrl.train.checkpoint import Checkpointer, abstract_state
+from jaxrl.train.checkpoint import CheckpointFailed, Checkpointer, abstract_state
 from jaxrl.train.rundir import RunDir, logged_before
 
 
@@ -37,19 +38,33 @@ class TrainingDiverged(RuntimeError):
 class Interrupts:
   """SIGTERM/SIGINT handlers that ask the loop to save and stop at the next step boundary.
 
-  TPU VM preemption sends SIGTERM. A second SIGINT raises KeyboardInterrupt at once, for when
-  saving itself hangs. With several processes the request is agreed on every step, so all of
-  them stop (and save) at the same step even if only one received the signal.
+  TPU VM preemption sends SIGTERM. The first signal requests the save; later ones (a second
+  Ctrl-C, a launcher that repeats SIGTERM) are absorbed, with one line said, until the
+  checkpoint is committed and summary.json written: the handlers stay installed until then, so
+  no signal can kill the process half way through a write (kill -9 still can, and a resume
+  never picks up a half-written checkpoint). With several processes the request is agreed on
+  every step, so all of them stop (and save) at the same step even if only one received it.
   """
 
-  def __init__(self):
+  def __init__(self, *, say: bool = True):
     self.signum: int | None = None
+    self.say = say
+    self._absorbed = False
     self._previous = {}
 
   def _handle(self, signum, frame):
-    if self.signum == signal.SIGINT and signum == signal.SIGINT:
-      raise KeyboardInterrupt
-    self.signum = signum
+    if self.signum is None:
+      self.signum = signum
+    elif not self._absorbed:
+      self._absorbed = True
+      if self.say:
+        # os.write, not print: the signal may land inside a print, and print is not reentrant.
+        line = (f"{signal.Signals(signum).name} again: ignored while the checkpoint is saved "
+                "and summary.json written (kill -9 abandons them).\n")
+        try:
+          os.write(sys.stderr.fileno(), line.encode())
+        except (OSError, ValueError, AttributeError):
+          pass  # no real stderr (a notebook): absorbed silently
 
   def __enter__(self):
     if threading.current_thread() is threading.main_thread():
@@ -113,11 +128,12 @@ def _fmt(v: float) -> str:
 def resume(ckpt: Checkpointer, state, shardings, batches, run: RunDir, *, out=print,
            updates_per_step: int = 1):
   """(state, step): the latest checkpoint's state and data position when DIR has one, else the
-  given fresh state at its own step. Metrics logged past the checkpoint are dropped, since
-  those steps run again. A trainer whose step makes several optimizer updates (GRPO's
+  given fresh state at its own step. Metrics logged past the checkpoint (all of them, without
+  one) are dropped, since those steps run again. A trainer whose step makes several optimizer updates (GRPO's
   iterations x minibatches) passes `updates_per_step`; checkpoints are keyed by its steps."""
   step = ckpt.latest_step()
   if step is None:
+    run.truncate_metrics(-1)  # rows from an attempt that never committed a checkpoint
     return state, int(jax.device_get(state.step)) // updates_per_step
   target = abstract_state(jax.eval_shape(lambda: state), shardings)
   del state  # free the fresh state before the restored one arrives
@@ -166,8 +182,8 @@ def train_loop(*, state, step_fn: Callable, batches, put: Callable, total_steps:
   last, evals = logged_before(run.workdir, step) if step > 0 else ({}, {})
   status = "failed"  # until the loop ends normally or is interrupted
   t_last, steps_since, tokens_since, flops_since = time.perf_counter(), 0, 0, 0.0
-  try:
-    with Interrupts() as interrupts:
+  with Interrupts(say=main) as interrupts:
+    try:
       if step == 0 and eval_fn is not None and eval_every > 0:
         # The untrained baseline, so every curve starts where the model started.
         evals = eval_fn(state.params, 0)
@@ -191,6 +207,8 @@ def train_loop(*, state, step_fn: Callable, batches, put: Callable, total_steps:
           continue
         host = jax.device_get(pending)  # the one wait: every pending step's scalars
         pending = []
+        if ckpt is not None:
+          ckpt.check()  # a failed background write stops the run here, not steps later
         bad = _first_bad(host)
         if bad is not None:
           status = "diverged"
@@ -229,12 +247,22 @@ def train_loop(*, state, step_fn: Callable, batches, put: Callable, total_steps:
           break
       else:
         status = "completed"
-  finally:
-    progress.close()
-    if ckpt is not None:
-      ckpt.wait()  # async writes must land before the process exits
-    summary = {"status": status, "step": step, "start_step": start_step,
-               "total_steps": total_steps, "wall_s": time.perf_counter() - t_start,
-               "metrics": last, "eval": evals, **(summary_extra() if summary_extra else {})}
-    run.write_summary(summary)
+    finally:
+      progress.close()
+      failed = None
+      if ckpt is not None:
+        try:
+          ckpt.wait()  # async writes must land before the process exits
+        except CheckpointFailed as e:
+          failed = e
+      if failed is not None or (ckpt is not None and ckpt.failed is not None):
+        status = "failed"
+      summary = {"status": status, "step": step, "start_step": start_step,
+                 "total_steps": total_steps, "wall_s": time.perf_counter() - t_start,
+                 "metrics": last, "eval": evals, **(summary_extra() if summary_extra else {})}
+      if ckpt is not None and ckpt.failed is not None:
+        summary["error"] = str(ckpt.failed)
+      run.write_summary(summary)
+      if failed is not None:
+        raise failed
   return {**summary, "state": state}

@@ -79,15 +79,18 @@ class RunDir:
     return read_config(self.workdir)
 
   def truncate_metrics(self, after_step: int) -> None:
-    """Drops metrics logged past `after_step`: on resume from that checkpoint those steps run
-    again, and each step must appear once."""
+    """Keeps only the metrics logged up to `after_step` (none when it is negative): on resume
+    from that checkpoint the later steps run again, and each step must appear once. A line
+    torn by a kill mid-write is dropped with them. Rewritten beside and renamed, so a kill
+    here loses nothing."""
     path = self.path("metrics.jsonl")
     if not self.write or not os.path.exists(path):
       return
-    with open(path) as f:
-      keep = [line for line in f if line.strip() and json.loads(line)["step"] <= after_step]
-    with open(path, "w") as f:
-      f.writelines(keep)
+    keep = [r for r in _read_rows(path) if r.get("step", 0) <= after_step]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in keep)
+    os.replace(tmp, path)
 
   def log(self, step: int, metrics: dict[str, float]) -> None:
     if not self.write:
@@ -262,8 +265,19 @@ def logged_before(workdir: str, step: int) -> tuple[dict, dict]:
 
 
 def read_metrics(workdir: str) -> list[dict]:
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  """metrics.jsonl's rows, without a last line torn by a kill mid-write."""
+  return _read_rows(os.path.join(workdir, "metrics.jsonl"))
+
+
+def _read_rows(path: str) -> list[dict]:
+  rows = []
+  with open(path) as f:
+    for line in f:
+      try:
+        rows.append(json.loads(line))
+      except json.JSONDecodeError:
+        pass  # blank, or torn by a kill while it was written (that step is logged again)
+  return rows
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
