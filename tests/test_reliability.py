@@ -70,6 +70,12 @@ def _load(repo_root, spec, overrides, command):
      "rollout.top_p=0.0 must be in (0, 1]: 1.0 turns it off."),
     ("grpo", "grpo_tiny.py", "rollout.top_p=1.5",
      "rollout.top_p=1.5 must be in (0, 1]: 1.0 turns it off."),
+    ("grpo", "grpo_tiny.py", "algo.minibatches=0",
+     "algo.minibatches=0 must be at least 1: set --config.algo.minibatches to 1 or more."),
+    ("grpo", "grpo_tiny.py", "algo.num_iterations=0",
+     "algo.num_iterations=0 must be at least 1: set --config.algo.num_iterations to 1 or more."),
+    ("grpo", "grpo_tiny.py", "algo.beta=-0.1",
+     "algo.beta=-0.1 must be at least 0: set --config.algo.beta to 0 or more."),
 ])
 def test_numeric_fields_are_checked_at_load(repo_root, command, spec, override, sentence):
   with pytest.raises(ConfigError) as e:

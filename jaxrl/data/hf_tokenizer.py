@@ -114,8 +114,11 @@ class HFTokenizer:
     template = self.config.get("chat_template")
     jinja_file = os.path.join(path, "chat_template.jinja")  # transformers >= 4.5x saves it here
     if template is None and os.path.isfile(jinja_file):
-      with open(jinja_file, encoding="utf-8") as f:
-        template = f.read()
+      try:
+        with open(jinja_file, encoding="utf-8") as f:
+          template = f.read()
+      except UnicodeDecodeError:
+        raise ConfigError(f"{jinja_file} is not UTF-8 text: {CORRUPT}.") from None
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
       template = {t["name"]: t["template"] for t in template}.get("default")
     self.chat_template: str | None = template

@@ -33,10 +33,21 @@ def check_rollout(config) -> None:
                       "use algo.advantage=reinforce_pp, which needs no group).")
 
 
+def check_algo(config) -> None:
+  """The algo section's ranges, at config load: at least one pass and one minibatch per step
+  (each divides the rollouts); clip ranges, KL and entropy weights are not negative (0 = off)."""
+  config_lib.check_at_least(config, 1, "algo.num_iterations", "algo.minibatches",
+                            "algo.kl_horizon")
+  config_lib.check_at_least(config, 0, "algo.eps_low", "algo.eps_high", "algo.beta",
+                            "algo.kl_target", "algo.adv_clip", "algo.tis_cap",
+                            "algo.max_refill_rounds")
+
+
 # This trainer's keys with fixed choices, checked when a run starts (config.validate); sections
 # mapped to a function have their ranges checked there.
 CHOICES = {
     "rollout": check_rollout,
+    "algo": check_algo,
     **OPTIM_CHOICES,
     "algo.advantage": adv_lib.ESTIMATORS,
     "algo.aggregation": losses.AGGREGATIONS,
