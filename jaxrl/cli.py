@@ -373,7 +373,14 @@ def cmd_train(args, overrides) -> None:
   """jaxrl sft | rm | grpo | dpo: the trainer's config, checked against its choices, then run."""
   from jaxrl.train import run_trainer
   module = trainer(args.command)
-  run_trainer(module.run, args, overrides, lambda a, o: _load(a, o, module.CHOICES))
+
+  def load(a, o):
+    config = _load(a, o, module.CHOICES)
+    config_lib.check_sections(config, args.command,
+                              lambda c: trainer(c).default_config().keys(), TRAINERS,
+                              spec=config_lib.split_spec(a.config)[0] if a.config else "")
+    return config
+  run_trainer(module.run, args, overrides, load)
 
 
 def cmd_sample(args, overrides) -> None:

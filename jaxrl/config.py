@@ -23,7 +23,7 @@ import difflib
 import importlib.util
 import inspect
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -231,10 +231,12 @@ def _get(config, key):
 
 def validate(config: ml_collections.ConfigDict,
              choices: Mapping[str, Iterable[str]] | None = None) -> None:
-  """Checks every key with fixed choices (the shared sections' and `choices`, a trainer's own),
-  the model section and the mesh, without devices."""
+  """Checks every key with fixed choices (the shared sections' and `choices`, a trainer's own,
+  whose section functions check their ranges), the train and eval sections' ranges, the model
+  section and the mesh, without devices."""
   check_choices(config, BASE_CHOICES)
   check_choices(config, choices or {})
+  check_loop_sections(config)
   if "model" in config:
     cfg = model_config(config)
     tensor = _get(config, "mesh.tensor")
@@ -252,11 +254,82 @@ def validate(config: ml_collections.ConfigDict,
 
 def check_choices(config: ml_collections.ConfigDict,
                   choices: Mapping[str, Iterable[str]]) -> None:
-  """Each `key` of `choices` the config has must hold one of its values."""
+  """Each `key` of `choices` the config has must hold one of its values. A value that is a
+  function instead checks a whole section's ranges (e.g. "optim": optim.check_section): it is
+  called with the config when the config has that section."""
   for key, valid in choices.items():
     value = _get(config, key)
-    if value is not None:
+    if value is None:
+      continue
+    if callable(valid):
+      valid(config)
+    else:
       validate_choice(key, value, valid)
+
+
+def _number(value) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_at_least(config: ml_collections.ConfigDict, low: int | float, *keys: str) -> None:
+  """Each of `keys` the config has must be a number >= `low`."""
+  for key in keys:
+    value = _get(config, key)
+    if value is not None and (not _number(value) or value < low):
+      raise ConfigError(f"{key}={value!r} must be at least {low}: set --config.{key} to "
+                        f"{low} or more.")
+
+
+def check_positive(config: ml_collections.ConfigDict, *keys: str, example: str = "1") -> None:
+  """Each of `keys` the config has must be a number > 0."""
+  for key in keys:
+    value = _get(config, key)
+    if value is not None and (not _number(value) or not value > 0):
+      raise ConfigError(f"{key}={value!r} must be positive: set e.g. "
+                        f"--config.{key}={example}.")
+
+
+def check_unit(config: ml_collections.ConfigDict, key: str, *, off: str) -> None:
+  """`key` (a probability such as top_p), when the config has it, must be in (0, 1]."""
+  value = _get(config, key)
+  if value is not None and (not _number(value) or not 0 < value <= 1):
+    raise ConfigError(f"{key}={value!r} must be in (0, 1]: {off}.")
+
+
+# Top-level keys any command's config may carry: base_config's, and the placement, plan and
+# distributed sections a real-model config file shares between its variants.
+SHARED_SECTIONS = ("seed", "layout", "mesh", "model", "placement", "plan", "distributed")
+
+
+def check_sections(config: ml_collections.ConfigDict, command: str,
+                   sections: Callable[[str], Iterable[str]], commands: Iterable[str], *,
+                   spec: str = "") -> None:
+  """A config for another command fails here, naming it, not later with an AttributeError:
+  every top-level key must be one `command` reads (`sections(command)`: its default config's)
+  or a shared one."""
+  shared = set(SHARED_SECTIONS)
+  extra = [k for k in config if k not in shared and k not in set(sections(command))]
+  if not extra:
+    return
+  fits = [c for c in commands
+          if c != command and set(config) <= shared | set(sections(c))]
+  what = f"this config{f' ({spec})' if spec else ''} has section" + (
+      "s " if len(extra) > 1 else " ") + ", ".join(extra)
+  if fits:
+    raise ConfigError(f"{what} that `jaxrl {command}` does not read: it looks like a "
+                      f"`jaxrl {fits[0]}` config; run `jaxrl {fits[0]}`.")
+  raise ConfigError(f"{what} that `jaxrl {command}` does not read: remove "
+                    f"{'them' if len(extra) > 1 else 'it'}, or start from the config of "
+                    f"`jaxrl {command}` (configs/{command}_tiny.py).")
+
+
+def check_loop_sections(config: ml_collections.ConfigDict) -> None:
+  """The ranges of the train and eval sections every trainer has and the shared loop reads
+  (jaxrl.train.loop): steps, log_every, save_every >= 1 (a 0 divides by zero after the
+  compile); eval.every >= 0 (0 = no periodic eval); the eval batch >= 1."""
+  check_at_least(config, 1, "train.steps", "train.log_every", "train.save_every",
+                 "train.keep_checkpoints", "eval.batch_size", "eval.max_new_tokens")
+  check_at_least(config, 0, "eval.every", "eval.examples")
 
 
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:

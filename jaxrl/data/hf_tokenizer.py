@@ -19,6 +19,7 @@ from functools import lru_cache
 from jaxrl import config as config_lib
 from jaxrl.data.tokenizer import ByteTokenizer
 from jaxrl.errors import ConfigError
+from jaxrl.models.hf_config import CORRUPT, read_json
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                  "mask_token")
@@ -97,15 +98,27 @@ class HFTokenizer:
       raise ConfigError(f"{path!r} holds no tokenizer.json: jaxrl reads Hugging Face fast "
                         "tokenizers (tokenizer.json plus tokenizer_config.json).")
     self.path = path
-    self._tok = _Tok.from_file(file)
+    try:
+      self._tok = _Tok.from_file(file)
+    except Exception as e:  # the tokenizers library raises a bare Exception on a bad file
+      reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+      raise ConfigError(f"{file} could not be read as a Hugging Face tokenizer ({reason}): "
+                        f"{CORRUPT}.") from None
     cfg_file = os.path.join(path, "tokenizer_config.json")
-    self.config = json.load(open(cfg_file)) if os.path.isfile(cfg_file) else {}
+    self.config = read_json(cfg_file) if os.path.isfile(cfg_file) else {}
+    if not isinstance(self.config, dict):
+      raise ConfigError(f"{cfg_file} holds a JSON {type(self.config).__name__}, not an object: "
+                        f"{CORRUPT}.")
     self.special_tokens = {k: _token_text(self.config.get(k)) for k in _SPECIAL_KEYS
                            if _token_text(self.config.get(k)) is not None}
     template = self.config.get("chat_template")
     jinja_file = os.path.join(path, "chat_template.jinja")  # transformers >= 4.5x saves it here
     if template is None and os.path.isfile(jinja_file):
-      template = open(jinja_file).read()
+      try:
+        with open(jinja_file, encoding="utf-8") as f:
+          template = f.read()
+      except UnicodeDecodeError:
+        raise ConfigError(f"{jinja_file} is not UTF-8 text: {CORRUPT}.") from None
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
       template = {t["name"]: t["template"] for t in template}.get("default")
     self.chat_template: str | None = template
@@ -146,10 +159,20 @@ class HFTokenizer:
     if not self.chat_template:
       raise ConfigError(f"{self.path}/tokenizer_config.json has no chat_template: use a chat "
                         "(instruct) checkpoint's tokenizer, or prompt/completion records.")
+    import jinja2
     variables = {**self.special_tokens, **kwargs}
-    return _compile(self.chat_template).render(
-        messages=_normalize(messages), tools=tools, documents=None,
-        add_generation_prompt=add_generation_prompt, **variables)
+    try:
+      return _compile(self.chat_template).render(
+          messages=_normalize(messages), tools=tools, documents=None,
+          add_generation_prompt=add_generation_prompt, **variables)
+    except jinja2.exceptions.SecurityError as e:
+      reason = str(e).rstrip(".")
+      raise ConfigError(f"the chat template of {self.path} was refused by the sandbox "
+                        f"({reason}): templates may not reach Python internals; use the "
+                        "checkpoint's own chat template.") from None
+    except jinja2.exceptions.TemplateError as e:  # a syntax error, or the template's own
+      raise ConfigError(f"the chat template of {self.path} failed ({type(e).__name__}: {e}): "
+                        "fix the template, or the messages it rejects.") from None
 
   def encode_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = False,
                   **kwargs) -> list[int]:

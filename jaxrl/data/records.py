@@ -203,17 +203,43 @@ def _collect(rows: Iterable[tuple[str, object]], kind: str, on_bad_row: str,
   return records, skipped
 
 
-def _json_rows(path: str):
-  with open(path, encoding="utf-8") as f:
-    for n, line in enumerate(f, 1):
-      if not line.strip():
-        continue  # blank lines (a trailing newline, a gap) are layout, not rows
-      at = f"{path} line {n}"
+def check_file(path: str, what: str = "data file", *, give: str = "a JSONL file") -> None:
+  """A path that must name a readable file: one sentence when it is missing or a directory."""
+  if os.path.isdir(path):
+    raise ConfigError(f"{what} {path!r} is a directory, not a file: give the path of {give} "
+                      "(e.g. one inside it).")
+  if not os.path.isfile(path):
+    raise ConfigError(f"{what} {path!r} does not exist: give the path of {give}.")
+
+
+def text_lines(path: str):
+  """(line number, text) of a UTF-8 text file, blank lines included. A byte-order mark is
+  dropped (some editors write one; it is harmless); bytes that are not UTF-8 fail with one
+  sentence naming the line, rather than a UnicodeDecodeError from the middle of a read."""
+  with open(path, "rb") as f:
+    for n, raw in enumerate(f, 1):
       try:
-        yield at, json.loads(line)
-      except json.JSONDecodeError as e:
-        yield at, BadRow(f"{at}: the row is not valid JSON ({e.msg} at column {e.colno}): "
-                         "write one JSON object per line.")
+        line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+      except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} line {n} is not UTF-8 text (byte 0x{raw[e.start]:02x} at "
+                          f"byte {e.start + 1} of the line): save it as UTF-8.") from None
+      yield n, line
+
+
+def _json_rows(path: str):
+  lines = 0
+  for n, line in text_lines(path):
+    if not line.strip():
+      continue  # blank lines (a trailing newline, a gap) are layout, not rows
+    lines += 1
+    at = f"{path} line {n}"
+    try:
+      yield at, json.loads(line)
+    except json.JSONDecodeError as e:
+      yield at, BadRow(f"{at}: the row is not valid JSON ({e.msg} at column {e.colno}): "
+                       "write one JSON object per line.")
+  if not lines:
+    raise ConfigError(f"data file {path} is empty: write one JSON object per line into it.")
 
 
 def read_jsonl(path: str, kind: str, *, on_bad_row: str = "error") -> tuple[list[dict], int]:
@@ -222,8 +248,7 @@ def read_jsonl(path: str, kind: str, *, on_bad_row: str = "error") -> tuple[list
   Each record remembers its file and line (see `Record`). Bad rows raise ConfigError naming
   the file, the line and the field, or with on_bad_row="skip" are skipped and counted.
   """
-  if not os.path.isfile(path):
-    raise ConfigError(f"data file {path!r} does not exist: give the path of a JSONL file.")
+  check_file(path)
   return _collect(_json_rows(path), kind, on_bad_row, path)
 
 

@@ -43,6 +43,7 @@ from jaxrl.models.config import ModelConfig, RopeScaling  # noqa: F401  (hf.Rope
 # up into io; its names stay importable from here too, beside the tensor map.
 from jaxrl.models.hf_config import (  # noqa: F401
     ARCHITECTURES, config_from_hf, config_to_hf, family_for, family_of, read_hf_config)
+from jaxrl.models.hf_config import CORRUPT, read_json
 from jaxrl.models.llama import abstract_model
 from jaxrl.parallel.layouts import init_params, tree_shardings
 
@@ -144,23 +145,37 @@ def _weight_files(path: str) -> dict[str, str]:
   """HF tensor name -> safetensors file, from model.safetensors.index.json or the one file."""
   index = os.path.join(path, "model.safetensors.index.json")
   if os.path.isfile(index):
-    with open(index) as f:
-      weight_map = json.load(f)["weight_map"]
+    index_json = read_json(index)
+    weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
+    if not isinstance(weight_map, dict):
+      raise ConfigError(f"{index} has no \"weight_map\" object: {CORRUPT}.")
     for name, file in weight_map.items():
       if not os.path.isfile(os.path.join(path, file)):
         raise ConfigError(f"{index}: tensor {name} is in {file}, which is missing: copy every "
                           "shard the index lists.")
+    for file in sorted(set(weight_map.values())):
+      _tensor_names(os.path.join(path, file))  # a damaged shard fails here, named
     return {name: os.path.join(path, file) for name, file in weight_map.items()}
   files = sorted(x for x in os.listdir(path) if x.endswith(".safetensors"))
   if not files:
     raise ConfigError(f"{path!r} holds no *.safetensors files (and no "
                       "model.safetensors.index.json): jaxrl reads safetensors checkpoints only.")
-  from safetensors import safe_open
   out = {}
   for file in files:
-    with safe_open(os.path.join(path, file), framework="np") as f:
-      out.update({name: os.path.join(path, file) for name in f.keys()})
+    out.update({name: os.path.join(path, file)
+                for name in _tensor_names(os.path.join(path, file))})
   return out
+
+
+def _tensor_names(file: str) -> list[str]:
+  """The tensor names in a safetensors file's header. Opening checks the header against the
+  file's size, so a truncated or damaged file fails here with one sentence naming it."""
+  from safetensors import SafetensorError, safe_open
+  try:
+    with safe_open(file, framework="np") as f:
+      return list(f.keys())
+  except (SafetensorError, OSError) as e:
+    raise ConfigError(f"{file} could not be read as safetensors ({e}): {CORRUPT}.") from None
 
 
 class _Reader:

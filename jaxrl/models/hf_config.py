@@ -19,13 +19,31 @@ ARCHITECTURES = {
 _MODEL_TYPES = {mt: (fam, arch) for arch, (fam, mt) in ARCHITECTURES.items()}
 
 
+CORRUPT = "the checkpoint is damaged or partly downloaded: download it again"
+
+
+def read_json(file: str):
+  """A checkpoint's JSON file (config.json, tokenizer_config.json, the safetensors index); one
+  sentence naming the file when it is not JSON, rather than a JSONDecodeError."""
+  try:
+    with open(file, encoding="utf-8") as f:
+      return json.load(f)
+  except json.JSONDecodeError as e:
+    raise ConfigError(f"{file} is not valid JSON ({e.msg} at line {e.lineno} column "
+                      f"{e.colno}): {CORRUPT}.") from None
+  except UnicodeDecodeError:
+    raise ConfigError(f"{file} is not UTF-8 text: {CORRUPT}.") from None
+
+
 def read_hf_config(path: str) -> dict:
   file = os.path.join(path, "config.json")
   if not os.path.isfile(file):
     raise ConfigError(f"{path!r} holds no config.json: point at a Hugging Face checkpoint "
                       "directory (config.json plus *.safetensors).")
-  with open(file) as f:
-    return json.load(f)
+  hf = read_json(file)
+  if not isinstance(hf, dict):
+    raise ConfigError(f"{file} holds a JSON {type(hf).__name__}, not an object: {CORRUPT}.")
+  return hf
 
 
 def family_of(hf: dict, where: str = "config.json") -> str:

@@ -77,6 +77,14 @@ def data_shards(shards: int = 0) -> tuple[int, list[int]]:
   return shards, list(range(p * per, (p + 1) * per))
 
 
+def check_section(config) -> None:
+  """A batch trainer's data section (SFT, reward model, DPO), at config load: at least one row
+  per batch and one token per row; shards 0 means one per process."""
+  from jaxrl import config as config_lib
+  config_lib.check_at_least(config, 1, "data.batch_size", "data.seq_len")
+  config_lib.check_at_least(config, 0, "data.shards", "data.train_examples")
+
+
 def check_batch_size(batch_size: int, shards: int, replicas: int, accum: int) -> None:
   """The global batch must split evenly into the data shards, the mesh's batch shards
   (data x fsdp = `replicas`) and, within those, the accumulation micro-batches."""

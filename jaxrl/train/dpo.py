@@ -52,7 +52,7 @@ from jaxrl.models.flops import packed_flops
 from jaxrl.parallel import batch_sharding, shard_activations
 from jaxrl.parallel.distributed import global_array
 from jaxrl.objectives import preference_losses as pl
-from jaxrl.train.data import answers, load_task, records
+from jaxrl.train.data import answers, check_section as check_data, load_task, records
 from jaxrl.train.dpo_data import ROW_KEYS, cached_reference, reference_mode, to_rows
 from jaxrl.train.optim import CHOICES as OPTIM_CHOICES, make_optimizer
 from jaxrl.train.run import Run, count_tokens
@@ -69,6 +69,8 @@ CHOICES = {
     "data.on_bad_row": ON_BAD_ROW,
     "data.format": ("prefs", "kto"),
     "data.bias": ("none", "longer"),
+    "data": check_data,  # the data section's ranges
+    "ref": lambda config: config_lib.check_at_least(config, 1, "ref.batch_size"),  # its range
 }
 
 

@@ -16,8 +16,21 @@ from jaxrl.errors import ConfigError, check_choice
 
 OPTIMIZERS = ("adamw",)
 SCHEDULES = ("cosine", "constant")
-# The optim section's keys with fixed choices: each trainer's CHOICES includes these.
-CHOICES = {"optim.name": OPTIMIZERS, "optim.schedule": SCHEDULES}
+
+
+def check_section(config) -> None:
+  """The optim section's ranges, at config load: a positive lr, whole non-negative warmup and
+  at least one micro-batch per update; clip_norm and weight_decay 0 turn them off."""
+  from jaxrl import config as config_lib
+  config_lib.check_positive(config, "optim.lr", example="1e-3")
+  config_lib.check_at_least(config, 0, "optim.warmup_steps", "optim.clip_norm",
+                            "optim.weight_decay", "optim.min_lr_ratio")
+  config_lib.check_at_least(config, 1, "optim.accum_steps")
+
+
+# The optim section's keys with fixed choices, and its ranges: each trainer's CHOICES includes
+# these.
+CHOICES = {"optim.name": OPTIMIZERS, "optim.schedule": SCHEDULES, "optim": check_section}
 
 
 def lr_schedule(section, total_steps: int) -> optax.Schedule:

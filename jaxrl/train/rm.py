@@ -36,12 +36,15 @@ from jaxrl.models.flops import packed_flops
 from jaxrl.parallel import batch_sharding, shard_activations
 from jaxrl.parallel.distributed import distributed_section, global_array
 from jaxrl.train import optim
+from jaxrl.train.data import check_section as check_data
 from jaxrl.train.optim import make_optimizer, optim_section
 from jaxrl.train.run import Run, count_tokens, starting_state
 from jaxrl.train.state import make_train_step, put_batch
 
 # This trainer's keys with fixed choices, checked when a run starts (config.validate).
-CHOICES = {**optim.CHOICES, "data.on_bad_row": ON_BAD_ROW, "data.bias": prefs.BIASES}
+# Sections mapped to a function have their ranges checked there.
+CHOICES = {**optim.CHOICES, "data.on_bad_row": ON_BAD_ROW, "data.bias": prefs.BIASES,
+           "data": check_data}
 PAIR_KEYS = ("inputs", "positions", "segment_ids", "loss_mask")
 
 

@@ -51,7 +51,21 @@ class RunDir:
     self.checkpoints = os.path.join(workdir, "checkpoints")
     self._tb = None
     if write:
-      os.makedirs(workdir, exist_ok=True)
+      # One sentence before any work, not an OSError from the first metrics row or checkpoint;
+      # a throwaway file tests writability (root passes permission bits, not a read-only mount).
+      import tempfile
+
+      from jaxrl.errors import ConfigError
+      if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise ConfigError(f"--workdir {workdir} is a file, not a directory: give a directory "
+                          "(a new one starts a run; a run's directory resumes it).")
+      try:
+        os.makedirs(workdir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=workdir):
+          pass
+      except OSError as e:
+        raise ConfigError(f"--workdir {workdir} cannot be written ({e.strerror or e}): give a "
+                          "directory you can write to.") from None
 
   def path(self, name: str) -> str:
     return os.path.join(self.workdir, name)

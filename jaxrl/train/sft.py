@@ -21,14 +21,16 @@ from jaxrl.parallel import batch_sharding
 from jaxrl.parallel.distributed import distributed_section, global_array
 from jaxrl.tasks import ERROR_MODES
 from jaxrl.train import optim
-from jaxrl.train.data import answers, load_task, records
+from jaxrl.train.data import answers, check_section as check_data, load_task, records
 from jaxrl.train.evaluation import make_eval_loss
 from jaxrl.train.optim import make_optimizer, optim_section
 from jaxrl.train.run import Run, count_tokens
 from jaxrl.train.state import make_train_step, put_batch
 
 # This trainer's keys with fixed choices, checked when a run starts (config.validate).
-CHOICES = {**optim.CHOICES, "data.on_bad_row": ON_BAD_ROW, "data.error_mode": ERROR_MODES}
+# Sections mapped to a function have their ranges checked there.
+CHOICES = {**optim.CHOICES, "data.on_bad_row": ON_BAD_ROW, "data.error_mode": ERROR_MODES,
+           "data": check_data}
 
 
 def default_config():

@@ -6,13 +6,48 @@ from __future__ import annotations
 import ml_collections
 
 from jaxrl import config as config_lib
+from jaxrl.errors import ConfigError
 from jaxrl.rewards import model as rm_lib
 from jaxrl.objectives import advantages as adv_lib
 from jaxrl.objectives import losses
 from jaxrl.train.optim import CHOICES as OPTIM_CHOICES
 
-# This trainer's keys with fixed choices, checked when a run starts (config.validate).
+# The estimators that compare a completion with the others of its group: a group of one has no
+# baseline (grpo's unbiased std and rloo's leave-one-out divide by G - 1; the others give 0).
+GROUP_RELATIVE = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+
+
+def check_rollout(config) -> None:
+  """The rollout section's ranges, at config load."""
+  r = config.rollout
+  config_lib.check_at_least(config, 1, "rollout.prompts_per_step", "rollout.group_size",
+                            "rollout.max_new_tokens", "rollout.slots", "rollout.steps_per_call")
+  config_lib.check_at_least(config, 0, "rollout.top_k")
+  config_lib.check_positive(config, "rollout.temperature", example="1.0")
+  config_lib.check_unit(config, "rollout.top_p", off="1.0 turns it off")
+  advantage = config.get("algo", {}).get("advantage")
+  if advantage in GROUP_RELATIVE and r.group_size < 2:
+    raise ConfigError(f"rollout.group_size={r.group_size} is too small for "
+                      f"algo.advantage={advantage!r}, which compares each completion with the "
+                      "others of its group: set --config.rollout.group_size to 2 or more (or "
+                      "use algo.advantage=reinforce_pp, which needs no group).")
+
+
+def check_algo(config) -> None:
+  """The algo section's ranges, at config load: at least one pass and one minibatch per step
+  (each divides the rollouts); clip ranges, KL and entropy weights are not negative (0 = off)."""
+  config_lib.check_at_least(config, 1, "algo.num_iterations", "algo.minibatches",
+                            "algo.kl_horizon")
+  config_lib.check_at_least(config, 0, "algo.eps_low", "algo.eps_high", "algo.beta",
+                            "algo.kl_target", "algo.adv_clip", "algo.tis_cap",
+                            "algo.max_refill_rounds")
+
+
+# This trainer's keys with fixed choices, checked when a run starts (config.validate); sections
+# mapped to a function have their ranges checked there.
 CHOICES = {
+    "rollout": check_rollout,
+    "algo": check_algo,
     **OPTIM_CHOICES,
     "algo.advantage": adv_lib.ESTIMATORS,
     "algo.aggregation": losses.AGGREGATIONS,
