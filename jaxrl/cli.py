@@ -96,7 +96,8 @@ def _parser() -> argparse.ArgumentParser:
   _common(s, config_required=True)
   s.add_argument("--prompts", required=True, metavar="FILE", help='JSONL, {"prompt": ...} a line')
   s.add_argument("--n", type=int, default=None, help="samples per prompt (default: sampling.n)")
-  s.add_argument("--checkpoint", metavar="DIR", help="checkpoint to sample from (not yet)")
+  s.add_argument("--checkpoint", metavar="DIR",
+                 help="a jaxrl sft or grpo run directory to sample from (its latest params)")
   s = sub.add_parser("demo", help="the embedded default job (runs with no arguments)")
   _common(s, config_required=False)
   _data_parser(sub)
