@@ -625,6 +625,26 @@ def test_a_directory_is_not_called_missing(tmp_path):
                           "path of a JSONL file (e.g. one inside it).")
 
 
+def test_the_sample_prompts_file_gets_the_same_sentences(tmp_path):
+  """`jaxrl sample --prompts`: a BOM is read, bytes that are not UTF-8 and a directory are named
+  (before: UnicodeDecodeError, a refused BOM, a directory called "does not exist")."""
+  from jaxrl.sampler.command import read_prompts
+  bom = tmp_path / "bom.jsonl"
+  bom.write_bytes(b'\xef\xbb\xbf{"prompt": "1+1="}\n')
+  assert read_prompts(str(bom)) == [{"prompt": "1+1="}]
+  latin1 = tmp_path / "latin1.jsonl"
+  latin1.write_bytes(b'{"prompt": "caf\xe9"}\n')
+  with pytest.raises(ConfigError) as e:
+    read_prompts(str(latin1))
+  assert str(e.value) == (f"{latin1} line 1 is not UTF-8 text (byte 0xe9 at byte 16 of the "
+                          "line): save it as UTF-8.")
+  with pytest.raises(ConfigError) as e:
+    read_prompts(str(tmp_path))
+  assert str(e.value) == (f"prompts file {str(tmp_path)!r} is a directory, not a file: give the "
+                          "path of a JSONL file with one JSON object holding a \"prompt\" "
+                          "string per line (e.g. one inside it).")
+
+
 def test_a_trainer_names_a_bad_data_file(repo_root, capsys, tmp_path, monkeypatch):
   """Through the console-script path: one line on stderr, exit 2, no traceback."""
   monkeypatch.chdir(repo_root)

@@ -14,6 +14,7 @@ import jax
 
 from jaxrl import config as config_lib
 from jaxrl.data import ByteTokenizer
+from jaxrl.data.records import check_file, text_lines
 from jaxrl.errors import ConfigError
 from jaxrl.io.params import restore_params
 from jaxrl.parallel import init_params, mesh_from_config
@@ -25,24 +26,23 @@ from jaxrl.train.rundir import RunDir
 
 
 def read_prompts(path: str) -> list[dict]:
-  """The records of a prompts JSONL file; blank lines are skipped, bad ones named by line."""
-  if not os.path.isfile(path):
-    raise ConfigError(f"prompts file {path!r} does not exist: pass --prompts FILE.jsonl with one "
-                      "JSON object holding a \"prompt\" string per line.")
+  """The records of a prompts JSONL file; blank lines are skipped, bad ones named by line. A
+  byte-order mark is dropped and bytes that are not UTF-8 are named (jaxrl.data.text_lines)."""
+  check_file(path, "prompts file",
+             give="a JSONL file with one JSON object holding a \"prompt\" string per line")
   records = []
-  with open(path, encoding="utf-8") as f:
-    for lineno, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}, line {lineno}: not valid JSON ({e.msg}): write one object "
-                          "per line, like {\"prompt\": \"2+2=\"}.") from None
-      if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-        raise ConfigError(f"{path}, line {lineno}: field \"prompt\" is missing or not a string: "
-                          "write one object per line, like {\"prompt\": \"2+2=\"}.")
-      records.append(record)
+  for lineno, line in text_lines(path):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise ConfigError(f"{path}, line {lineno}: not valid JSON ({e.msg}): write one object "
+                        "per line, like {\"prompt\": \"2+2=\"}.") from None
+    if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+      raise ConfigError(f"{path}, line {lineno}: field \"prompt\" is missing or not a string: "
+                        "write one object per line, like {\"prompt\": \"2+2=\"}.")
+    records.append(record)
   if not records:
     raise ConfigError(f"prompts file {path} holds no prompts: add lines like "
                       "{\"prompt\": \"2+2=\"}.")
