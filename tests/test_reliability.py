@@ -71,6 +71,8 @@ def test_run_json_records_the_command_and_model(sft_run):
   assert run["command"] == "sft"
   assert run["model"]["num_layers"] == 2
   assert run["params"]["embed"][0] == [run["model"]["vocab_size"], run["model"]["embed_dim"]]
+  # Which data it trained on: the content hash of the train records (jaxrl.data.prefs).
+  assert run["data"].startswith("sha256:") and len(run["data"]) == len("sha256:") + 64
 
 
 def test_another_command_on_a_run_dir_is_refused_before_writing(capsys, sft_copy):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ml_collections
 
 from jaxrl import config as config_lib
-from jaxrl.data import ON_BAD_ROW, sft_batches
+from jaxrl.data import ON_BAD_ROW, prefs, sft_batches
 from jaxrl.models import apply, token_logprobs
 from jaxrl.models.flops import packed_flops
 from jaxrl.parallel import batch_sharding
@@ -95,6 +95,7 @@ def run(config, workdir: str, *, out=print) -> dict:
   d, mesh = config.data, r.mesh
   task = load_task(config)
   train, held_out = _records(config, task)
+  r.record_data(prefs.fingerprint(train))
   batches = r.batches(sft_batches, train, packing=d.packing)
   shd = batch_sharding(mesh, 2, config.layout)
 

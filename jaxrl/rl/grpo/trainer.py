@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from jaxrl.data import prefs
 from jaxrl.errors import ConfigError
 from jaxrl.models.flops import rollout_flops
 from jaxrl.parallel import batch_sharding
@@ -203,6 +204,7 @@ def setup(config, workdir: str, *, out=print) -> tuple[Parts, Any]:
   train_records, held_out, _ = records(
       config, task, "rl", build=lambda split, n, seed: task.records(split, n, seed),
       what="{prompt, answer}")
+  run.record_data(prefs.fingerprint(train_records))
   specs = reward_specs(config.rewards, task, config.get("reward_kwargs"))
   rm_cfg = config.reward_model
   rm_paths = rm_lib.checkpoint_list(rm_cfg)
