@@ -647,6 +647,18 @@ def test_the_sample_prompts_file_gets_the_same_sentences(tmp_path):
                           "string per line (e.g. one inside it).")
 
 
+@pytest.mark.parametrize("key", ["max_new_tokens", "n", "slots", "steps_per_call"])
+def test_the_sampling_sections_counts_are_checked_at_load(repo_root, key):
+  """`jaxrl sample`'s own numbers get the trainers' range sentence at load (before: 0 new
+  tokens or 0 slots went on to a shape error or an empty run)."""
+  from jaxrl.sampler import command
+  with pytest.raises(ConfigError) as e:
+    config_lib.load_config(os.path.join(repo_root, "configs", "sample_tiny.py"),
+                           [f"sampling.{key}=0"], command.CHOICES)
+  assert str(e.value) == (f"sampling.{key}=0 must be at least 1: set --config.sampling.{key} "
+                          "to 1 or more.")
+
+
 def test_a_trainer_names_a_bad_data_file(repo_root, capsys, tmp_path, monkeypatch):
   """Through the console-script path: one line on stderr, exit 2, no traceback."""
   monkeypatch.chdir(repo_root)

@@ -49,9 +49,17 @@ def read_prompts(path: str) -> list[dict]:
   return records
 
 
-# The sampling section's keys with fixed choices. The section is this command's (a config file
-# like configs/sample_tiny.py writes it), so its choices live here, not in jaxrl.config.
-CHOICES = {"sampling.mode": ("sample", "greedy"), "sampling.batching": ("continuous", "static")}
+def check_section(config) -> None:
+  """The sampling section's counts, at config load (temperature, top-k, top-p and min-p are
+  checked by jaxrl.sampler.SamplingParams, with the sampler's own wording)."""
+  config_lib.check_at_least(config, 1, "sampling.max_new_tokens", "sampling.n", "sampling.slots",
+                            "sampling.steps_per_call")
+
+
+# The sampling section's keys with fixed choices, and its ranges. The section is this command's
+# (a config file like configs/sample_tiny.py writes it), so they live here, not in jaxrl.config.
+CHOICES = {"sampling.mode": ("sample", "greedy"), "sampling.batching": ("continuous", "static"),
+           "sampling": check_section}
 
 
 def run(config, *, prompts_path: str, workdir: str | None, n: int | None = None,
@@ -74,6 +82,8 @@ def run(config, *, prompts_path: str, workdir: str | None, n: int | None = None,
   records = read_prompts(prompts_path)
   s = config.sampling
   n = s.n if n is None else n
+  if n < 1:
+    raise ConfigError(f"--n {n} asks for no samples: give 1 or more per prompt.")
   tok = ByteTokenizer()
   cfg = config_lib.model_config(config)
   if tok.vocab_size > cfg.vocab_size:
