@@ -649,8 +649,8 @@ def test_the_sample_prompts_file_gets_the_same_sentences(tmp_path):
 
 @pytest.mark.parametrize("key", ["max_new_tokens", "n", "slots", "steps_per_call"])
 def test_the_sampling_sections_counts_are_checked_at_load(repo_root, key):
-  """`jaxrl sample`'s own numbers get the trainers' range sentence at load (before: 0 new
-  tokens or 0 slots went on to a shape error or an empty run)."""
+  """`jaxrl sample`'s own numbers get the trainers' range sentence at load (before, nothing
+  checked them there)."""
   from jaxrl.sampler import command
   with pytest.raises(ConfigError) as e:
     config_lib.load_config(os.path.join(repo_root, "configs", "sample_tiny.py"),
