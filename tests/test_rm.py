@@ -495,7 +495,7 @@ def test_grpo_against_a_biased_reward_model_fires_the_alarm(reward_models, sft_a
   The policy is pushed hard (lr 2e-4, 4x grpo_tiny's 5e-5, as notebooks/reward_hacking.ipynb
   does), so the outcome does not hang on float rounding. At grpo_tiny's lr the slide was too
   slow to hold: over GRPO seeds 0-4 held-out fell by 0.004-0.070 in 40 steps with YNNPACK
-  dots and 0.051-0.191 with Eigen dots, and the proxy fell in 3 of those 10 runs. At 2e-4
+  dots and 0.051-0.191 with Eigen dots, and the proxy fell in 4 of those 10 runs. At 2e-4
   (measured 2026-12-02, AMD EPYC Zen 4, each dot kernel with its own SFT and RM fixtures:
   held-out 0.711 (YNNPACK) and 0.945 (Eigen) after SFT) held-out fell by 0.48-0.59 (YNNPACK)
   and 0.70-0.73 (Eigen) over GRPO seeds 0-4, and by 0.47-0.58 from a second SFT draw (SFT
