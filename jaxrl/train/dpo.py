@@ -45,7 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl import config as config_lib
 from jaxrl.backends import compiler_options
-from jaxrl.data import ON_BAD_ROW
+from jaxrl.data import ON_BAD_ROW, prefs
 from jaxrl.errors import ConfigError
 from jaxrl.models import apply, token_logprobs
 from jaxrl.models.flops import packed_flops
@@ -231,14 +231,9 @@ def kto_loss(graphdef, a):
 # ----------------------------------------------------------------------------- set-up
 
 
-def _prefs():
-  from jaxrl.data import prefs
-  return prefs
-
-
 def _records(config, task):
   """(train records, held-out pairs, held-out {prompt, answer} or None, data report)."""
-  prefs, d = _prefs(), config.data
+  d = config.data
   if d.format == "kto" and config.algo.loss != "kto":
     raise ConfigError(f"data.format='kto' holds unpaired rows, which only algo.loss=kto trains "
                       f"on, but algo.loss={config.algo.loss!r}: set algo.loss=kto, or give a "
@@ -303,7 +298,7 @@ def held_out_rows(r, held_out) -> list[dict]:
   eval_bs = min(d.batch_size, len(held_out) // r.replicas * r.replicas)
   if not held_out or eval_bs <= 0:
     return []
-  return list(_prefs().prefs_batches(held_out, r.tokenizer, seq_len=d.seq_len,
+  return list(prefs.prefs_batches(held_out, r.tokenizer, seq_len=d.seq_len,
                                      batch_size=eval_bs, seed=0, shuffle=False, num_epochs=1,
                                      on_bad_row=d.on_bad_row))
 
@@ -350,7 +345,7 @@ class PrefEval:
 def run(config, workdir: str, *, out=print) -> dict:
   """Trains (or resumes) the preference run in `workdir`; returns the summary."""
   r = Run(config, workdir, out=out, choices=CHOICES, command="dpo")
-  a, d, mesh, cfg, prefs = config.algo, config.data, r.mesh, r.cfg, _prefs()
+  a, d, mesh, cfg = config.algo, config.data, r.mesh, r.cfg
   kto, paired = a.loss == "kto", d.format == "prefs"
   check_algo(a)
 

@@ -34,13 +34,18 @@ from jaxrl import backends
 from jaxrl.errors import ConfigError
 
 
-def read_config(workdir: str) -> dict | None:
-  """The resolved config a run wrote to DIR/config.json, as a dict; None when DIR has none."""
+def _read_json(workdir: str, name: str) -> dict | None:
+  """DIR/name as a dict; None when DIR has none."""
   try:
-    with open(os.path.join(workdir, "config.json")) as f:
+    with open(os.path.join(workdir, name)) as f:
       return json.load(f)
   except FileNotFoundError:
     return None
+
+
+def read_config(workdir: str) -> dict | None:
+  """The resolved config a run wrote to DIR/config.json, as a dict; None when DIR has none."""
+  return _read_json(workdir, "config.json")
 
 
 class RunDir:
@@ -136,11 +141,7 @@ class RunDir:
 
 def read_run(workdir: str) -> dict | None:
   """DIR/run.json as a dict; None when DIR has none."""
-  try:
-    with open(os.path.join(workdir, "run.json")) as f:
-      return json.load(f)
-  except FileNotFoundError:
-    return None
+  return _read_json(workdir, "run.json")
 
 
 def infer_command(config: dict) -> str | None:
