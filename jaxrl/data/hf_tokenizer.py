@@ -129,6 +129,11 @@ class HFTokenizer:
       raise ConfigError(f"{cfg_file}: no eos_token: set it to the token that ends a turn.")
     pad = self._id("pad_token")
     self.pad_id = self.eos_id if pad is None else pad
+    # Every id that ends a completion: eos, and generation_config.json's eos_token_id (an int
+    # or a list; Llama 3 instruct lists <|end_of_text|>, <|eom_id|> and <|eot_id|>), which is
+    # what transformers' generate() stops on.
+    more = generation_eos_ids(path, self.vocab_size)
+    self.eos_ids = tuple(dict.fromkeys((self.eos_id, *more)))
 
   def _id(self, key: str) -> int | None:
     text = self.special_tokens.get(key)
@@ -221,12 +226,44 @@ class HFTokenizer:
     return enc.ids, mask
 
 
+def generation_eos_ids(path: str, vocab_size: int | None = None) -> tuple[int, ...]:
+  """The eos ids of `path`/generation_config.json (its eos_token_id: an int or a list of ints),
+  or () when there is no such file or key. A damaged file is named, never skipped."""
+  file = os.path.join(path, "generation_config.json")
+  if not os.path.isfile(file):
+    return ()
+  cfg = read_json(file)
+  if not isinstance(cfg, dict):
+    raise ConfigError(f"{file} holds a JSON {type(cfg).__name__}, not an object: {CORRUPT}.")
+  eos = cfg.get("eos_token_id")
+  if eos is None:
+    return ()
+  ids = eos if isinstance(eos, list) else [eos]
+  for i in ids:
+    if not isinstance(i, int) or isinstance(i, bool) or i < 0 or (
+        vocab_size is not None and i >= vocab_size):
+      raise ConfigError(f"{file}: eos_token_id={eos!r} is not a token id or a list of them "
+                        f"(ids run from 0 to {vocab_size - 1 if vocab_size else 'the vocab'}): "
+                        "fix it, or delete the key to stop on the tokenizer's eos only.")
+  return tuple(ids)
+
+
+def eos_ids(tokenizer) -> tuple[int, ...]:
+  """Every id that ends a completion as eos: the tokenizer's eos, plus generation_config.json's
+  for a checkpoint's tokenizer (the byte tokenizer has only its own)."""
+  return tuple(getattr(tokenizer, "eos_ids", (tokenizer.eos_id,)))
+
+
 def tokenizer_for(config):
-  """The tokenizer a trainer uses: the checkpoint's own (HFTokenizer) when model.hf_path holds
-  a tokenizer.json, else the byte-level tokenizer. Its ids must fit the model's vocabulary."""
+  """The tokenizer a command uses: the checkpoint's own (HFTokenizer) when the config names
+  model.hf_path, else the byte-level tokenizer, which serves the built-in presets only. Its
+  ids must fit the model's vocabulary."""
   path = config.model.get("hf_path") or ""
-  tok = (HFTokenizer(path) if path and os.path.isfile(os.path.join(path, "tokenizer.json"))
-         else ByteTokenizer())
+  if path and not os.path.isfile(os.path.join(path, "tokenizer.json")):
+    raise ConfigError(f"model.hf_path={path!r} holds no tokenizer.json: copy the checkpoint's "
+                      "tokenizer files (tokenizer.json, tokenizer_config.json) beside its "
+                      "weights; jaxrl never pairs a checkpoint with the byte tokenizer.")
+  tok = HFTokenizer(path) if path else ByteTokenizer()
   vocab = config_lib.model_config(config).vocab_size
   if tok.vocab_size > vocab:
     raise ConfigError(f"the tokenizer has {tok.vocab_size} ids but model.vocab_size is {vocab}: "

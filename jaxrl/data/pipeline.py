@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 import grain
 import numpy as np
 
+from jaxrl.data.prompts import chat_on, chat_turns, plain_text, template_kwargs
 from jaxrl.data.records import BadRow, ON_BAD_ROW, check_record, where
 from jaxrl.data.tokenizer import Tokenizer
 from jaxrl.errors import ConfigError, check_choice
@@ -32,30 +33,55 @@ log = logging.getLogger(__name__)
 FEATURES = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
 
 
+TRAIN_ON = ("last", "all_assistant")  # data.train_on: which assistant turns SFT trains
+
+
 def encode_turn(prompt: str, completion: str, tokenizer: Tokenizer,
-                context: list[dict] | None = None) -> tuple[list[int], list[int]]:
+                context: list[dict] | None = None, data_cfg=None
+                ) -> tuple[list[int], list[int]]:
   """(prompt ids, completion ids ending in the eos) of one example.
 
-  With `context` (the chat turns before the completion) and a tokenizer that has a chat
-  template, the chat is rendered by that template, the way transformers' apply_chat_template
-  would (the completion is then the final assistant turn with its end-of-turn tokens). Else
-  it is bos + prompt text, and completion text + eos.
+  With chat on (jaxrl.data.prompts.chat_on: by default when the tokenizer has a chat
+  template), the prompt's turns (`context`, or `prompt` as one user turn, after
+  data.system_prompt) and the completion as the assistant's turn are rendered by that
+  template, the way transformers' apply_chat_template would: the prompt is the rendering with
+  the generation prompt, exactly what GRPO and sampling feed the model, and the completion the
+  final assistant turn with its end-of-turn tokens. Else it is bos + prompt text (see
+  prompts.plain_text), and completion text + eos.
   """
-  if context and getattr(tokenizer, "chat_template", None):
-    p, c = tokenizer.encode_chat_sft([*context, {"role": "assistant", "content": completion}])
+  record = {"prompt": prompt, "messages": context}
+  if chat_on(tokenizer, data_cfg):
+    p, c = tokenizer.encode_chat_sft(
+        [*chat_turns(record, data_cfg), {"role": "assistant", "content": completion}],
+        **template_kwargs(data_cfg))
     return p, c if tokenizer.eos_id in c else c + [tokenizer.eos_id]
-  return tokenizer.encode(prompt, bos=True), tokenizer.encode(completion, eos=True)
+  return (tokenizer.encode(plain_text(record, data_cfg), bos=True),
+          tokenizer.encode(completion, eos=True))
 
 
-def tokenize_sft(record: dict, tokenizer: Tokenizer) -> dict[str, np.ndarray]:
+def tokenize_sft(record: dict, tokenizer: Tokenizer, data_cfg=None) -> dict[str, np.ndarray]:
   """One example's unpadded inputs, targets and loss_mask, each [P + C + 1].
 
-  A chat record ({"messages"}) is rendered with the tokenizer's chat template when it has one
-  (HFTokenizer); only the final assistant turn is trained on.
+  Rendered as `encode_turn` says. A chat record ({"messages"}) trains its final assistant turn,
+  or with data.train_on="all_assistant" every assistant turn (the tokenizer's
+  encode_chat_with_mask: each turn's tokens from the end of its generation prompt through its
+  end-of-turn tokens; user and system turns carry no loss).
   """
   messages = record.get("messages")
+  train_on = (data_cfg.get("train_on", None) if data_cfg is not None else None) or "last"
+  check_choice("data.train_on", train_on, TRAIN_ON)
+  if train_on == "all_assistant" and messages:
+    if not chat_on(tokenizer, data_cfg):
+      raise ConfigError("data.train_on=all_assistant needs chat-templated records (a "
+                        "checkpoint tokenizer with a chat template, data.chat on): set "
+                        "data.train_on=last.")
+    turns = chat_turns({"messages": messages}, data_cfg)
+    ids, mask = tokenizer.encode_chat_with_mask(turns, **template_kwargs(data_cfg))
+    # Target t is ids[t + 1]: it carries loss where that token is an assistant token.
+    return {"inputs": np.asarray(ids[:-1], np.int32), "targets": np.asarray(ids[1:], np.int32),
+            "loss_mask": np.asarray(mask[1:], np.float32)}
   prompt, completion = encode_turn(record["prompt"], record["completion"], tokenizer,
-                                   messages[:-1] if messages else None)
+                                   messages[:-1] if messages else None, data_cfg)
   return example(prompt, completion)
 
 
@@ -103,15 +129,15 @@ def prepare(records: Sequence[dict], indices: Iterable[int], *, kind: str, encod
 
 
 def prepare_sft(records: Sequence[dict], tokenizer: Tokenizer, *, seq_len: int,
-                on_bad_row: str = "error", indices: Sequence[int] | None = None
-                ) -> tuple[list[dict[str, np.ndarray]], int]:
+                on_bad_row: str = "error", indices: Sequence[int] | None = None,
+                data_cfg=None) -> tuple[list[dict[str, np.ndarray]], int]:
   """(tokenised examples, skipped) of `records` (only `indices` of them, when given).
 
   Chat records are normalised, and a row longer than seq_len is an error naming its file,
   line and field, or a counted skip with on_bad_row="skip".
   """
   def encode(rec, at):
-    ex = tokenize_sft(rec, tokenizer)
+    ex = tokenize_sft(rec, tokenizer, data_cfg)
     check_length(ex, seq_len, at, "completion")
     return ex
 
@@ -178,13 +204,13 @@ def epochs(examples: Sequence, *, seed: int, shuffle: bool, num_epochs: int | No
 def sft_dataset(records: Sequence[dict], tokenizer: Tokenizer, *, seq_len: int,
                 batch_size: int, seed: int, shuffle: bool = True, num_epochs: int | None = None,
                 packing: bool = False, shard_index: int = 0, shard_count: int = 1,
-                on_bad_row: str = "error") -> tuple[grain.IterDataset, int]:
+                on_bad_row: str = "error", data_cfg=None) -> tuple[grain.IterDataset, int]:
   """(the batched grain IterDataset, skipped rows) behind `sft_batches`."""
   indices = shard_indices(len(records), seq_len=seq_len, batch_size=batch_size,
                           num_epochs=num_epochs, shard_index=shard_index,
                           shard_count=shard_count)
   examples, skipped = prepare_sft(records, tokenizer, seq_len=seq_len, on_bad_row=on_bad_row,
-                                  indices=indices)
+                                  indices=indices, data_cfg=data_cfg)
   if not examples:
     raise ConfigError(f"shard {shard_index} of {shard_count} has no usable SFT rows "
                       f"({len(indices)} read, {skipped} skipped): give more data or fewer "
@@ -210,7 +236,8 @@ def sft_dataset(records: Sequence[dict], tokenizer: Tokenizer, *, seq_len: int,
 def sft_batches(records: Sequence[dict], tokenizer: Tokenizer, *, seq_len: int,
                 batch_size: int, seed: int, shuffle: bool = True,
                 num_epochs: int | None = None, packing: bool = False, shard_index: int = 0,
-                shard_count: int = 1, on_bad_row: str = "error") -> grain.DatasetIterator:
+                shard_count: int = 1, on_bad_row: str = "error",
+                data_cfg=None) -> grain.DatasetIterator:
   """A checkpointable iterator of SFT batches (see the module docstring for the format).
 
   records: {"prompt", "completion"} or {"messages"} dicts (a list, or anything indexable).
@@ -218,11 +245,13 @@ def sft_batches(records: Sequence[dict], tokenizer: Tokenizer, *, seq_len: int,
   seeded and differs per epoch. Process `shard_index` of `shard_count` reads only the records
   with index % shard_count == shard_index. Bad or over-long rows raise ConfigError, or with
   on_bad_row="skip" are skipped; the count is logged and kept on the iterator as `.skipped`.
+  data_cfg: the config's data section (chat, chat_template_kwargs, system_prompt, train_on;
+  see encode_turn and tokenize_sft); None takes the defaults.
   """
   ds, skipped = sft_dataset(records, tokenizer, seq_len=seq_len, batch_size=batch_size,
                             seed=seed, shuffle=shuffle, num_epochs=num_epochs, packing=packing,
                             shard_index=shard_index, shard_count=shard_count,
-                            on_bad_row=on_bad_row)
+                            on_bad_row=on_bad_row, data_cfg=data_cfg)
   it = iter(ds)
   it.skipped = skipped
   return it

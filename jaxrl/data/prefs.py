@@ -161,10 +161,12 @@ def _tail_alphabet(answer: str) -> str:
 # ----------------------------------------------------------------------------- batches
 
 
-def tokenize_pair(record: dict, tokenizer: Tokenizer) -> dict[str, np.ndarray]:
-  """Both sides of a pair as SFT examples (unpadded), keyed "chosen" and "rejected"."""
+def tokenize_pair(record: dict, tokenizer: Tokenizer, data_cfg=None) -> dict[str, np.ndarray]:
+  """Both sides of a pair as SFT examples (unpadded), keyed "chosen" and "rejected", rendered
+  as encode_turn says (chat-templated by default when the tokenizer has a template)."""
   context = record.get("messages")
-  return {side: example(*encode_turn(record["prompt"], record[side], tokenizer, context))
+  return {side: example(*encode_turn(record["prompt"], record[side], tokenizer, context,
+                                     data_cfg))
           for side in SIDES}
 
 
@@ -183,7 +185,7 @@ def _iterator(examples: list, skipped: int, pad, *, kind: str, batch_size: int, 
 def prefs_batches(records: Sequence[dict], tokenizer: Tokenizer, *, seq_len: int,
                   batch_size: int, seed: int, shuffle: bool = True,
                   num_epochs: int | None = None, shard_index: int = 0, shard_count: int = 1,
-                  on_bad_row: str = "error") -> grain.DatasetIterator:
+                  on_bad_row: str = "error", data_cfg=None) -> grain.DatasetIterator:
   """A checkpointable iterator of pair batches: dicts of numpy arrays [batch_size, 2, seq_len]
   (inputs, targets, loss_mask, positions, segment_ids), axis 1 = (chosen, rejected).
 
@@ -195,7 +197,7 @@ def prefs_batches(records: Sequence[dict], tokenizer: Tokenizer, *, seq_len: int
                           num_epochs=num_epochs, shard_index=shard_index,
                           shard_count=shard_count)
   def encode(r, at):
-    ex = tokenize_pair(r, tokenizer)
+    ex = tokenize_pair(r, tokenizer, data_cfg)
     for side in SIDES:
       check_length(ex[side], seq_len, at, side)
     return ex
@@ -216,7 +218,7 @@ def prefs_batches(records: Sequence[dict], tokenizer: Tokenizer, *, seq_len: int
 def kto_batches(records: Sequence[dict], tokenizer: Tokenizer, *, seq_len: int,
                 batch_size: int, seed: int, shuffle: bool = True,
                 num_epochs: int | None = None, shard_index: int = 0, shard_count: int = 1,
-                on_bad_row: str = "error") -> grain.DatasetIterator:
+                on_bad_row: str = "error", data_cfg=None) -> grain.DatasetIterator:
   """A checkpointable iterator of KTO batches: SFT rows [batch_size, seq_len] plus "label"
   [batch_size] float32 (1.0 desirable, 0.0 undesirable). Arguments as `prefs_batches`."""
   indices = shard_indices(len(records), seq_len=seq_len, batch_size=batch_size,
@@ -224,7 +226,8 @@ def kto_batches(records: Sequence[dict], tokenizer: Tokenizer, *, seq_len: int,
                           shard_count=shard_count)
 
   def encode(r, at):
-    ex = example(*encode_turn(r["prompt"], r["completion"], tokenizer, r.get("messages")))
+    ex = example(*encode_turn(r["prompt"], r["completion"], tokenizer, r.get("messages"),
+                              data_cfg))
     check_length(ex, seq_len, at, "completion")
     ex["label"] = np.float32(r["label"])
     return ex

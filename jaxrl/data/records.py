@@ -1,7 +1,10 @@
 """Record formats and their readers: JSONL, and array_record files such as TFDS writes.
 
     sft     {"prompt": str, "completion": str}  or  {"messages": [{"role", "content"}, ...]}
-    rl      {"prompt": str, "answer": str, ...}   extra fields are kept for reward functions
+    rl      {"prompt": str, "answer": str, ...}  or  {"messages": [...], "answer": str, ...}
+            (the prompt's turns, ending in the user's); extra fields are kept for rewards
+    prompt  what `jaxrl sample` and eval read: an rl row whose "answer" is optional, or
+            {"prompt_ids": [int, ...]} (token ids, fed as they are)
     prefs   {"prompt": str, "chosen": str, "rejected": str}  or the chat variant of public
             binarized sets (UltraFeedback): "chosen"/"rejected" are message lists that end in the
             assistant's turn ("prompt" optional; the earlier turns are the prompt)
@@ -24,11 +27,12 @@ from jaxrl.errors import ConfigError, check_choice
 
 log = logging.getLogger(__name__)
 
-KINDS = ("sft", "rl", "prefs", "kto")
+KINDS = ("sft", "rl", "prefs", "kto", "prompt")
 ON_BAD_ROW = ("error", "skip")
 ROLES = ("system", "user", "assistant")
 _FIELDS = {"sft": ("prompt", "completion"), "rl": ("prompt", "answer"),
-           "prefs": ("prompt", "chosen", "rejected"), "kto": ("prompt", "completion")}
+           "prefs": ("prompt", "chosen", "rejected"), "kto": ("prompt", "completion"),
+           "prompt": ("prompt",)}
 
 
 class Record(dict):
@@ -81,12 +85,19 @@ def messages_to_sft(messages: list[dict]) -> tuple[str, str]:
   Only the final assistant turn is trained on.
   """
   *context, last = messages
+  return context_text(context), last["content"]
+
+
+def context_text(context: list[dict]) -> str:
+  """The text form of a chat's turns before an assistant's answer, for tokenizers without a
+  chat template: one user turn as is, a system and a user turn joined by a blank line, longer
+  chats as "role: content" lines ending in "assistant: "."""
   if len(context) == 1 and context[0]["role"] == "user":
-    return context[0]["content"], last["content"]
+    return context[0]["content"]
   if [m["role"] for m in context] == ["system", "user"]:
-    return context[0]["content"] + "\n\n" + context[1]["content"], last["content"]
+    return context[0]["content"] + "\n\n" + context[1]["content"]
   lines = "".join(f"{m['role']}: {m['content']}\n" for m in context)
-  return lines + "assistant: ", last["content"]
+  return lines + "assistant: "
 
 
 def _check_messages(obj: dict, at: str, *, context: bool = False) -> list[dict]:
@@ -139,7 +150,9 @@ def check_record(obj, kind: str, at: str) -> dict:
   if kind == "prefs" and (isinstance(obj.get("chosen"), list) or
                           isinstance(obj.get("rejected"), list)):
     return _chat_pair(obj, at)
-  out = dict(obj) if kind == "rl" else {}  # RL extras go on to the reward functions
+  if kind in ("rl", "prompt"):
+    return _prompt_row(obj, kind, at)
+  out = {}
   for field in _FIELDS[kind]:
     out[field] = _text(obj, field, at)
   if kind == "prefs" and "messages" in obj:  # a chat pair normalised before: its prompt turns
@@ -150,6 +163,33 @@ def check_record(obj, kind: str, at: str) -> dict:
       raise BadRow(f"{at}: field 'label' is {'missing' if 'label' not in obj else repr(label)}:"
                    " give true (a desirable completion) or false (an undesirable one).")
     out["label"] = label
+  return out
+
+
+def _prompt_row(obj: dict, kind: str, at: str) -> dict:
+  """An RL or prompt row: every field kept (extras go on to reward functions), the prompt given
+  as "prompt" text, as "messages" (the turns before the answer, ending in the user's; their
+  text form becomes "prompt" unless one is given), or for kind "prompt" as "prompt_ids"."""
+  out = dict(obj)
+  if kind == "prompt" and "prompt_ids" in obj:
+    ids = obj["prompt_ids"]
+    if not (isinstance(ids, list) and ids and all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+      raise BadRow(f"{at}: field 'prompt_ids' is not a non-empty list of token ids (integers "
+                   ">= 0): write it like [9707, 11, 1879].")
+    if "prompt" in obj:
+      _text(obj, "prompt", at)
+  elif "messages" in obj:
+    out["messages"] = _check_messages(obj, at, context=True)
+    out["prompt"] = (_text(obj, "prompt", at) if "prompt" in obj
+                     else context_text(out["messages"]))
+  else:
+    if "prompt" not in obj:
+      raise BadRow(f"{at}: field 'prompt' is missing: every row needs a non-empty 'prompt' "
+                   "string or a 'messages' list of {\"role\", \"content\"} turns.")
+    out["prompt"] = _text(obj, "prompt", at)
+  if kind == "rl":
+    out["answer"] = _text(obj, "answer", at)
   return out
 
 

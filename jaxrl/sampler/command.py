@@ -1,52 +1,96 @@
 """`jaxrl sample`: completions for a JSONL file of prompts, printed and written to the workdir.
 
---checkpoint takes a run directory of `jaxrl sft` or `jaxrl grpo` (or its checkpoints/): its latest
-params are read straight into the sampler layout. Without it the model is a random init of the
-config's model (useful for checking the plumbing only).
+The model is, in order:
+  --checkpoint RUN     a `jaxrl sft` / `grpo` / `dpo` run directory (or its checkpoints/): its
+                       latest params, with the tokenizer of the model.hf_path the run started
+                       from (its config.json records it), else the byte tokenizer of a preset;
+  model.hf_path=DIR    a Hugging Face checkpoint: its weights (jaxrl.io.hf), its tokenizer,
+                       chat template and stop ids (eos, plus generation_config.json's);
+  neither              the preset's random init, with the byte tokenizer (plumbing checks only;
+                       it says so).
+A config that names model.hf_path never samples random weights: a directory without its
+config.json, weights or tokenizer is an error.
+
+Prompt files hold {"prompt": ...}, {"messages": [...]} or {"prompt_ids": [...]} rows (extra
+fields such as "answer" are kept); a bad row is named by file, line and field. Prompts are
+rendered as everywhere else (jaxrl.data.prompts: chat-templated for an instruct checkpoint, per
+the config's data section). Each completion is one JSONL row in DIR/completions.jsonl:
+prompt_index, sample, prompt (and messages), prompt_text and prompt_ids (what the model was
+given), completion, completion_ids, logprobs (per token, as the sampler reports them) and
+finish_reason: "eos" (an eos id), "stop" (one of sampling.stop_ids) or "length".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
 import jax
 
 from jaxrl import config as config_lib
-from jaxrl.data import ByteTokenizer
-from jaxrl.data.records import check_file, text_lines
+from jaxrl.data.hf_tokenizer import eos_ids, tokenizer_for
+from jaxrl.data.prompts import render_prompt_text, render_prompts
+from jaxrl.data.records import check_file, read_jsonl, where
 from jaxrl.errors import ConfigError
+from jaxrl.io.hf import params_from_config
 from jaxrl.io.params import restore_params
+from jaxrl.models.llama import abstract_model
 from jaxrl.parallel import init_params, mesh_from_config
+from jaxrl.parallel.layouts import tree_shardings
 from jaxrl.sampler.engine import Engine
 from jaxrl.sampler.rollout import generate, metrics
 from jaxrl.sampler.sampling import from_config
 from jaxrl.train import rundir
 from jaxrl.train.rundir import RunDir
+from jaxrl.train.run import adopt_hf_path
+
+EXAMPLE = '{"prompt": "2+2="} or {"messages": [{"role": "user", "content": "2+2="}]}'
 
 
-def read_prompts(path: str) -> list[dict]:
-  """The records of a prompts JSONL file; blank lines are skipped, bad ones named by line. A
-  byte-order mark is dropped and bytes that are not UTF-8 are named (jaxrl.data.text_lines)."""
-  check_file(path, "prompts file",
-             give="a JSONL file with one JSON object holding a \"prompt\" string per line")
-  records = []
-  for lineno, line in text_lines(path):
-    if not line.strip():
-      continue
-    try:
-      record = json.loads(line)
-    except json.JSONDecodeError as e:
-      raise ConfigError(f"{path}, line {lineno}: not valid JSON ({e.msg}): write one object "
-                        "per line, like {\"prompt\": \"2+2=\"}.") from None
-    if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-      raise ConfigError(f"{path}, line {lineno}: field \"prompt\" is missing or not a string: "
-                        "write one object per line, like {\"prompt\": \"2+2=\"}.")
-    records.append(record)
+def read_prompts(path: str, *, on_bad_row: str = "error") -> list[dict]:
+  """The rows of a prompts JSONL file ("prompt", "messages" or "prompt_ids"; jaxrl.data.records
+  kind "prompt"): blank lines skipped, a bad row named by file, line and field."""
+  check_file(path, "prompts file", give=f"a JSONL file with one object like {EXAMPLE} a line")
+  records, _ = read_jsonl(path, "prompt", on_bad_row=on_bad_row)
   if not records:
-    raise ConfigError(f"prompts file {path} holds no prompts: add lines like "
-                      "{\"prompt\": \"2+2=\"}.")
+    raise ConfigError(f"prompts file {path} holds no usable prompts: add lines like {EXAMPLE}.")
   return records
+
+
+def _is_hf_dir(path: str) -> bool:
+  """A Hugging Face checkpoint directory (config.json and safetensors), not a jaxrl run."""
+  return (os.path.isfile(os.path.join(path, "config.json")) and
+          not os.path.isdir(os.path.join(path, "checkpoints")) and
+          any(f.endswith(".safetensors") for f in os.listdir(path)))
+
+
+def load_model(config, mesh, *, checkpoint: str | None, out=print):
+  """(cfg, graphdef, params, tokenizer) in the sampler layout: see the module doc for which
+  weights and tokenizer. `config.model.hf_path` is set from the run when --checkpoint names
+  one that started from a checkpoint."""
+  if checkpoint and _is_hf_dir(checkpoint):
+    here = config.model.get("hf_path") or ""
+    if here and os.path.abspath(here) != os.path.abspath(checkpoint):
+      raise ConfigError(f"--checkpoint={checkpoint!r} is a Hugging Face checkpoint but "
+                        f"model.hf_path={here!r} names another: give one of them.")
+    config.model.hf_path, checkpoint = checkpoint, None
+  if checkpoint:
+    adopt_hf_path(config, checkpoint, key="--checkpoint", say=out)
+  tokenizer = tokenizer_for(config)  # the checkpoint's own when model.hf_path is set
+  cfg = config_lib.model_config(config)
+  if checkpoint:
+    graphdef, shapes, axes = abstract_model(cfg)
+    abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                            shapes, tree_shardings(shapes, axes, mesh, "sampler"))
+    params = restore_params(checkpoint, abstract, key="--checkpoint")
+  elif config.model.get("hf_path"):
+    cfg, graphdef, params = params_from_config(config, mesh, "sampler")  # real weights or error
+  else:
+    out(f"note: no --checkpoint and no model.hf_path: sampling the {config.model.preset!r} "
+        "preset's random init (a plumbing check, not a model)")
+    graphdef, params = init_params(cfg, mesh, "sampler", seed=config.seed)
+  return cfg, graphdef, params, tokenizer
 
 
 def check_section(config) -> None:
@@ -71,34 +115,27 @@ def run(config, *, prompts_path: str, workdir: str | None, n: int | None = None,
     raise ConfigError("the config has no `sampling` section: use configs/sample_tiny.py or add "
                       "one like it.")
   config_lib.check_choices(config, CHOICES)  # the CLI checked them on load; a notebook may not
-  if config.model.get("hf_path"):
-    # This command reads the byte tokenizer and a run's checkpoint only; an HF model's weights
-    # and tokenizer are not wired here, and a random init must never pass for them.
-    raise ConfigError(f"model.hf_path={config.model.hf_path!r} is not supported by `jaxrl "
-                      "sample` yet (it would sample random weights): drop it, and pass "
-                      "--checkpoint with a jaxrl sft or grpo run directory instead.")
   # A training run's dir is not overwritten: its config.json would be replaced by this one.
   rundir.check_owner(workdir, command="sample")
-  records = read_prompts(prompts_path)
+  data = config.get("data")
+  records = read_prompts(prompts_path, on_bad_row=(data or {}).get("on_bad_row", "error"))
   s = config.sampling
   n = s.n if n is None else n
   if n < 1:
     raise ConfigError(f"--n {n} asks for no samples: give 1 or more per prompt.")
-  tok = ByteTokenizer()
-  cfg = config_lib.model_config(config)
-  if tok.vocab_size > cfg.vocab_size:
-    raise ConfigError(f"model.vocab_size={cfg.vocab_size} is smaller than the byte tokenizer's "
-                      f"{tok.vocab_size} ids: choose a preset with a vocabulary of at least "
-                      f"{tok.vocab_size}.")
-  sp = from_config(s, eos_id=tok.eos_id)
   mesh = mesh_from_config(config.mesh)
-  graphdef, params = init_params(cfg, mesh, "sampler", seed=config.seed)
-  if checkpoint:
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                            params)
-    params = restore_params(checkpoint, abstract, key="--checkpoint")
+  cfg, graphdef, params, tok = load_model(config, mesh, checkpoint=checkpoint, out=out)
+  prompts = render_prompts(records, tok, data)
+  for i, (r, ids) in enumerate(zip(records, prompts)):
+    if max(ids) >= cfg.vocab_size:
+      raise ConfigError(f"{where(r, i)}: field 'prompt_ids' holds id {max(ids)}, past the "
+                        f"model's vocabulary of {cfg.vocab_size}: give ids of this model's "
+                        "tokenizer.")
+  eos = eos_ids(tok)
+  sp = from_config(s, eos_id=tok.eos_id)
+  # generation_config.json's other eos ids stop a completion as the tokenizer's eos does.
+  sp = dataclasses.replace(sp, stop_ids=tuple(dict.fromkeys((*sp.stop_ids, *eos[1:]))))
   engine = Engine(graphdef, cfg, mesh, sampling=sp)
-  prompts = [tok.encode(r["prompt"], bos=True) for r in records]
   rollout = generate(engine, params, prompts, n=n, seed=config.seed, slots=s.slots,
                      steps_per_call=s.steps_per_call, continuous=s.batching == "continuous",
                      grow_cache=s.get("grow_cache", True),
@@ -109,18 +146,29 @@ def run(config, *, prompts_path: str, workdir: str | None, n: int | None = None,
     rundir.write_run(workdir, {"command": "sample"})
   run.write_config(config)
   path = os.path.join(workdir, "completions.jsonl")
+  reasons: dict[str, int] = {}
   with open(path, "w", encoding="utf-8") as f:
     for i in range(len(rollout.lengths)):
       p = int(rollout.prompt_index[i])
+      r = records[p]
       ids = rollout.completion_ids[i, :rollout.lengths[i]].tolist()
-      row = {"prompt": records[p]["prompt"], "prompt_index": p, "sample": i % n,
+      reason = rollout.finish_reasons[i]
+      if reason == "stop":
+        reason = "eos" if ids and ids[-1] in eos else "stop"
+      reasons[reason] = reasons.get(reason, 0) + 1
+      row = {"prompt_index": p, "sample": i % n, "prompt": r.get("prompt"),
+             **({"messages": r["messages"]} if r.get("messages") else {}),
+             **({"answer": r["answer"]} if "answer" in r else {}),
+             "prompt_text": render_prompt_text(r, tok, data), "prompt_ids": prompts[p],
              "completion": tok.decode(ids), "completion_ids": ids,
              "logprobs": rollout.logprobs[i, :rollout.lengths[i]].tolist(),
-             "finish_reason": rollout.finish_reasons[i]}
-      f.write(json.dumps(row) + "\n")
-      out(f"[{p}.{i % n}] {records[p]['prompt']!r} -> {row['completion']!r} "
-          f"({len(ids)} tokens, {row['finish_reason']})")
-  summary = {**metrics(rollout), **{f"sampler/{k}": v for k, v in rollout.stats.items()}}
+             "finish_reason": reason}
+      f.write(json.dumps(row, ensure_ascii=False) + "\n")
+      shown = r.get("prompt") if r.get("prompt") is not None else row["prompt_text"]
+      out(f"[{p}.{i % n}] {shown!r} -> {row['completion']!r} "
+          f"({len(ids)} tokens, {reason})")
+  summary = {**metrics(rollout), **{f"sampler/{k}": v for k, v in rollout.stats.items()},
+             **{f"finish/{k}": v for k, v in sorted(reasons.items())}}
   run.write_summary(summary)
   st = rollout.stats
   out(f"{len(rollout.lengths)} completions ({len(records)} prompts x {n}), "

@@ -22,6 +22,7 @@ import numpy as np
 from jaxrl import backends
 from jaxrl import config as config_lib
 from jaxrl.data.hf_tokenizer import tokenizer_for
+from jaxrl.data.prompts import Prompts
 from jaxrl.parallel import mesh_from_config
 from jaxrl.parallel.sync import make_placement
 from jaxrl.train.checkpoint import Checkpointer, restore_params
@@ -56,6 +57,30 @@ def starting_state(config, cfg, mesh, tx, *, layout: str, model=None, into: str 
   return graphdef, state, shardings
 
 
+def recorded_hf_path(run_dir: str) -> str:
+  """The model.hf_path a jaxrl run directory (or its checkpoints/) started from, as its
+  config.json records it; "" for a run of a preset, or a directory that is no run."""
+  path = run_dir.rstrip("/")
+  if os.path.basename(path) == "checkpoints":
+    path = os.path.dirname(path)
+  config = rundir.read_config(path) if os.path.isdir(path) else None
+  model = config.get("model") if isinstance(config, dict) else None
+  return (model.get("hf_path") or "") if isinstance(model, dict) else ""
+
+
+def adopt_hf_path(config, run_dir: str, *, key: str, say=print) -> None:
+  """A run that continues another (init.checkpoint, `sample --checkpoint`) without naming
+  model.hf_path takes the one that run started from: the checkpoint's tokenizer, chat template,
+  stop ids and shapes, never the byte tokenizer's and a preset's."""
+  if not run_dir or (config.model.get("hf_path") or ""):
+    return
+  path = recorded_hf_path(run_dir)
+  if path:
+    config.model.hf_path = path
+    say(f"note: {key}={run_dir!r} started from model.hf_path={path!r}: using its tokenizer "
+        "and model shapes")
+
+
 def claim(workdir: str, command: str, cfg, *, steps: int | None = None,
           write: bool = True) -> None:
   """Checks that DIR is this run's to write (rundir.check_owner: the command, the model
@@ -82,6 +107,8 @@ class Run:
     self.config, self.out = config, out
     self.main = jax.process_index() == 0
     self.say = out if self.main else (lambda *_: None)
+    if "init" in config:
+      adopt_hf_path(config, config.init.checkpoint, key="init.checkpoint", say=self.say)
     self.cfg = config_lib.model_config(config)  # the ModelConfig
     self.command = command or rundir.infer_command(config.to_dict()) or "train"
     claim(workdir, self.command, self.cfg, steps=config.train.steps, write=self.main)
@@ -95,6 +122,8 @@ class Run:
       out(f"backend: {backend['platform']}; attention {backend['attention']}; dots "
           f"{backend['dots']}")
     self.tokenizer = tokenizer_for(config)
+    # How every prompt this run samples or evaluates is rendered (jaxrl.data.prompts).
+    self.prompts = Prompts(self.tokenizer, config.get("data"))
     self.placement = None
     if placement:
       self.placement = make_placement(config.mesh, config.placement)

@@ -15,6 +15,8 @@ import ml_collections
 
 from jaxrl import config as config_lib
 from jaxrl.data import ON_BAD_ROW, prefs, sft_batches
+from jaxrl.data.pipeline import TRAIN_ON
+from jaxrl.data.prompts import prompt_section
 from jaxrl.models import apply, token_logprobs
 from jaxrl.models.flops import packed_flops
 from jaxrl.parallel import batch_sharding
@@ -30,7 +32,7 @@ from jaxrl.train.state import make_train_step, put_batch
 # This trainer's keys with fixed choices, checked when a run starts (config.validate).
 # Sections mapped to a function have their ranges checked there.
 CHOICES = {**optim.CHOICES, "data.on_bad_row": ON_BAD_ROW, "data.error_mode": ERROR_MODES,
-           "data": check_data}
+           "data.train_on": TRAIN_ON, "data": check_data}
 
 
 def default_config():
@@ -53,6 +55,10 @@ def default_config():
       shards=0,            # data shards (0 = one per process); fixing it makes the batches
                            # independent of the process count
       on_bad_row="error",  # or "skip" (counted and reported)
+      train_on="last",     # {"messages"} rows: "last" assistant turn, or "all_assistant" turns
+      # chat (None: chat-templated when the tokenizer has a template), chat_template_kwargs,
+      # system_prompt: how prompts are rendered, as in GRPO and sampling (jaxrl.data.prompts)
+      **prompt_section(),
   ))
   c.optim = optim_section(lr=3e-3, warmup_steps=100)
   c.train = ml_collections.ConfigDict(dict(
@@ -96,7 +102,7 @@ def run(config, workdir: str, *, out=print) -> dict:
   task = load_task(config)
   train, held_out = _records(config, task)
   r.record_data(prefs.fingerprint(train))
-  batches = r.batches(sft_batches, train, packing=d.packing)
+  batches = r.batches(sft_batches, train, packing=d.packing, data_cfg=d)
   shd = batch_sharding(mesh, 2, config.layout)
 
   # State, born sharded; then the latest checkpoint if DIR has one.
@@ -116,7 +122,7 @@ def run(config, workdir: str, *, out=print) -> dict:
     if eval_bs > 0:
       eval_batches = [{k: global_array(v, shd) for k, v in b.items()} for b in sft_batches(
           held_out, r.tokenizer, seq_len=d.seq_len, batch_size=eval_bs, seed=0, shuffle=False,
-          num_epochs=1, on_bad_row=d.on_bad_row)]
+          num_epochs=1, on_bad_row=d.on_bad_row, data_cfg=d)]
   eval_loss = make_eval_loss(loss_fn, mesh)
   exact = r.exact_match(graphdef, answers(config, task), task and task.check,
                         max_new=config.eval.max_new_tokens)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ml_collections
 
 from jaxrl import config as config_lib
+from jaxrl.data.prompts import prompt_section
 from jaxrl.errors import ConfigError
 from jaxrl.rewards import model as rm_lib
 from jaxrl.objectives import advantages as adv_lib
@@ -101,8 +102,10 @@ def default_config():
   c = config_lib.base_config()
   c.model.preset = "tiny"
   c.init = ml_collections.ConfigDict(dict(checkpoint=""))  # an SFT run dir to start from
+  # train_file / eval_file: JSONL of {"prompt", "answer"} or {"messages", "answer"} rows.
   c.data = ml_collections.ConfigDict(dict(
-      task="addition", train_file="", eval_file="", train_examples=20_000, on_bad_row="error"))
+      task="addition", train_file="", eval_file="", train_examples=20_000, on_bad_row="error",
+      **prompt_section()))  # chat, chat_template_kwargs, system_prompt: jaxrl.data.prompts
   c.rollout = ml_collections.ConfigDict(dict(
       prompts_per_step=16, group_size=8, max_new_tokens=8, temperature=1.0, top_k=0,
       top_p=1.0, slots=64, steps_per_call=8,

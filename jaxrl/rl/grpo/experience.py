@@ -171,7 +171,7 @@ def sample(p: Parts, params_s, prompts: list[dict], step: int, round_: int):
   """(rollout, [N] rewards, reward stats) of `prompts` x G, with a seed drawn from (seed, step,
   round)."""
   r = p.config.rollout
-  ids = [p.tokenizer.encode(x["prompt"], bos=True) for x in prompts]
+  ids = [p.run.prompts.ids(x) for x in prompts]  # chat-templated for instruct checkpoints
   seed = int(jax.random.randint(jax.random.fold_in(jax.random.key(p.config.seed),
                                                    step * 16 + round_), (), 0, 2**31 - 1))
   rollout = generate(p.engine, params_s, ids, n=r.group_size, seed=seed, slots=r.slots,

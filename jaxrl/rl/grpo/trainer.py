@@ -50,6 +50,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxrl.data import prefs
+from jaxrl.data.hf_tokenizer import eos_ids
 from jaxrl.errors import ConfigError
 from jaxrl.models.flops import rollout_flops
 from jaxrl.parallel import batch_sharding
@@ -230,13 +231,14 @@ def setup(config, workdir: str, *, out=print) -> tuple[Parts, Any]:
   # Sampler: the engine on the sampler mesh, fed by a timed weight sync every step.
   sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                             max_new_tokens=r.max_new_tokens,
-                            eos_id=None if r.ignore_eos else tokenizer.eos_id)
+                            eos_id=None if r.ignore_eos else tokenizer.eos_id,
+                            # generation_config.json's other eos ids (none for the bytes)
+                            stop_ids=() if r.ignore_eos else eos_ids(tokenizer)[1:])
   engine = Engine(graphdef, cfg, run.placement.sampler.mesh, sampling=sampling)
   weight_sync = WeightSync(cfg, run.placement, dtype=config.placement.sync_dtype or None)
   sampler_copy = SamplerCopy(weight_sync)
 
-  prompt_len = bucket(max(len(tokenizer.encode(x["prompt"], bos=True))
-                          for x in train_records + held_out))
+  prompt_len = bucket(max(len(run.prompts.ids(x)) for x in train_records + held_out))
   grouped = _grouped(config, run.replicas, out)
   shd = batch_sharding(mesh, 2, "learner")
   loss_fn = grpo_loss(graphdef, a, temperature=r.temperature, norm_len=r.max_new_tokens)
