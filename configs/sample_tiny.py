@@ -1,18 +1,26 @@
-"""Sample completions from the tiny model (random init until checkpoints land) with `jaxrl sample`.
+"""Sample completions with `jaxrl sample`: from a run directory, a Hugging Face checkpoint, or
+the tiny preset's random init (a plumbing check).
 
-    jaxrl sample --config configs/sample_tiny.py --prompts prompts.jsonl --n 4 --workdir /tmp/s
-    jaxrl sample --config configs/sample_tiny.py --prompts prompts.jsonl --n 1 --workdir /tmp/g \
-        --config.sampling.mode=greedy --config.sampling.max_new_tokens=16
+    jaxrl sample --config configs/sample_tiny.py --checkpoint runs/sft_tiny \
+        --prompts prompts.jsonl --n 4 --workdir /tmp/s
+    jaxrl sample --config configs/sample_tiny.py --config.model.hf_path=/ckpt/Qwen3-0.6B \
+        --prompts prompts.jsonl --n 1 --workdir /tmp/g \
+        --config.sampling.mode=greedy --config.sampling.max_new_tokens=256 \
+        --config.data.chat_template_kwargs="{'enable_thinking': False}"
 
-prompts.jsonl holds one JSON object with a "prompt" string per line. The sampling section sets the mode
-(sample or greedy), temperature, top-k / top-p / min-p (0, 1.0 and 0.0 turn them off), extra stop
-token ids besides eos, the number of decode slots, how many decode steps run per jitted call,
-and continuous or static batching.
+prompts.jsonl holds one JSON object a line: {"prompt": ...}, {"messages": [...]} or
+{"prompt_ids": [...]}. The data section says how prompts are rendered (as in GRPO): chat
+(None: the checkpoint's chat template when it has one), chat_template_kwargs, system_prompt.
+The sampling section sets the mode (sample or greedy), temperature, top-k / top-p / min-p (0,
+1.0 and 0.0 turn them off), extra stop token ids besides eos (and generation_config.json's),
+the number of decode slots, how many decode steps run per jitted call, and continuous or
+static batching.
 """
 
 import ml_collections
 
 from jaxrl.config import base_config
+from jaxrl.data.prompts import prompt_section
 
 
 def get_config(arg=None):
@@ -21,6 +29,7 @@ def get_config(arg=None):
   c = base_config()
   c.model.preset = "tiny"
   c.layout = "sampler"
+  c.data = ml_collections.ConfigDict(dict(on_bad_row="error", **prompt_section()))
   c.sampling = ml_collections.ConfigDict(dict(
       mode="sample",  # "sample" or "greedy"
       temperature=1.0,

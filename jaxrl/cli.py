@@ -94,10 +94,13 @@ def _parser() -> argparse.ArgumentParser:
   s = sub.add_parser("sample", help="completions for a JSONL file of prompts, printed and "
                      "written to DIR/completions.jsonl")
   _common(s, config_required=True)
-  s.add_argument("--prompts", required=True, metavar="FILE", help='JSONL, {"prompt": ...} a line')
+  s.add_argument("--prompts", required=True, metavar="FILE", help='JSONL, {"prompt": ...}, '
+                 '{"messages": [...]} or {"prompt_ids": [...]} a line')
   s.add_argument("--n", type=int, default=None, help="samples per prompt (default: sampling.n)")
   s.add_argument("--checkpoint", metavar="DIR",
-                 help="a jaxrl sft or grpo run directory to sample from (its latest params)")
+                 help="a jaxrl sft / grpo / dpo run directory (its latest params, with the "
+                 "tokenizer of the checkpoint it started from) or a Hugging Face checkpoint; "
+                 "without it, model.hf_path's weights, else a random init")
   s = sub.add_parser("demo", help="the embedded default job (runs with no arguments)")
   _common(s, config_required=False)
   _data_parser(sub)

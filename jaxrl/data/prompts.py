@@ -92,7 +92,7 @@ def chat_on(tokenizer, data_cfg) -> bool:
 def chat_turns(record: Mapping, data_cfg) -> list[dict]:
   """The record's prompt as chat turns, with data.system_prompt first unless it has one."""
   messages = record.get("messages")
-  turns = ([{"role": m["role"], "content": m["content"]} for m in messages] if messages
+  turns = ([dict(m) for m in messages] if messages  # any extra keys reach the template
            else [{"role": "user", "content": record["prompt"]}])
   system = _get(data_cfg, "system_prompt")
   if system and turns[0]["role"] != "system":
