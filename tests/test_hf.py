@@ -496,6 +496,7 @@ def test_trainers_start_from_hf_weights_and_tokenizer(tmp_path, repo_root, devic
   fixture = os.path.join(repo_root, "tests", "fixtures", "hf", "qwen3")
   config = config_lib.load_config(os.path.join(repo_root, "configs/sft_tiny.py:runlocal"),
                                   [f"model.hf_path={fixture}", "train.steps=2",
+                                   "data.seq_len=48",  # the chat template's tokens too
                                    "train.log_every=1", "eval.every=2", "eval.examples=8",
                                    "eval.batch_size=8"])
   assert isinstance(tokenizer_for(config), HFTokenizer)

@@ -172,18 +172,6 @@ def test_sample_checkpoint_into_fewer_layers_is_refused(capsys, sft_run, tmp_pat
   assert err.startswith(f"--checkpoint={sft_run!r} (step 2): tensor layers.1.")
 
 
-def test_sample_refuses_hf_path_instead_of_random_weights(capsys, tmp_path):
-  prompts = tmp_path / "p.jsonl"
-  prompts.write_text('{"prompt": "1+1="}\n')
-  err = _fails(capsys, ["sample", "--config", "configs/sample_tiny.py",
-                        "--config.model.hf_path=tests/fixtures/hf/qwen3", "--prompts",
-                        str(prompts), "--n", "1", "--workdir", str(tmp_path / "s")])
-  assert err == ("model.hf_path='tests/fixtures/hf/qwen3' is not supported by `jaxrl "
-                 "sample` yet (it would sample random weights): drop it, and pass --checkpoint "
-                 "with a jaxrl sft or grpo run directory instead.")
-  assert not os.path.exists(tmp_path / "s" / "completions.jsonl")
-
-
 def test_hf_path_with_fewer_layers_is_refused(devices):
   from jaxrl.io.hf import params_from_config
   from jaxrl.parallel import mesh_from_config
@@ -643,8 +631,9 @@ def test_the_sample_prompts_file_gets_the_same_sentences(tmp_path):
   with pytest.raises(ConfigError) as e:
     read_prompts(str(tmp_path))
   assert str(e.value) == (f"prompts file {str(tmp_path)!r} is a directory, not a file: give the "
-                          "path of a JSONL file with one JSON object holding a \"prompt\" "
-                          "string per line (e.g. one inside it).")
+                          "path of a JSONL file with one object like {\"prompt\": \"2+2=\"} or "
+                          "{\"messages\": [{\"role\": \"user\", \"content\": \"2+2=\"}]} a "
+                          "line (e.g. one inside it).")
 
 
 @pytest.mark.parametrize("key", ["max_new_tokens", "n", "slots", "steps_per_call"])

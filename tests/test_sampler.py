@@ -231,7 +231,8 @@ def test_sample_command_writes_and_prints_completions(tmp_path, capsys, repo_roo
   assert len(rows) == 6 and [r["prompt_index"] for r in rows] == [0, 0, 0, 1, 1, 1]
   for r in rows:
     n_tok = len(r["completion_ids"])
-    assert 1 <= n_tok <= 6 and (n_tok == 6 or r["finish_reason"] == "stop")
+    assert 1 <= n_tok <= 6 and (n_tok == 6 or r["finish_reason"] == "eos")
+    assert r["prompt_ids"][0] == 1 and r["prompt_text"] == r["prompt"]  # bos + bytes
     assert len(r["logprobs"]) == len(r["completion_ids"]) and all(lp <= 0 for lp in r["logprobs"])
     assert f"{r['prompt']!r} -> {r['completion']!r}" in out
   assert "6 completions (2 prompts x 3)" in out
@@ -243,9 +244,10 @@ def test_sample_command_writes_and_prints_completions(tmp_path, capsys, repo_roo
 
 
 @pytest.mark.parametrize("content, args, pattern", [
-    ('{"prompt": "a"}\n{"prompt": 3}\n', [], r"prompts.jsonl, line 2: field \"prompt\" is missing"),
-    ('{"prompt": "a"}\nnot json\n', [], r"prompts.jsonl, line 2: not valid JSON"),
-    ('\n', [], r"holds no prompts"),
+    ('{"prompt": "a"}\n{"prompt": 3}\n', [], r"prompts.jsonl line 2: field 'prompt' is a int, "
+     r"not a string"),
+    ('{"prompt": "a"}\nnot json\n', [], r"prompts.jsonl line 2: the row is not valid JSON"),
+    ('\n', [], r"prompts.jsonl is empty"),
     ('{"prompt": "a"}\n', ["--checkpoint", "no/such/run"], r"--checkpoint='no/such/run' does "
      r"not exist"),
     ('{"prompt": "a"}\n', ["--config.sampling.top_p=0"], r"sampling.top_p=0.0 is not valid"),
