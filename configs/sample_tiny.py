@@ -1,20 +1,19 @@
-"""Sample completions with `jaxrl sample`: from a run directory, a Hugging Face checkpoint, or
+"""Sample completions with `jaxrl sample` from a run directory, a Hugging Face checkpoint, or
 the tiny preset's random init (a plumbing check).
 
     jaxrl sample --config configs/sample_tiny.py --checkpoint runs/sft_tiny \
         --prompts prompts.jsonl --n 4 --workdir /tmp/s
     jaxrl sample --config configs/sample_tiny.py --config.model.hf_path=/ckpt/Qwen3-0.6B \
         --prompts prompts.jsonl --n 1 --workdir /tmp/g \
-        --config.sampling.mode=greedy --config.sampling.max_new_tokens=256 \
-        --config.data.chat_template_kwargs="{'enable_thinking': False}"
+        --config.sampling.mode=greedy --config.sampling.max_new_tokens=256
 
-prompts.jsonl holds one JSON object a line: {"prompt": ...}, {"messages": [...]} or
-{"prompt_ids": [...]}. The data section says how prompts are rendered (as in GRPO): chat
-(None: the checkpoint's chat template when it has one), chat_template_kwargs, system_prompt.
-The sampling section sets the mode (sample or greedy), temperature, top-k / top-p / min-p (0,
-1.0 and 0.0 turn them off), extra stop token ids besides eos (and generation_config.json's),
-the number of decode slots, how many decode steps run per jitted call, and continuous or
-static batching.
+prompts.jsonl holds one JSON object a line with a "prompt" string, a "messages" list or
+"prompt_ids" (see docs/concepts/sampler.md). The data section says how prompts are rendered, as
+in GRPO (chat, None meaning the checkpoint's chat template when it has one; chat_template_kwargs;
+system_prompt). The sampling section sets the mode (sample or greedy), temperature, top-k /
+top-p / min-p (0, 1.0 and 0.0 turn them off), extra stop token ids besides eos (and
+generation_config.json's), the number of decode slots, how many decode steps run per jitted
+call, and continuous or static batching.
 """
 
 import ml_collections

@@ -121,7 +121,9 @@ def test_starts_from_a_hugging_face_checkpoint_with_a_cached_reference(tmp_path,
   assert any("scored" in x for x in lines)
   first = _losses(str(tmp_path / "run"))[1]
   assert first["loss"] == pytest.approx(np.log(2), abs=1e-6)
-  assert first["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+  # fp32 sums over the chat-templated rows (about 26 tokens each) differ by ~1e-6 between the
+  # cached and the live forward's batch shapes.
+  assert first["rewards/margins"] == pytest.approx(0.0, abs=1e-5)
   assert first["logps/chosen"] < 0
 
 

@@ -175,6 +175,13 @@ def test_sample_from_a_run_dir_takes_the_runs_tokenizer(tmp_path, repo_root, dev
   assert rows[0]["prompt_ids"] == tok.encode_chat(turn[:1], add_generation_prompt=True)
   sampled = json.load(open(tmp_path / "sample" / "config.json"))
   assert sampled["model"]["hf_path"] == f"{HF}/qwen2"
+  # A trainer continuing the run (init.checkpoint) adopts it the same way.
+  from jaxrl.train.run import adopt_hf_path, recorded_hf_path
+  assert recorded_hf_path(run) == recorded_hf_path(run + "/checkpoints") == f"{HF}/qwen2"
+  config = config_lib.load_config("configs/grpo_tiny.py", [f"init.checkpoint={run}"])
+  adopt_hf_path(config, config.init.checkpoint, key="init.checkpoint", say=lambda *a: None)
+  assert config.model.hf_path == f"{HF}/qwen2"
+  assert config_lib.model_config(config).num_layers == 3  # the checkpoint's, not tiny's
 
 
 # ----------------------------------------------------------------------------- prompts
