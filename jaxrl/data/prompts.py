@@ -158,8 +158,9 @@ class Prompts:
     if hit is None or hit[0] is not record:  # the record is kept, so its id is not reused
       try:
         hit = (record, render_prompt(record, self.tokenizer, self.data_cfg))
-      except ConfigError as e:
-        raise ConfigError(f"{where(record, 0)}: {e}") from None
+      except ConfigError as e:  # a record read from a file is named by its file and line
+        source = getattr(record, "source", None)
+        raise (ConfigError(f"{source}: {e}") if source else e) from None
       self._ids[id(record)] = hit
     return hit[1]
 
