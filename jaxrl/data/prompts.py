@@ -31,11 +31,6 @@ from collections.abc import Mapping, Sequence
 from jaxrl.data.records import context_text, where
 from jaxrl.errors import ConfigError
 
-# The data-section keys this module reads, with their defaults (every command's data section
-# starts from these; see prompt_section).
-DEFAULTS = {"chat": None, "chat_template_kwargs": None, "system_prompt": ""}
-
-
 def prompt_section() -> dict:
   """The prompt keys of a config's data section, with what they mean (a trainer's
   default_config adds them to its data section)."""
@@ -47,6 +42,10 @@ def prompt_section() -> dict:
       chat_template_kwargs=None,
       system_prompt="",         # a system turn put first (unless a record has its own)
   )
+
+
+# What a data section without these keys (or None) means.
+DEFAULTS = prompt_section()
 
 
 def _get(data_cfg, key: str):
