@@ -254,8 +254,10 @@ def cmd_sweep(args, overrides) -> None:
       config_lib.split_spec(args.config)[0]))[0])
   plan = []
   # Every run's overrides apply and validate before anything is launched (as jaxrl launch).
-  for i, (run, extra, _) in enumerate(launch.sweep_items(args.config, overrides,
-                                                         choices=_choices(args.run_command))):
+  check = ((lambda config: _check_sections(config, args.run_command, args.config))
+           if args.run_command in TRAINERS else None)
+  for i, (run, extra, _) in enumerate(launch.sweep_items(
+      args.config, overrides, choices=_choices(args.run_command), check=check)):
     argv = [args.run_command, "--config", args.config, *overrides, *extra]
     workdir = os.path.join(base, f"run{i:03d}")
     if args.run_command not in ("info", "model"):
@@ -370,6 +372,13 @@ def cmd_data(args, overrides) -> None:
         f"{args.seed}) to {args.out}")
 
 
+def _check_sections(config, command: str, spec: str | None) -> None:
+  """A trainer command's config has that trainer's sections, no others (else one sentence
+  naming the command the config is for)."""
+  config_lib.check_sections(config, command, lambda c: trainer(c).default_config().keys(),
+                            TRAINERS, spec=config_lib.split_spec(spec)[0] if spec else "")
+
+
 def cmd_train(args, overrides) -> None:
   """jaxrl sft | rm | grpo | dpo: the trainer's config, checked against its choices, then run."""
   from jaxrl.train import run_trainer
@@ -377,9 +386,7 @@ def cmd_train(args, overrides) -> None:
 
   def load(a, o):
     config = _load(a, o, module.CHOICES)
-    config_lib.check_sections(config, args.command,
-                              lambda c: trainer(c).default_config().keys(), TRAINERS,
-                              spec=config_lib.split_spec(a.config)[0] if a.config else "")
+    _check_sections(config, args.command, a.config)
     return config
   run_trainer(module.run, args, overrides, load)
 
@@ -398,7 +405,8 @@ def cmd_launch(args, overrides) -> None:
   root = args.workdir or os.path.join("runs", os.path.splitext(os.path.basename(
       config_lib.split_spec(spec)[0]))[0])
   runs = launch.expand(spec, command=command, root=root, overrides=overrides, sweep=args.sweep,
-                       choices=_choices(command))
+                       choices=_choices(command),
+                       check=lambda config: _check_sections(config, command, spec))
   experiment = os.path.basename(root.rstrip("/"))
   print(f"experiment {experiment!r}: {len(runs)} run(s) of `jaxrl {command}` under {root}")
   launch.describe(runs)

@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from jaxrl import config as config_lib
@@ -52,11 +53,13 @@ def run_name(i: int, overrides: dict[str, Any]) -> str:
   return re.sub(r"[^A-Za-z0-9._=,+-]", "_", name)[:80]
 
 
-def sweep_items(spec: str, overrides: list[str] = (), *, sweep: bool = True, choices=None):
+def sweep_items(spec: str, overrides: list[str] = (), *, sweep: bool = True, choices=None,
+                check: Callable[[Any], None] | None = None):
   """[(item, its --config.k=v arguments, its config)] for each of `spec`'s sweep() items (one
   empty item without `sweep`). Every item's config is loaded and validated here (against
   `choices` too: the trainer's CHOICES), so a bad one is a ConfigError naming it before any run
-  starts. `jaxrl sweep` and `jaxrl launch` share it."""
+  starts; `check(config)` adds the caller's own checks (the CLI's: the command's sections).
+  `jaxrl sweep` and `jaxrl launch` share it."""
   items = config_lib.load_sweep(spec) if sweep else [{}]
   if not items:
     raise ConfigError(f"{config_lib.split_spec(spec)[0]}: sweep() yielded no runs.")
@@ -65,6 +68,8 @@ def sweep_items(spec: str, overrides: list[str] = (), *, sweep: bool = True, cho
     extra = [f"--config.{k}={_value_text(v)}" for k, v in item.items()]
     try:
       config = config_lib.load_config(spec, [*overrides, *extra], choices)
+      if check is not None:
+        check(config)
     except ConfigError as e:
       raise ConfigError(f"sweep run {i} ({item}): {e}") from None
     out.append((item, extra, config))
@@ -72,7 +77,8 @@ def sweep_items(spec: str, overrides: list[str] = (), *, sweep: bool = True, cho
 
 
 def expand(spec: str, *, command: str, root: str, overrides: list[str] = (),
-           sweep: bool = True, choices=None) -> list[Run]:
+           sweep: bool = True, choices=None,
+           check: Callable[[Any], None] | None = None) -> list[Run]:
   """The runs of `spec`'s sweep() (one run without `sweep`), each checked against the config
   and `choices` (the command's trainer's CHOICES)."""
   if command not in TRAINERS:
@@ -80,7 +86,7 @@ def expand(spec: str, *, command: str, root: str, overrides: list[str] = (),
                       f"workdir; choose one of {', '.join(TRAINERS)}.")
   runs = []
   for i, (item, extra, config) in enumerate(sweep_items(spec, overrides, sweep=sweep,
-                                                        choices=choices)):
+                                                        choices=choices, check=check)):
     name = run_name(i, item)
     workdir = _join(root, name)
     argv = [command, "--config", spec, *overrides, *extra, "--workdir", workdir]

@@ -344,7 +344,8 @@ class PrefEval:
 
 def run(config, workdir: str, *, out=print) -> dict:
   """Trains (or resumes) the preference run in `workdir`; returns the summary."""
-  r = Run(config, workdir, out=out, choices=CHOICES, command="dpo")
+  r = Run(config, workdir, out=out, choices=CHOICES, command="dpo",
+          sections=default_config().keys())
   a, d, mesh, cfg = config.algo, config.data, r.mesh, r.cfg
   kto, paired = a.loss == "kto", d.format == "prefs"
   check_algo(a)

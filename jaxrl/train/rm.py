@@ -226,7 +226,8 @@ def init_reward_state(config, mesh, tx, *, layout: str = "learner"):
 
 def run(config, workdir: str, *, out=print) -> dict:
   """Trains (or resumes) the reward-model run in `workdir`; returns the summary."""
-  r = Run(config, workdir, out=out, choices=CHOICES, command="rm")
+  r = Run(config, workdir, out=out, choices=CHOICES, command="rm",
+          sections=default_config().keys())
   d, mesh = config.data, r.mesh
 
   # Data: pairs, cleaned and fingerprinted; the fingerprint and cleaning report go to

@@ -91,7 +91,8 @@ def _records(config, task):
 
 def run(config, workdir: str, *, out=print) -> dict:
   """Trains (or resumes) the SFT run in `workdir`; returns the summary."""
-  r = Run(config, workdir, out=out, choices=CHOICES, command="sft")
+  r = Run(config, workdir, out=out, choices=CHOICES, command="sft",
+          sections=default_config().keys())
   d, mesh = config.data, r.mesh
   task = load_task(config)
   train, held_out = _records(config, task)

@@ -57,7 +57,7 @@ from jaxrl.parallel.distributed import global_array
 from jaxrl.parallel.sync import Overlap, SamplerCopy, WeightSync
 from jaxrl.rewards import RewardSpec
 from jaxrl.rewards import model as rm_lib
-from jaxrl.rl.grpo.config import CHOICES
+from jaxrl.rl.grpo.config import CHOICES, default_config
 from jaxrl.rl.grpo.experience import Experience, PromptStream, make_experience
 from jaxrl.rl.grpo.monitors import Alarms, KLCoefficient
 from jaxrl.rl.grpo.rewards import reward_specs
@@ -196,7 +196,7 @@ def setup(config, workdir: str, *, out=print) -> tuple[Parts, Any]:
   """(the run's parts, the starting train state: the policy from init.checkpoint or
   model.hf_path, fresh optimizer state). Checks the config first."""
   run = Run(config, workdir, out=out, choices=CHOICES, placement=True,
-            command="grpo")
+            command="grpo", sections=default_config().keys())
   mesh, cfg, tokenizer = run.mesh, run.cfg, run.tokenizer
   a, r = config.algo, config.rollout
   task = load_task(config)
