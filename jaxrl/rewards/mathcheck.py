@@ -30,7 +30,8 @@ logging.getLogger("math_verify").setLevel(logging.ERROR)
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # A number as people write it: an optional sign and $, digits with optional thousands commas, an
 # optional decimal part, or a fraction a/b. Unicode minus signs are mapped to "-" first.
-_NUMBER = re.compile(r"(?<![\w.])-?\$?\s?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:\s?/\s?\d+)?")
+_NUMBER = re.compile(
+    r"(?<![\w.])-?\$?\s?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:\s?/\s?\d+)?")
 _GSM_MARK = "####"
 
 
@@ -180,6 +181,7 @@ def serve(stdin=None, stdout=None) -> None:
   thread, so math-verify's signal timeouts work; a check that ignores even those is ended by the
   parent, which kills this process."""
   stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+  sys.stdout = sys.stderr  # a library's print must not land in the answers
   import math_verify  # noqa: F401 - load it before saying ready: the parent's deadline is per item
   stdout.write('{"ready": true}\n')
   stdout.flush()

@@ -65,14 +65,14 @@ def run_checks(kind: str, golds, completions, *, strict: bool, timeout_s=DEFAULT
                deadline_s: float | None = None) -> Scores:
   """mathcheck.check on each (gold, completion): in this process on the main thread, else in
   the worker process. `deadline_s` bounds one item's wall time in the worker (default
-  2 x timeout_s + 5: a parse and a comparison, each alarmed, and slack)."""
+  4 x timeout_s + 5: up to three parses and a comparison, each alarmed, and slack)."""
   t = _timeout(timeout_s)
   items = [(g, c) for g, c in zip(golds, completions)]
   if threading.current_thread() is threading.main_thread():
     results = [mathcheck.check(kind, g, c, strict=strict, timeout_s=t) for g, c in items]
   else:
     results = _WORKER.check(kind, items, strict=strict, timeout_s=t,
-                            deadline_s=deadline_s if deadline_s is not None else 2 * t + 5)
+                            deadline_s=deadline_s if deadline_s is not None else 4 * t + 5)
   errors = [e for _, e in results if e is not None]
   return Scores([s for s, _ in results], len(errors), errors[0] if errors else None)
 
@@ -139,8 +139,13 @@ class _Worker:
           self.stop()  # hung past its alarm (or died): the next item starts a fresh worker
           out.append((0.0, f"no answer within {deadline_s:g} s; the worker was restarted"))
           continue
-        res = json.loads(line)
-        out.append((float(res["score"]), res["error"]))
+        try:
+          res = json.loads(line)
+          out.append((float(res["score"]), res["error"]))
+        except (ValueError, KeyError, TypeError):
+          self.stop()
+          out.append((0.0, f"the verifier worker answered {line[:80]!r}, not a score; it was "
+                      "restarted"))
     return out
 
 
