@@ -41,6 +41,8 @@ def default_config():
                            # held-out loss and exact-match accuracy
       train_file="",       # JSONL of {"prompt","completion"} or {"messages"}: replaces the task
       eval_file="",        # JSONL of held-out SFT rows for eval/loss (default: the task's test)
+      fields=None,         # source column -> record field, e.g. {"question": "prompt"}:
+                           # files may be .jsonl, .parquet, .arrow or a save_to_disk directory
       train_examples=50_000,
       error_rate=0.0,      # how often the task's demonstrations are wrong (headroom for RL)
       error_mode="random", # "random": that fraction of all demos, a random slip each (greedy

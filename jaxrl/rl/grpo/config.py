@@ -102,7 +102,10 @@ def default_config():
   c.model.preset = "tiny"
   c.init = ml_collections.ConfigDict(dict(checkpoint=""))  # an SFT run dir to start from
   c.data = ml_collections.ConfigDict(dict(
-      task="addition", train_file="", eval_file="", train_examples=20_000, on_bad_row="error"))
+      task="addition", train_file="", eval_file="", train_examples=20_000, on_bad_row="error",
+      # source column -> record field, e.g. {"question": "prompt"} for GSM8K; files may be
+      # .jsonl, .parquet, .arrow or a save_to_disk directory (jaxrl/data/files.py)
+      fields=None))
   c.rollout = ml_collections.ConfigDict(dict(
       prompts_per_step=16, group_size=8, max_new_tokens=8, temperature=1.0, top_k=0,
       top_p=1.0, slots=64, steps_per_call=8,
