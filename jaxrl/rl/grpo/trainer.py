@@ -110,9 +110,10 @@ def step_metrics(p: Parts, e: Experience, upd: dict) -> dict:
       **{k: upd[k] for k in ("loss", "grad_norm", "lr", "kl", "entropy", "clipfrac/low",
                              "clipfrac/high")},
       "reward/mean": float(e.rewards_bg.mean()), "reward/std": float(e.rewards_bg.std()),
-      "accuracy": e.reward_stats.get(f"reward/task_{task.name}",
-                                     e.reward_stats.get("accuracy", float("nan")))
-      if task is not None else float("nan"),
+      # Train accuracy only where a task checks answers: a metric that does not apply is
+      # absent from metrics.jsonl, not "nan".
+      **({"accuracy": e.reward_stats.get(f"reward/task_{task.name}",
+                                         e.reward_stats["accuracy"])} if task is not None else {}),
       "frac_zero_std_groups": e.frac_zero,
       "is_ratio/mean": upd["is_ratio/mean"],
       "staleness/mean": float(e.step - e.version),
