@@ -28,7 +28,8 @@ def get_config(arg=None):
   c = base_config()
   c.model.preset = "tiny"
   c.layout = "sampler"
-  c.data = ml_collections.ConfigDict(dict(on_bad_row="error", **prompt_section()))
+  # fields renames a prompts file's columns, e.g. {"question": "prompt"}
+  c.data = ml_collections.ConfigDict(dict(on_bad_row="error", fields=None, **prompt_section()))
   c.sampling = ml_collections.ConfigDict(dict(
       mode="sample",  # "sample" or "greedy"
       temperature=1.0,

@@ -71,6 +71,7 @@ def _parser() -> argparse.ArgumentParser:
   s.add_argument("--dry-run", action="store_true", help="list the runs without running them")
   s.add_argument("--command", dest="run_command", default="model",
                  help="the jaxrl command each run executes (default: model)")
+  s.add_argument("--seeds", metavar="SEEDS", help="each run once per seed, e.g. 0-4")
   s = sub.add_parser("plan", help="memory plan: bytes per device for each model role, and "
                      "whether it fits a device")
   _common(s, config_required=True)
@@ -137,9 +138,11 @@ def _launch_parser(sub) -> None:
   _common(s, config_required=True)
   s.add_argument("--sweep", action="store_true", help="expand the config file's sweep() "
                  "(without it: one run of the config as it is)")
-  s.add_argument("--command", dest="run_command", choices=("sft", "grpo"),
-                 help="trainer each run executes (default: grpo when the config has a "
-                 "rollout section, else sft)")
+  s.add_argument("--command", dest="run_command", choices=tuple(TRAINERS),
+                 help="trainer each run executes (default: from the config's sections: grpo "
+                 "with rollout, dpo with ref, rm with head, else sft)")
+  s.add_argument("--seeds", metavar="SEEDS", help="run each run once per seed (the top-level "
+                 "`seed`), e.g. 0-4 or 0,3,7; `jaxrl compare` aggregates them")
   s.add_argument("--parallel", type=int, default=1, metavar="N",
                  help="local runs at a time (default 1: one after another)")
   s.add_argument("--dry-run", action="store_true", help="print the runs and commands (with "
@@ -257,8 +260,11 @@ def cmd_sweep(args, overrides) -> None:
       config_lib.split_spec(args.config)[0]))[0])
   plan = []
   # Every run's overrides apply and validate before anything is launched (as jaxrl launch).
-  for i, (run, extra, _) in enumerate(launch.sweep_items(args.config, overrides,
-                                                         choices=_choices(args.run_command))):
+  check = ((lambda config: _check_sections(config, args.run_command, args.config))
+           if args.run_command in TRAINERS else None)
+  seeds = launch.parse_seeds(args.seeds) if args.seeds else None
+  for i, (run, extra, _) in enumerate(launch.sweep_items(
+      args.config, overrides, choices=_choices(args.run_command), check=check, seeds=seeds)):
     argv = [args.run_command, "--config", args.config, *overrides, *extra]
     workdir = os.path.join(base, f"run{i:03d}")
     if args.run_command not in ("info", "model"):
@@ -373,6 +379,13 @@ def cmd_data(args, overrides) -> None:
         f"{args.seed}) to {args.out}")
 
 
+def _check_sections(config, command: str, spec: str | None) -> None:
+  """A trainer command's config has that trainer's sections, no others (else one sentence
+  naming the command the config is for)."""
+  config_lib.check_sections(config, command, lambda c: trainer(c).default_config().keys(),
+                            TRAINERS, spec=config_lib.split_spec(spec)[0] if spec else "")
+
+
 def cmd_train(args, overrides) -> None:
   """jaxrl sft | rm | grpo | dpo: the trainer's config, checked against its choices, then run."""
   from jaxrl.train import run_trainer
@@ -380,9 +393,7 @@ def cmd_train(args, overrides) -> None:
 
   def load(a, o):
     config = _load(a, o, module.CHOICES)
-    config_lib.check_sections(config, args.command,
-                              lambda c: trainer(c).default_config().keys(), TRAINERS,
-                              spec=config_lib.split_spec(a.config)[0] if a.config else "")
+    _check_sections(config, args.command, a.config)
     return config
   run_trainer(module.run, args, overrides, load)
 
@@ -397,11 +408,13 @@ def cmd_launch(args, overrides) -> None:
   from jaxrl import launch
   from jaxrl.plot import compare_table
   spec = args.config
-  command = args.run_command or ("grpo" if "rollout" in config_lib.load_config(spec) else "sft")
+  command = args.run_command or launch.command_of(config_lib.load_config(spec))
   root = args.workdir or os.path.join("runs", os.path.splitext(os.path.basename(
       config_lib.split_spec(spec)[0]))[0])
   runs = launch.expand(spec, command=command, root=root, overrides=overrides, sweep=args.sweep,
-                       choices=_choices(command))
+                       choices=_choices(command),
+                       check=lambda config: _check_sections(config, command, spec),
+                       seeds=launch.parse_seeds(args.seeds) if args.seeds else None)
   experiment = os.path.basename(root.rstrip("/"))
   print(f"experiment {experiment!r}: {len(runs)} run(s) of `jaxrl {command}` under {root}")
   launch.describe(runs)
@@ -427,21 +440,33 @@ def cmd_launch(args, overrides) -> None:
   print(f"\n{len(results) - len(failed)} of {len(runs)} run(s) finished ok")
   done = [r.workdir for r in runs if os.path.isfile(os.path.join(r.workdir, "metrics.jsonl"))]
   if done:
-    print(compare_table(done)[0])
+    table, names = compare_table(done)
+    print(table)
+    if args.seeds and names:
+      from jaxrl.plot import aggregate, aggregate_table
+      print("\nover seeds (final values):")
+      print(aggregate_table(aggregate(done, names), names))
   if failed or len(results) < len(runs):
     raise SystemExit(1)
 
 
 def cmd_compare(args, overrides) -> None:
-  from jaxrl.plot import compare_table, plot_compare, run_dirs
+  from jaxrl.plot import (aggregate, aggregate_table, compare_table, group_runs, plot_bands,
+                          plot_compare, run_dirs)
   if overrides:
     raise ConfigError(f"jaxrl compare takes no --config overrides, got {overrides[0]!r}.")
   dirs = run_dirs(args.dirs)
   metrics = [m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics else None
   table, names = compare_table(dirs, metrics)
   print(table)
+  # Runs that differ only in their seed are aggregated: their spread, and a band plot.
+  seeded = any(len(members) > 1 for members in group_runs(dirs).values())
+  if seeded and names:
+    print("\nover seeds (final values):")
+    print(aggregate_table(aggregate(dirs, names), names))
   if names:
-    print(f"plot: {plot_compare(dirs, names, args.out)}")
+    plot = plot_bands if seeded else plot_compare
+    print(f"plot: {plot(dirs, names, args.out)}")
 
 
 def cmd_plot(args, overrides) -> None:

@@ -299,6 +299,8 @@ def check_unit(config: ml_collections.ConfigDict, key: str, *, off: str) -> None
 # Top-level keys any command's config may carry: base_config's, and the placement, plan and
 # distributed sections a real-model config file shares between its variants.
 SHARED_SECTIONS = ("seed", "layout", "mesh", "model", "placement", "plan", "distributed")
+# Sections a trainer reads with a default when a config leaves them out.
+OPTIONAL_SECTIONS = ("distributed", "plan")
 
 
 def check_sections(config: ml_collections.ConfigDict, command: str,
@@ -306,21 +308,30 @@ def check_sections(config: ml_collections.ConfigDict, command: str,
                    spec: str = "") -> None:
   """A config for another command fails here, naming it, not later with an AttributeError:
   every top-level key must be one `command` reads (`sections(command)`: its default config's)
-  or a shared one."""
-  shared = set(SHARED_SECTIONS)
-  extra = [k for k in config if k not in shared and k not in set(sections(command))]
-  if not extra:
+  or a shared one, and every section `command` reads must be there (but the optional ones,
+  OPTIONAL_SECTIONS). `commands` are the ones a config may be meant for instead: the first that
+  fits it is named."""
+  shared, own = set(SHARED_SECTIONS), set(sections(command))
+  extra = [k for k in config if k not in shared and k not in own]
+  missing = sorted(own - set(config) - set(OPTIONAL_SECTIONS))
+  if not extra and not missing:
     return
-  fits = [c for c in commands
-          if c != command and set(config) <= shared | set(sections(c))]
-  what = f"this config{f' ({spec})' if spec else ''} has section" + (
-      "s " if len(extra) > 1 else " ") + ", ".join(extra)
+  fits = [c for c in commands if c != command
+          and set(config) <= shared | set(sections(c))
+          and not set(sections(c)) - set(config) - set(OPTIONAL_SECTIONS)]
+  this = f"this config{f' ({spec})' if spec else ''}"
+  if extra:
+    what = f"{this} has section{'s' if len(extra) > 1 else ''} {', '.join(extra)} that " \
+           f"`jaxrl {command}` does not read"
+  else:
+    what = f"{this} lacks section{'s' if len(missing) > 1 else ''} {', '.join(missing)}, " \
+           f"which `jaxrl {command}` reads"
   if fits:
-    raise ConfigError(f"{what} that `jaxrl {command}` does not read: it looks like a "
-                      f"`jaxrl {fits[0]}` config; run `jaxrl {fits[0]}`.")
-  raise ConfigError(f"{what} that `jaxrl {command}` does not read: remove "
-                    f"{'them' if len(extra) > 1 else 'it'}, or start from the config of "
-                    f"`jaxrl {command}` (configs/{command}_tiny.py).")
+    raise ConfigError(f"{what}: it looks like a `jaxrl {fits[0]}` config; run "
+                      f"`jaxrl {fits[0]}`.")
+  fix = (f"remove {'them' if len(extra) > 1 else 'it'}, or start" if extra else "start")
+  raise ConfigError(f"{what}: {fix} from the config of `jaxrl {command}` "
+                    f"(configs/{command}_tiny.py).")
 
 
 def check_loop_sections(config: ml_collections.ConfigDict) -> None:

@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from jaxrl import config as config_lib
@@ -29,7 +30,7 @@ from jaxrl.errors import ConfigError
 from jaxrl.train.rundir import _write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAINERS = ("sft", "grpo")  # commands that take --workdir and resume on it
+TRAINERS = ("sft", "rm", "dpo", "grpo")  # commands that take --workdir and resume on it
 
 
 @dataclasses.dataclass
@@ -52,19 +53,54 @@ def run_name(i: int, overrides: dict[str, Any]) -> str:
   return re.sub(r"[^A-Za-z0-9._=,+-]", "_", name)[:80]
 
 
-def sweep_items(spec: str, overrides: list[str] = (), *, sweep: bool = True, choices=None):
+def command_of(config) -> str:
+  """The trainer a config is for, from the section only it has (a config with none is SFT's):
+  `jaxrl launch`'s default --command."""
+  for section, command in (("rollout", "grpo"), ("ref", "dpo"), ("head", "rm")):
+    if section in config:
+      return command
+  return "sft"
+
+
+def parse_seeds(text: str) -> list[int]:
+  """`--seeds 0-4` (a range, both ends in), `0,3,7`, or a mix (`0-2,9`), in order, no repeats."""
+  seeds = []
+  try:
+    for part in (p.strip() for p in text.split(",")):
+      lo, _, hi = part.partition("-") if not part.startswith("-") else (part, "", "")
+      seeds += range(int(lo), int(hi) + 1) if hi else [int(lo)]
+  except ValueError:
+    raise ConfigError(f"--seeds {text!r}: give seeds as a range or a comma list of "
+                      "non-negative integers, like 0-4 or 0,3,7.") from None
+  if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+    raise ConfigError(f"--seeds {text!r}: give seeds as a range or a comma list of distinct "
+                      "non-negative integers, like 0-4 or 0,3,7.")
+  return seeds
+
+
+def sweep_items(spec: str, overrides: list[str] = (), *, sweep: bool = True, choices=None,
+                check: Callable[[Any], None] | None = None, seeds: list[int] | None = None):
   """[(item, its --config.k=v arguments, its config)] for each of `spec`'s sweep() items (one
   empty item without `sweep`). Every item's config is loaded and validated here (against
   `choices` too: the trainer's CHOICES), so a bad one is a ConfigError naming it before any run
-  starts. `jaxrl sweep` and `jaxrl launch` share it."""
+  starts; `check(config)` adds the caller's own checks (the CLI's: the command's sections).
+  With `seeds`, each item runs once per seed (the top-level `seed`, which draws the init, the
+  data order and the samples), seed varying fastest. `jaxrl sweep` and `jaxrl launch` share it."""
   items = config_lib.load_sweep(spec) if sweep else [{}]
   if not items:
     raise ConfigError(f"{config_lib.split_spec(spec)[0]}: sweep() yielded no runs.")
+  if seeds is not None:
+    if any("seed" in item for item in items):
+      raise ConfigError(f"{config_lib.split_spec(spec)[0]}: its sweep() sets `seed` already: "
+                        "drop --seeds, or the seed from sweep().")
+    items = [{**item, "seed": s} for item in items for s in seeds]
   out = []
   for i, item in enumerate(items):
     extra = [f"--config.{k}={_value_text(v)}" for k, v in item.items()]
     try:
       config = config_lib.load_config(spec, [*overrides, *extra], choices)
+      if check is not None:
+        check(config)
     except ConfigError as e:
       raise ConfigError(f"sweep run {i} ({item}): {e}") from None
     out.append((item, extra, config))
@@ -72,7 +108,8 @@ def sweep_items(spec: str, overrides: list[str] = (), *, sweep: bool = True, cho
 
 
 def expand(spec: str, *, command: str, root: str, overrides: list[str] = (),
-           sweep: bool = True, choices=None) -> list[Run]:
+           sweep: bool = True, choices=None, check: Callable[[Any], None] | None = None,
+           seeds: list[int] | None = None) -> list[Run]:
   """The runs of `spec`'s sweep() (one run without `sweep`), each checked against the config
   and `choices` (the command's trainer's CHOICES)."""
   if command not in TRAINERS:
@@ -80,7 +117,7 @@ def expand(spec: str, *, command: str, root: str, overrides: list[str] = (),
                       f"workdir; choose one of {', '.join(TRAINERS)}.")
   runs = []
   for i, (item, extra, config) in enumerate(sweep_items(spec, overrides, sweep=sweep,
-                                                        choices=choices)):
+                                                        choices=choices, check=check, seeds=seeds)):
     name = run_name(i, item)
     workdir = _join(root, name)
     argv = [command, "--config", spec, *overrides, *extra, "--workdir", workdir]

@@ -199,3 +199,122 @@ def plot_compare(dirs: list[str], metrics, out_png: str) -> str:
   fig.savefig(out_png, dpi=100)
   plt.close(fig)
   return out_png
+
+
+# ----------------------------------------------------------------------------- seeds
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flat(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def _setting(workdir: str) -> dict:
+  """What a run is, apart from its seed: its config.json flattened, without `seed` and without
+  the backend's descriptions, but with its device count (1 and 8 devices are different
+  settings)."""
+  import json
+  path = os.path.join(workdir, "config.json")
+  if not os.path.isfile(path):  # not a trainer's run dir: a setting of its own
+    return {"run": os.path.abspath(workdir)}
+  with open(path, encoding="utf-8") as f:
+    config = json.load(f)
+  backend = config.pop("backend", None) or {}
+  config.pop("seed", None)
+  flat = _flat(config)
+  flat["devices"] = backend.get("devices", "?")
+  return flat
+
+
+def group_runs(dirs: list[str]) -> dict[str, list[str]]:
+  """Runs whose configs differ only in `seed`, grouped, in first-seen order. Each group's label
+  names the settings that tell the groups apart (e.g. `optim.lr=0.003 devices=8`), or `all`."""
+  settings = {d: _setting(d) for d in dirs}
+  groups: list[tuple[dict, list[str]]] = []
+  for d in dirs:
+    for setting, members in groups:
+      if setting == settings[d]:
+        members.append(d)
+        break
+    else:
+      groups.append((settings[d], [d]))
+  keys = sorted({k for s, _ in groups for k in s})
+  differ = [k for k in keys if len({repr(s.get(k)) for s, _ in groups}) > 1]
+  out = {}
+  for setting, members in groups:
+    label = " ".join(f"{k}={setting.get(k)}" for k in differ) or "all"
+    out[label] = members
+  return out
+
+
+def aggregate(dirs: list[str], metrics) -> dict[str, dict[str, dict[str, float]]]:
+  """{group: {metric: {n, mean, std, median, min, max}}} of each run's final value (std is the
+  sample standard deviation, ddof=1; 0 for a single run). A run that never logged the metric
+  is left out of its n."""
+  import numpy as np
+  out = {}
+  for label, members in group_runs(dirs).items():
+    finals = [final_metrics(d) for d in members]
+    out[label] = {}
+    for m in metrics:
+      xs = np.array([f[m] for f in finals if m in f], dtype=np.float64)
+      if not len(xs):
+        continue
+      out[label][m] = {"n": len(xs), "mean": float(xs.mean()),
+                       "std": float(xs.std(ddof=1)) if len(xs) > 1 else 0.0,
+                       "median": float(np.median(xs)), "min": float(xs.min()),
+                       "max": float(xs.max())}
+  return out
+
+
+def aggregate_table(agg: dict, metrics) -> str:
+  """One block per metric: a row per group with n, mean, std, median, min and max."""
+  w = max(len("group"), *(len(g) for g in agg))
+  lines = []
+  for m in metrics:
+    lines += ["", m, f"{'group':<{w}}  {'n':>3}" + "".join(
+        f"  {c:>9}" for c in ("mean", "std", "median", "min", "max"))]
+    for g, stats in agg.items():
+      s = stats.get(m)
+      cells = ("".join(f"  {s[c]:>9.4g}" for c in ("mean", "std", "median", "min", "max"))
+               if s else f"  {'-':>9}" * 5)
+      lines.append(f"{g:<{w}}  {s['n'] if s else 0:>3}{cells}")
+  return "\n".join(lines[1:])
+
+
+def plot_bands(dirs: list[str], metrics, out_png: str) -> str:
+  """One panel per metric, per group of seeds: the mean over steps, and a band from the min
+  to the max (at each step, over the runs that logged it)."""
+  import numpy as np
+  plt = _plt()
+  groups = group_runs(dirs)
+  rows = {d: read_metrics(d) for d in dirs}
+  fig, axes = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), 3.4), squeeze=False)
+  for ax, key in zip(axes[0], metrics):
+    for label, members in groups.items():
+      by_step: dict[int, list[float]] = {}
+      for d in members:
+        for step, v in _points(rows[d], key):
+          by_step.setdefault(step, []).append(v)
+      if not by_step:
+        continue
+      steps = sorted(by_step)
+      vals = [np.array(by_step[s]) for s in steps]
+      line, = ax.plot(steps, [v.mean() for v in vals], linewidth=1.5,
+                      label=f"{label} (n={len(members)})")
+      ax.fill_between(steps, [v.min() for v in vals], [v.max() for v in vals],
+                      color=line.get_color(), alpha=0.2, linewidth=0)
+    ax.set_title(f"{key} (mean, min-max)")
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+  axes[0][0].legend(fontsize=7)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
+  fig.savefig(out_png, dpi=100)
+  plt.close(fig)
+  return out_png

@@ -151,6 +151,21 @@ def test_sample_prompt_files_take_prompt_and_messages_rows(tmp_path, capsys, rep
     assert err.startswith(f"jaxrl sample: error: {bad} {where}"), err
 
 
+def test_sample_reads_parquet_prompt_files_with_field_mapping(tmp_path):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  from jaxrl.sampler.command import read_prompts
+  path = str(tmp_path / "test.parquet")
+  pq.write_table(pa.table({"question": ["What is 1 + 2?", "What is 2 + 2?"],
+                           "answer": ["#### 3", "#### 4"]}), path)
+  records = read_prompts(path, fields={"question": "prompt"})
+  assert [dict(r) for r in records] == [{"prompt": "What is 1 + 2?", "answer": "#### 3"},
+                                        {"prompt": "What is 2 + 2?", "answer": "#### 4"}]
+  with pytest.raises(ConfigError, match="field 'prompt' is missing"):
+    read_prompts(path)
+
+
 def test_sample_from_a_run_dir_takes_the_runs_tokenizer(tmp_path, repo_root, devices,
                                                         monkeypatch):
   """An SFT run started from model.hf_path records it; `jaxrl sample --checkpoint RUN` (no

@@ -416,6 +416,60 @@ def test_full_disk_stops_in_one_sentence_and_resumes_elsewhere_bitwise(repo_root
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # bitwise
 
 
+@pytest.fixture
+def read_only(tmp_path):
+  """make(path) turns a directory read-only: a read-only bind mount as root (permission bits
+  do not stop root), chmod otherwise. Undone at teardown."""
+  undo = []
+
+  def make(path):
+    if os.geteuid() == 0:
+      res = subprocess.run(f"mount --bind {path} {path} && mount -o remount,ro,bind {path}",
+                           shell=True, capture_output=True, text=True)
+      if res.returncode != 0:
+        pytest.skip(f"root without bind mounts ({res.stderr.strip()}): no read-only directory")
+      undo.append(lambda: subprocess.run(["umount", "-l", str(path)], check=False))
+    else:
+      os.chmod(path, 0o555)
+      undo.append(lambda: os.chmod(path, 0o755))
+
+  yield make
+  for f in reversed(undo):
+    f()
+
+
+@pytest.mark.slow
+def test_a_read_only_checkpoint_dir_stops_in_one_sentence_and_keeps_the_last_checkpoint(
+    repo_root, tmp_path, devices, read_only):
+  """The checkpoint directory turns read-only between two runs of one workdir: the resumed run
+  trains from step 4, fails to write step 8, stops with one sentence (what, where, the last good
+  checkpoint), exit 1, summary `failed`; step 4 stays whole and a resume elsewhere completes."""
+  os.chdir(repo_root)
+  over = ["--config.train.log_every=1", "--config.train.save_every=4"]
+  workdir = str(tmp_path / "run")
+  cli.main(["sft", "--config", SFT_CONFIG, "--workdir", workdir, "--config.train.steps=4",
+            *over])
+  ckdir = os.path.join(workdir, "checkpoints")
+  read_only(ckdir)
+  res = subprocess.run([JAXRL, "sft", "--config", SFT_CONFIG, "--workdir", workdir,
+                        "--config.train.steps=12", *over],
+                       env=subprocess_env(), cwd=repo_root, capture_output=True, text=True,
+                       timeout=600)
+  assert res.returncode == 1, res.stderr[-3000:]
+  assert res.stderr.strip() == (
+      f"jaxrl sft: writing the checkpoint of step 8 to {ckdir} failed (Read-only file system): "
+      f"training stopped; the last good checkpoint is step 4 in {ckdir}. Free space or make "
+      "the directory writable, then re-run the same command to resume.")
+  summary = json.load(open(os.path.join(workdir, "summary.json")))
+  assert summary["status"] == "failed" and "Read-only file system" in summary["error"]
+  assert Checkpointer(ckdir).latest_step() == 4
+  moved = str(tmp_path / "moved")
+  shutil.copytree(workdir, moved)
+  cli.main(["sft", "--config", SFT_CONFIG, "--workdir", moved, "--config.train.steps=12", *over])
+  assert json.load(open(os.path.join(moved, "summary.json")))["start_step"] == 4
+  assert _steps(moved) == list(range(13))
+
+
 # Freezes `jaxrl sft` mid-way through writing step 8's checkpoint (or, with "cleanup", mid-way
 # through removing an old step), after touching a marker: the test then sends kill -9.
 FREEZE = r"""
@@ -582,6 +636,59 @@ def test_an_unknown_section_is_named(repo_root, capsys, tmp_path, monkeypatch):
       "`jaxrl sft` does not read: remove it, or start from the config of `jaxrl sft` "
       "(configs/sft_tiny.py).")
 
+
+
+def test_a_config_missing_the_commands_sections_names_the_command_it_is_for(
+    repo_root, capsys, tmp_path, monkeypatch):
+  """An SFT config given to `jaxrl grpo` lacks GRPO's sections: one sentence, not the
+  AttributeError ('placement') it raised before."""
+  monkeypatch.chdir(repo_root)
+  with pytest.raises(SystemExit) as e:
+    cli.main(["grpo", "--config", "configs/sft_tiny.py", "--workdir", str(tmp_path / "run")])
+  assert e.value.code == 2
+  assert capsys.readouterr().err.strip() == (
+      "jaxrl grpo: error: this config (configs/sft_tiny.py) lacks sections alarm, algo, init, "
+      "normalize_rewards, placement, reward_kwargs, reward_model, rewards, rollout, which "
+      "`jaxrl grpo` reads: it looks like a `jaxrl sft` config; run `jaxrl sft`.")
+  assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("command", ["launch", "sweep"])
+def test_launch_and_sweep_check_the_sections_before_any_run(repo_root, capsys, tmp_path,
+                                                            monkeypatch, command):
+  """`jaxrl launch` and `jaxrl sweep` refuse a config for another command before starting
+  anything, as the trainer itself would (one sentence, with the sweep run it concerns)."""
+  monkeypatch.chdir(repo_root)
+  root = tmp_path / "exp"
+  with pytest.raises(SystemExit) as e:
+    cli.main([command, "--config", "configs/grpo_tiny.py", "--command", "sft",
+              "--workdir", str(root)])
+  assert e.value.code == 2
+  assert capsys.readouterr().err.strip() == (
+      f"jaxrl {command}: error: sweep run 0 ({{}}): this config (configs/grpo_tiny.py) has "
+      "sections alarm, algo, init, normalize_rewards, reward_kwargs, reward_model, rewards, "
+      "rollout that `jaxrl sft` does not read: it looks like a `jaxrl grpo` config; run "
+      "`jaxrl grpo`.")
+  assert not root.exists()  # nothing launched, nothing written
+
+
+def test_a_notebook_run_checks_the_sections_too(repo_root, tmp_path):
+  """The trainers' Python entry points (what a notebook calls) check the sections before the
+  run dir is made, as the CLI does."""
+  from jaxrl.rl import grpo
+  from jaxrl.train import sft
+  config = config_lib.load_config(os.path.join(repo_root, "configs", "sft_tiny.py"))
+  with pytest.raises(ConfigError) as e:
+    grpo.run(config, str(tmp_path / "grpo"))
+  assert str(e.value) == (
+      "this config lacks sections alarm, algo, init, normalize_rewards, placement, "
+      "reward_kwargs, reward_model, rewards, rollout, which `jaxrl grpo` reads: start from the "
+      "config of `jaxrl grpo` (configs/grpo_tiny.py).")
+  config = config_lib.load_config(os.path.join(repo_root, "configs", "grpo_tiny.py"))
+  with pytest.raises(ConfigError, match="has sections alarm, algo, .* that `jaxrl sft` does "
+                     r"not read: remove them, or start from the config of `jaxrl sft`"):
+    sft.run(config, str(tmp_path / "sft"))
+  assert not (tmp_path / "grpo").exists() and not (tmp_path / "sft").exists()
 
 def test_a_data_file_that_is_not_utf8_names_the_line(tmp_path):
   path = tmp_path / "latin1.jsonl"

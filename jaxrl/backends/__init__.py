@@ -54,14 +54,15 @@ def compiler_options(devices, program: str = "learner") -> dict | None:
   return None
 
 
-def describe() -> dict[str, str]:
+def describe() -> dict:
   """What this process runs on: the platform, the allocator, the attention and the dot kernels,
   each with why. Every run dir's config.json and summary.json carry it under "backend"."""
   # Imported here, not above: `python -m jaxrl.backends.cpu.allocator` runs that module as
   # __main__, and Python warns when a parent package has imported it first.
   from jaxrl.backends.cpu import allocator  # noqa: PLC0415
   platform = jax.default_backend()
-  out = {"platform": platform, "allocator": allocator.describe()}
+  # The device count too: `jaxrl compare` keeps runs on 1 and on 8 devices apart.
+  out = {"platform": platform, "devices": jax.device_count(), "allocator": allocator.describe()}
   if platform == "cpu":
     return {**out, **cpu.describe()}
   return {**out, "attention": "xla", "dots": "xla"}

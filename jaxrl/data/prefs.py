@@ -37,13 +37,15 @@ SIDES = ("chosen", "rejected")
 
 def read_prefs(path: str, *, on_bad_row: str = "error",
                fields: dict[str, str] | None = None) -> tuple[list[dict], int]:
-  """(records, skipped) of a preference file: JSONL, or array_record (e.g. a TFDS build)."""
+  """(records, skipped) of a preference file: JSONL, Parquet, Arrow, a save_to_disk directory
+  or array_record (e.g. a TFDS build), columns renamed by `fields` (data.fields)."""
   return read_records(path, "prefs", on_bad_row=on_bad_row, fields=fields)
 
 
-def read_kto(path: str, *, on_bad_row: str = "error") -> tuple[list[dict], int]:
+def read_kto(path: str, *, on_bad_row: str = "error",
+             fields: dict[str, str] | None = None) -> tuple[list[dict], int]:
   """(records, skipped) of an unpaired KTO file: {"prompt", "completion", "label": bool}."""
-  return read_records(path, "kto", on_bad_row=on_bad_row)
+  return read_records(path, "kto", on_bad_row=on_bad_row, fields=fields)
 
 
 # ----------------------------------------------------------------------------- cleaning

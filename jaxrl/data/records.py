@@ -1,4 +1,5 @@
-"""Record formats and their readers: JSONL, and array_record files such as TFDS writes.
+"""Record formats and their readers: JSONL, Parquet, Arrow and `datasets` save_to_disk
+directories (read by jaxrl/data/files.py), and array_record files such as TFDS writes.
 
     sft     {"prompt": str, "completion": str}  or  {"messages": [{"role", "content"}, ...]}
     rl      {"prompt": str, "answer": str, ...}  or  {"messages": [...], "answer": str, ...}
@@ -23,6 +24,8 @@ import logging
 import os
 from collections.abc import Iterable
 
+from jaxrl.data import files
+from jaxrl.data.files import BadRow, check_file, text_lines  # noqa: F401 - their home was here
 from jaxrl.errors import ConfigError, check_choice
 
 log = logging.getLogger(__name__)
@@ -57,10 +60,6 @@ def _make_record(fields: dict, source: str | None) -> Record:
 def where(record, index: int) -> str:
   """How an error names a record: its file and line when known, else its index."""
   return getattr(record, "source", None) or f"record {index}"
-
-
-class BadRow(ConfigError):
-  """A bad row; the reader turns it into an error or a counted skip."""
 
 
 def _text(obj: dict, field: str, at: str) -> str:
@@ -243,53 +242,18 @@ def _collect(rows: Iterable[tuple[str, object]], kind: str, on_bad_row: str,
   return records, skipped
 
 
-def check_file(path: str, what: str = "data file", *, give: str = "a JSONL file") -> None:
-  """A path that must name a readable file: one sentence when it is missing or a directory."""
-  if os.path.isdir(path):
-    raise ConfigError(f"{what} {path!r} is a directory, not a file: give the path of {give} "
-                      "(e.g. one inside it).")
-  if not os.path.isfile(path):
-    raise ConfigError(f"{what} {path!r} does not exist: give the path of {give}.")
-
-
-def text_lines(path: str):
-  """(line number, text) of a UTF-8 text file, blank lines included. A byte-order mark is
-  dropped (some editors write one; it is harmless); bytes that are not UTF-8 fail with one
-  sentence naming the line, rather than a UnicodeDecodeError from the middle of a read."""
-  with open(path, "rb") as f:
-    for n, raw in enumerate(f, 1):
-      try:
-        line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
-      except UnicodeDecodeError as e:
-        raise ConfigError(f"{path} line {n} is not UTF-8 text (byte 0x{raw[e.start]:02x} at "
-                          f"byte {e.start + 1} of the line): save it as UTF-8.") from None
-      yield n, line
-
-
-def _json_rows(path: str):
-  lines = 0
-  for n, line in text_lines(path):
-    if not line.strip():
-      continue  # blank lines (a trailing newline, a gap) are layout, not rows
-    lines += 1
-    at = f"{path} line {n}"
-    try:
-      yield at, json.loads(line)
-    except json.JSONDecodeError as e:
-      yield at, BadRow(f"{at}: the row is not valid JSON ({e.msg} at column {e.colno}): "
-                       "write one JSON object per line.")
-  if not lines:
-    raise ConfigError(f"data file {path} is empty: write one JSON object per line into it.")
-
-
-def read_jsonl(path: str, kind: str, *, on_bad_row: str = "error") -> tuple[list[dict], int]:
+def read_jsonl(path: str, kind: str, *, on_bad_row: str = "error",
+               fields: dict[str, str] | None = None) -> tuple[list[dict], int]:
   """(records, skipped) of a JSONL file of `kind` ("sft", "rl", "prefs" or "kto").
 
   Each record remembers its file and line (see `Record`). Bad rows raise ConfigError naming
   the file, the line and the field, or with on_bad_row="skip" are skipped and counted.
+  `fields` renames keys, e.g. {"question": "prompt"} (data.fields).
   """
+  fields = files.check_fields(fields)
   check_file(path)
-  return _collect(_json_rows(path), kind, on_bad_row, path)
+  return _collect(((at, files.rename(obj, fields, at)) for at, obj in files.json_rows(path)),
+                  kind, on_bad_row, path)
 
 
 def write_jsonl(path: str, records: Iterable[dict]) -> int:
@@ -443,10 +407,17 @@ def read_array_record(path: str, kind: str, *, on_bad_row: str = "error",
 
 def read_records(path: str, kind: str, *, on_bad_row: str = "error",
                  fields: dict[str, str] | None = None) -> tuple[list[dict], int]:
-  """read_jsonl for *.jsonl files, read_array_record for anything else (files, globs, dirs)."""
-  if path.endswith((".jsonl", ".json")):
-    if fields:
-      raise ConfigError("fields renaming applies to array_record sources only: rename the "
-                        "keys in the JSONL file instead.")
-    return read_jsonl(path, kind, on_bad_row=on_bad_row)
-  return read_array_record(path, kind, on_bad_row=on_bad_row, fields=fields)
+  """(records, skipped) of the data at `path`, every trainer's reader: JSONL, Parquet, Arrow or
+  a `datasets` save_to_disk directory (jaxrl/data/files.py), else array_record files (a file
+  with array_record in its name, a glob, or a TFDS directory). `fields` renames source columns
+  to record fields (data.fields), e.g. {"question": "prompt"}."""
+  fields = files.check_fields(fields)
+  if files.file_format(path) is not None:
+    return _collect(files.rows(path, fields), kind, on_bad_row, path)
+  if ("array_record" in os.path.basename(path) or any(c in path for c in "*?[")
+      or (os.path.isdir(path) and glob.glob(os.path.join(path, "*.array_record*")))):
+    return read_array_record(path, kind, on_bad_row=on_bad_row, fields=fields)
+  if not os.path.exists(path):
+    check_file(path, give="a .jsonl, .parquet or .arrow file, a save_to_disk directory or "
+               "array_record files")
+  raise files.unknown_format(path)

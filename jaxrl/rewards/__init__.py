@@ -9,12 +9,15 @@ and returns one float per completion:
 `batch` holds every field of the prompt records (e.g. "answer", plus any extras a user's JSONL
 carries) and "completion_length" (tokens). Rewards run on the host between generation and the
 update; each one's wall time is measured. A function that raises, returns the wrong count, or
-returns NaN is named in the error.
+returns NaN is named in the error. A function may instead score a failed check 0 and count it:
+it returns a `verifiers.Scores` (a list with `.errors`), and `score` adds those counts up into
+`reward/errors` (the math verifiers do this for parse errors and timeouts).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -22,7 +25,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jaxrl.errors import ConfigError, check_choice
+from jaxrl.rewards import verifiers
 
+log = logging.getLogger(__name__)
 RewardFn = Callable[..., Sequence[float]]
 REWARDS: dict[str, RewardFn] = {}
 
@@ -100,6 +105,10 @@ def soft_overlong(completions, *, batch, max_tokens: int = 128, buffer: int = 32
   return out
 
 
+# math, math_strict, math_format, gsm8k, gsm8k_strict, gsm8k_format (jaxrl/rewards/verifiers.py)
+REWARDS.update(verifiers.REWARDS)
+
+
 # ----------------------------------------------------------------------------- combining
 
 
@@ -129,20 +138,31 @@ def parse_specs(text: str) -> list[RewardSpec]:
 
 def score(specs: Sequence[RewardSpec], completions: list[str], batch: dict,
           *, normalize: bool = False) -> tuple[np.ndarray, dict[str, float]]:
-  """Weighted sum of the named rewards, [N] float32, and per-reward means and seconds.
+  """Weighted sum of the named rewards, [N] float32, and per-reward means and seconds, and
+  `reward/errors`: how many scores are a failed check's 0 (a verifier that raised or timed out).
 
   normalize=True z-scores each reward over the batch before weighting, so rewards of different
   scales combine by their weights alone.
   """
   total = np.zeros(len(completions), np.float64)
   stats: dict[str, float] = {}
+  errors = 0
   for spec in specs:
     fn = get_reward(spec.name)
     t0 = time.perf_counter()
     try:
       values = fn(completions, batch=batch, **spec.kwargs)
+    except ConfigError:
+      raise  # the data or the reward's settings are at fault, and the sentence says which
     except Exception as e:
       raise RewardError(f"reward function {spec.name!r} raised {type(e).__name__}: {e}") from e
+    n_errors = int(getattr(values, "errors", 0))
+    if n_errors:
+      errors += n_errors
+      _warn_once(spec.name, f"reward {spec.name!r}: {n_errors} of {len(completions)} "
+                 f"completions scored 0 because the check failed (first: "
+                 f"{getattr(values, 'first_error', None)}); later failures are counted in "
+                 "reward/errors only.")
     values = np.asarray(list(values), np.float64)
     if values.shape != (len(completions),):
       raise RewardError(f"reward function {spec.name!r} returned {values.shape[0]} values for "
@@ -156,4 +176,14 @@ def score(specs: Sequence[RewardSpec], completions: list[str], batch: dict,
     if normalize and values.std() > 0:
       values = (values - values.mean()) / values.std()
     total += spec.weight * values
+  stats["reward/errors"] = float(errors)
   return total.astype(np.float32), stats
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(name: str, message: str) -> None:
+  if name not in _WARNED:
+    _WARNED.add(name)
+    log.warning(message)

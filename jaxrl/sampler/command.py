@@ -11,8 +11,9 @@ The model is, in order:
 A config that names model.hf_path never samples random weights: a directory without its
 config.json, weights or tokenizer is an error.
 
-Prompt files hold {"prompt": ...}, {"messages": [...]} or {"prompt_ids": [...]} rows (extra
-fields such as "answer" are kept); a bad row is named by file, line and field. Prompts are
+Prompt files (JSONL, Parquet, Arrow or a save_to_disk directory; data.fields renames columns)
+hold {"prompt": ...}, {"messages": [...]} or {"prompt_ids": [...]} rows (extra fields such as
+"answer" are kept); a bad row is named by file, line and field. Prompts are
 rendered as everywhere else (jaxrl.data.prompts: chat-templated for an instruct checkpoint, per
 the config's data section). Each completion is one JSONL row in DIR/completions.jsonl:
 prompt_index, sample, prompt (and messages), prompt_text and prompt_ids (what the model was
@@ -31,7 +32,8 @@ import jax
 from jaxrl import config as config_lib
 from jaxrl.data.hf_tokenizer import eos_ids, tokenizer_for
 from jaxrl.data.prompts import render_prompt_text, render_prompts
-from jaxrl.data.records import check_file, read_jsonl, where
+from jaxrl.data.files import file_format
+from jaxrl.data.records import check_file, read_records, where
 from jaxrl.errors import ConfigError
 from jaxrl.io.hf import params_from_config
 from jaxrl.io.params import restore_params
@@ -48,11 +50,13 @@ from jaxrl.train.run import adopt_hf_path
 EXAMPLE = '{"prompt": "2+2="} or {"messages": [{"role": "user", "content": "2+2="}]}'
 
 
-def read_prompts(path: str, *, on_bad_row: str = "error") -> list[dict]:
-  """The rows of a prompts JSONL file ("prompt", "messages" or "prompt_ids"; jaxrl.data.records
-  kind "prompt"): blank lines skipped, a bad row named by file, line and field."""
-  check_file(path, "prompts file", give=f"a JSONL file with one object like {EXAMPLE} a line")
-  records, _ = read_jsonl(path, "prompt", on_bad_row=on_bad_row)
+def read_prompts(path: str, *, on_bad_row: str = "error", fields=None) -> list[dict]:
+  """The rows of a prompts file ("prompt", "messages" or "prompt_ids"; jaxrl.data.records kind
+  "prompt"): JSONL (blank lines skipped), Parquet, Arrow or a save_to_disk directory, columns
+  renamed by `fields` (data.fields); a bad row named by file, line (or row) and field."""
+  if file_format(path) is None or not os.path.exists(path):
+    check_file(path, "prompts file", give=f"a JSONL file with one object like {EXAMPLE} a line")
+  records, _ = read_records(path, "prompt", on_bad_row=on_bad_row, fields=fields)
   if not records:
     raise ConfigError(f"prompts file {path} holds no usable prompts: add lines like {EXAMPLE}.")
   return records
@@ -118,7 +122,8 @@ def run(config, *, prompts_path: str, workdir: str | None, n: int | None = None,
   # A training run's dir is not overwritten: its config.json would be replaced by this one.
   rundir.check_owner(workdir, command="sample")
   data = config.get("data")
-  records = read_prompts(prompts_path, on_bad_row=(data or {}).get("on_bad_row", "error"))
+  records = read_prompts(prompts_path, on_bad_row=(data or {}).get("on_bad_row", "error"),
+                         fields=(data or {}).get("fields"))
   s = config.sampling
   n = s.n if n is None else n
   if n < 1:

@@ -161,9 +161,30 @@ class Checkpointer:
     if step in self.manager.all_steps():
       return  # already saved (e.g. an interrupt right after a periodic save)
     self.wait()  # orbax waits for the previous write here anyway; this checks it landed
+    self._probe(step)
     self._guard(lambda: self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=DataStateSave(data_state)), force=True), step)
     self._pending = step
+
+  def _probe(self, step: int) -> None:
+    """Each process writes and removes a small file in the directory first. Orbax creates the
+    step's directory in a background thread, and when that fails (a read-only directory) the
+    save waits out a 5-minute barrier and reports only the timeout: this finds out at once,
+    with the OS's words, and every process agrees to stop."""
+    probe = self.directory / f".write-probe-{jax.process_index()}"
+    error = None
+    try:
+      self.directory.mkdir(parents=True, exist_ok=True)
+      probe.write_text(str(step))
+      probe.unlink()
+    except OSError as e:
+      error = e
+    failed = error is not None
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      failed = bool(np.any(multihost_utils.process_allgather(np.int32(failed))))
+    if failed:
+      self._fail(step, error)
 
   def restore(self, abstract_state, step: int | None = None):
     """(state, data_state) at `step` (default: latest), placed with the abstract state's

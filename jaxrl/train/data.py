@@ -13,7 +13,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from jaxrl.data import read_jsonl, read_records
+from jaxrl.data import read_records
 from jaxrl.errors import ConfigError
 
 
@@ -29,18 +29,16 @@ def load_task(config):
 def records(config, task, kind: str, *, build: Callable, eval_kind: str = "", what: str):
   """(train records, held-out records, train rows skipped) of a run.
 
-  Train: data.train_file's records of `kind` ("sft" and "rl": JSONL; "prefs" and "kto": JSONL
-  or array_record), else the task's build("train", data.train_examples, seed). Held out:
-  data.eval_file's records of `eval_kind` (default `kind`), else the task's build("test",
-  eval.examples, seed + 1), else none. `what` names a train file's rows in the error when
-  there is neither a task nor a file.
+  Train: data.train_file's records of `kind` (JSONL, Parquet, Arrow, a save_to_disk directory
+  or array_record, columns renamed by data.fields), else the task's build("train",
+  data.train_examples, seed). Held out: data.eval_file's records of `eval_kind` (default
+  `kind`), else the task's build("test", eval.examples, seed + 1), else none. `what` names a
+  train file's rows in the error when there is neither a task nor a file.
   """
   d, seed = config.data, config.seed
 
   def read(path, kind):
-    if kind in ("sft", "rl"):
-      return read_jsonl(path, kind, on_bad_row=d.on_bad_row)
-    return read_records(path, kind, on_bad_row=d.on_bad_row)
+    return read_records(path, kind, on_bad_row=d.on_bad_row, fields=d.get("fields"))
 
   skipped = 0
   if d.train_file:

@@ -106,6 +106,8 @@ def default_config():
       train_file="",       # JSONL of {"prompt","chosen","rejected"} (or the chat variant);
                            # with format=kto, of {"prompt","completion","label"}
       eval_file="",        # held-out pairs (default: the task's test split)
+      fields=None,         # source column -> record field, e.g. {"question": "prompt"}:
+                           # files may be .jsonl, .parquet, .arrow or a save_to_disk directory
       format="prefs",      # prefs | kto: what train_file holds (kto needs algo.loss=kto)
       train_examples=4096,  # task pairs to draw
       bias="none",         # task pairs: "longer" = a labeller preferring longer wrong answers
@@ -344,7 +346,8 @@ class PrefEval:
 
 def run(config, workdir: str, *, out=print) -> dict:
   """Trains (or resumes) the preference run in `workdir`; returns the summary."""
-  r = Run(config, workdir, out=out, choices=CHOICES, command="dpo")
+  r = Run(config, workdir, out=out, choices=CHOICES, command="dpo",
+          sections=default_config().keys())
   a, d, mesh, cfg = config.algo, config.data, r.mesh, r.cfg
   kto, paired = a.loss == "kto", d.format == "prefs"
   check_algo(a)

@@ -63,6 +63,8 @@ def default_config():
       train_file="",       # JSONL of {"prompt","chosen","rejected"} (or chat-message variants):
                            # replaces the task's pairs
       eval_file="",        # JSONL of held-out pairs (default: the task's test split, same bias)
+      fields=None,         # source column -> record field, e.g. {"question": "prompt"}:
+                           # files may be .jsonl, .parquet, .arrow or a save_to_disk directory
       train_examples=4000,  # task pairs drawn for training (before de-duplication)
       ngram=8,             # decontamination: drop train pairs sharing a word n-gram with an
                            # eval prompt
@@ -183,7 +185,8 @@ def _pairs(config):
                       "[0, 1].")
   info = {}
   if d.eval_file:
-    held_out, skipped = prefs.read_prefs(d.eval_file, on_bad_row=d.on_bad_row)
+    held_out, skipped = prefs.read_prefs(d.eval_file, on_bad_row=d.on_bad_row,
+                                         fields=d.get("fields"))
     info["eval"] = {"source": d.eval_file, "skipped": skipped}
   elif d.task:
     held_out = prefs.task_prefs(d.task, "test", config.eval.examples, seed + 1, bias=d.bias,
@@ -193,7 +196,8 @@ def _pairs(config):
     held_out = []
     info["eval"] = {"source": "none"}
   if d.train_file:
-    train, skipped = prefs.read_prefs(d.train_file, on_bad_row=d.on_bad_row)
+    train, skipped = prefs.read_prefs(d.train_file, on_bad_row=d.on_bad_row,
+                                      fields=d.get("fields"))
     info["train"] = {"source": d.train_file, "skipped": skipped}
   elif d.task:
     train = prefs.task_prefs(d.task, "train", d.train_examples, seed, bias=d.bias,
@@ -226,7 +230,8 @@ def init_reward_state(config, mesh, tx, *, layout: str = "learner"):
 
 def run(config, workdir: str, *, out=print) -> dict:
   """Trains (or resumes) the reward-model run in `workdir`; returns the summary."""
-  r = Run(config, workdir, out=out, choices=CHOICES, command="rm")
+  r = Run(config, workdir, out=out, choices=CHOICES, command="rm",
+          sections=default_config().keys())
   d, mesh = config.data, r.mesh
 
   # Data: pairs, cleaned and fingerprinted; the fingerprint and cleaning report go to

@@ -14,7 +14,7 @@ Only process 0 reports (`r.say`) and writes files; every process runs the same c
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import jax
 import numpy as np
@@ -102,8 +102,11 @@ class Run:
   and `jaxrl plan`, and its SFT run must still take config.mesh."""
 
   def __init__(self, config, workdir: str, *, out=print, choices: dict | None = None,
-               placement: bool = False, command: str | None = None):
+               placement: bool = False, command: str | None = None,
+               sections: Iterable[str] | None = None):
     config_lib.validate(config, choices)  # the shared sections, and the trainer's CHOICES
+    if command and sections is not None:  # the CLI checked this; a notebook may not have
+      config_lib.check_sections(config, command, lambda _: sections, [command])
     self.config, self.out = config, out
     self.main = jax.process_index() == 0
     self.say = out if self.main else (lambda *_: None)

@@ -43,6 +43,8 @@ def default_config():
                            # held-out loss and exact-match accuracy
       train_file="",       # JSONL of {"prompt","completion"} or {"messages"}: replaces the task
       eval_file="",        # JSONL of held-out SFT rows for eval/loss (default: the task's test)
+      fields=None,         # source column -> record field, e.g. {"question": "prompt"}:
+                           # files may be .jsonl, .parquet, .arrow or a save_to_disk directory
       train_examples=50_000,
       error_rate=0.0,      # how often the task's demonstrations are wrong (headroom for RL)
       error_mode="random", # "random": that fraction of all demos, a random slip each (greedy
@@ -97,7 +99,8 @@ def _records(config, task):
 
 def run(config, workdir: str, *, out=print) -> dict:
   """Trains (or resumes) the SFT run in `workdir`; returns the summary."""
-  r = Run(config, workdir, out=out, choices=CHOICES, command="sft")
+  r = Run(config, workdir, out=out, choices=CHOICES, command="sft",
+          sections=default_config().keys())
   d, mesh = config.data, r.mesh
   task = load_task(config)
   train, held_out = _records(config, task)

@@ -102,9 +102,12 @@ def default_config():
   c = config_lib.base_config()
   c.model.preset = "tiny"
   c.init = ml_collections.ConfigDict(dict(checkpoint=""))  # an SFT run dir to start from
-  # train_file / eval_file: JSONL of {"prompt", "answer"} or {"messages", "answer"} rows.
+  # train_file / eval_file: {"prompt", "answer"} or {"messages", "answer"} rows.
   c.data = ml_collections.ConfigDict(dict(
       task="addition", train_file="", eval_file="", train_examples=20_000, on_bad_row="error",
+      # source column -> record field, e.g. {"question": "prompt"} for GSM8K; files may be
+      # .jsonl, .parquet, .arrow or a save_to_disk directory (jaxrl/data/files.py)
+      fields=None,
       **prompt_section()))  # chat, chat_template_kwargs, system_prompt: jaxrl.data.prompts
   c.rollout = ml_collections.ConfigDict(dict(
       prompts_per_step=16, group_size=8, max_new_tokens=8, temperature=1.0, top_k=0,

@@ -58,7 +58,7 @@ from jaxrl.parallel.distributed import global_array
 from jaxrl.parallel.sync import Overlap, SamplerCopy, WeightSync
 from jaxrl.rewards import RewardSpec
 from jaxrl.rewards import model as rm_lib
-from jaxrl.rl.grpo.config import CHOICES
+from jaxrl.rl.grpo.config import CHOICES, default_config
 from jaxrl.rl.grpo.experience import Experience, PromptStream, make_experience
 from jaxrl.rl.grpo.monitors import Alarms, KLCoefficient
 from jaxrl.rl.grpo.rewards import reward_specs
@@ -111,9 +111,10 @@ def step_metrics(p: Parts, e: Experience, upd: dict) -> dict:
       **{k: upd[k] for k in ("loss", "grad_norm", "lr", "kl", "entropy", "clipfrac/low",
                              "clipfrac/high")},
       "reward/mean": float(e.rewards_bg.mean()), "reward/std": float(e.rewards_bg.std()),
-      "accuracy": e.reward_stats.get(f"reward/task_{task.name}",
-                                     e.reward_stats.get("accuracy", float("nan")))
-      if task is not None else float("nan"),
+      # Train accuracy only where a task checks answers: a metric that does not apply is
+      # absent from metrics.jsonl, not "nan".
+      **({"accuracy": e.reward_stats.get(f"reward/task_{task.name}",
+                                         e.reward_stats["accuracy"])} if task is not None else {}),
       "frac_zero_std_groups": e.frac_zero,
       "is_ratio/mean": upd["is_ratio/mean"],
       "staleness/mean": float(e.step - e.version),
@@ -197,7 +198,7 @@ def setup(config, workdir: str, *, out=print) -> tuple[Parts, Any]:
   """(the run's parts, the starting train state: the policy from init.checkpoint or
   model.hf_path, fresh optimizer state). Checks the config first."""
   run = Run(config, workdir, out=out, choices=CHOICES, placement=True,
-            command="grpo")
+            command="grpo", sections=default_config().keys())
   mesh, cfg, tokenizer = run.mesh, run.cfg, run.tokenizer
   a, r = config.algo, config.rollout
   task = load_task(config)
