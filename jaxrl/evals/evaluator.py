@@ -1,0 +1,191 @@
+"""The evaluator: held-out records scored by a checker, greedily and from n samples.
+
+    checker = checker_for(config, task)                # eval.reward, a task's check, or a reward
+    ev = Evaluator(graphdef, cfg, mesh, tokenizer, records, checker, batch=128, max_new=8,
+                   n=8, ks=(1, 4), temperature=1.0, sampler_mesh=mesh, to_sampler=fn)
+    metrics = ev(params)       # eval/accuracy, eval/pass@k, eval/mean@k, eval/maj@k
+    ev.completions             # every completion of that call, with its answer and score
+
+Greedy accuracy runs the jitted greedy decoder on the learner's params in the learner layout
+(jaxrl.train.evaluation.GreedyDecoder: the decoder every trainer's held-out eval has used, so
+a built-in task's eval/accuracy is what it was). The n samples per prompt come from the sampler
+engine (jaxrl.sampler) at eval.temperature, on the params `to_sampler` puts into the sampler
+layout. The sampling seed is the same at every eval, so a pass@k curve over a run compares the
+policies on the same random draws rather than adding the draws' noise. The metrics themselves
+are pure functions (jaxrl.evals.metrics).
+
+A checker is any registered reward (jaxrl.rewards) or a built-in task's `check`. A completion is
+correct for pass@k when it scores a full mark (>= 1). maj@k votes over the checker's extracted
+answers: a task's `extract_answer`, a reward function's own `extract` attribute when it has
+one, else jaxrl.rewards.extract_answer (the text after "####" or "answer:", else the first line).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from jaxrl.errors import ConfigError, check_choice
+from jaxrl.evals import metrics as metrics_lib
+from jaxrl.parallel.sync import release
+from jaxrl.rewards import REWARDS, RewardSpec, extract_answer, get_reward, score
+from jaxrl.sampler import Engine, SamplingParams, bucket, generate
+from jaxrl.train.evaluation import GreedyDecoder, encode_prompt
+
+
+# ----------------------------------------------------------------------------- checkers
+
+
+@dataclasses.dataclass(frozen=True)
+class Checker:
+  """Scores completions of held-out records. `score(completions, records, lengths)` gives one
+  float per completion (records[i] is completion i's record, lengths[i] its token count);
+  `extract(completion)` the answer it gives, for maj@k's vote."""
+  name: str
+  score: Callable[[list[str], list[dict], list[int]], np.ndarray]
+  extract: Callable[[str], str]
+
+
+def task_checker(task) -> Checker:
+  """A built-in task's 0/1 `check(completion, answer)`."""
+  from jaxrl.tasks import extract_answer as task_extract
+
+  def check(completions, records, lengths):
+    del lengths
+    return np.array([task.check(c, r["answer"]) for c, r in zip(completions, records)],
+                    np.float64)
+
+  return Checker(f"task:{task.name}", check, task_extract)
+
+
+def reward_checker(name: str, kwargs: dict | None = None) -> Checker:
+  """The registered reward `name` (with `kwargs`) as a checker; a reward function that raises
+  or returns a bad value is named, as in training (jaxrl.rewards.score)."""
+  fn = get_reward(name)
+  spec = RewardSpec(name, 1.0, dict(kwargs or {}))
+
+  def check(completions, records, lengths):
+    keys = dict.fromkeys(k for r in records for k in r)
+    fields = {k: [r.get(k) for r in records] for k in keys}
+    fields["completion_length"] = [int(n) for n in lengths]
+    values, _ = score([spec], list(completions), fields)
+    return values.astype(np.float64)
+
+  return Checker(name, check, getattr(fn, "extract", extract_answer))
+
+
+def checker_for(config, task) -> Checker | None:
+  """The checker a config's eval names: eval.reward ("task" or a registered reward), else
+  data.task's checker, else the first reward of `rewards` (GRPO's: the verifier it trains on);
+  None when there is none of these (a reward model alone)."""
+  name = config.eval.get("reward", "") or ""
+  kwargs = dict(config.get("reward_kwargs") or {})
+  if name:
+    check_choice("eval.reward", name, ["task", *sorted(REWARDS)])
+    if name == "task":
+      if task is None:
+        raise ConfigError("eval.reward='task' but data.task is empty: name a reward (e.g. "
+                          "--config.eval.reward=exact_match) or set data.task.")
+      return task_checker(task)
+    return reward_checker(name, kwargs.get(name))
+  if task is not None:
+    return task_checker(task)
+  first = next(iter(filter(None, (p.strip().partition(":")[0] for p in
+                                  str(config.get("rewards") or "").split(",")))), "")
+  if first in ("", "none", "task"):
+    return None
+  return reward_checker(first, kwargs.get(first))
+
+
+# ----------------------------------------------------------------------------- evaluator
+
+
+class Evaluator:
+  """Greedy accuracy and, with n > 0, pass@k / mean@k / maj@k (k in `ks`) from n samples per
+  prompt at `temperature`, of fixed held-out `records` under `checker`.
+
+  Greedy runs on the params as given (the learner layout on `mesh`); sampling runs the engine
+  on `sampler_mesh` (default `mesh`) on `to_sampler(params)` (default: the params as given),
+  `slots` decode slots at a time (default `batch`)."""
+
+  def __init__(self, graphdef, cfg, mesh, tokenizer, records: Sequence[dict], checker: Checker,
+               *, batch: int, max_new: int, n: int = 0, ks: Sequence[int] = (),
+               temperature: float = 1.0, seed: int = 0, sampler_mesh=None,
+               to_sampler: Callable | None = None, slots: int | None = None,
+               steps_per_call: int = 8, prefix: str = "eval/"):
+    self.records, self.checker, self.tokenizer = list(records), checker, tokenizer
+    if not self.records:
+      raise ConfigError("the held-out set is empty: give a data file with at least one "
+                        "{\"prompt\", \"answer\"} line.")
+    self.n, self.ks = int(n), tuple(int(k) for k in ks)
+    bad = [k for k in self.ks if not 1 <= k <= max(self.n, 0)]
+    if bad:
+      raise ConfigError(f"eval.k={tuple(self.ks)} needs eval.n >= {max(self.ks)} samples per "
+                        f"prompt (eval.n={self.n}): raise --config.eval.n or drop k={bad[0]}.")
+    self.seed, self.prefix = int(seed), prefix
+    self.ids = [encode_prompt(tokenizer, r) for r in self.records]  # the one encoding
+    self.greedy = GreedyDecoder(graphdef, cfg, mesh, tokenizer, self.ids, batch=batch,
+                                max_new=max_new)
+    self.engine = None
+    if self.n > 0:
+      sampler_mesh = mesh if sampler_mesh is None else sampler_mesh
+      replicas = sampler_mesh.shape["data"] * sampler_mesh.shape["fsdp"]
+      want = min(slots or batch, len(self.records) * self.n)
+      self.slots = -(-want // replicas) * replicas  # slots are split over the replicas
+      self.steps_per_call = steps_per_call
+      self.engine = Engine(graphdef, cfg, sampler_mesh, sampling=SamplingParams(
+          temperature=float(temperature), max_new_tokens=int(max_new),
+          eos_id=tokenizer.eos_id))
+    # A copy made for sampling is freed once sampled from (GRPO's learner and sampler share
+    # devices); params used as given are the caller's.
+    self.to_sampler, self.own_copy = to_sampler or (lambda params: params), to_sampler is not None
+    self.completions: list[dict] = []  # the last call's, every completion with its score
+
+  def _rows(self, texts, lengths, recs) -> tuple[np.ndarray, list[str]]:
+    return (np.asarray(self.checker.score(texts, recs, lengths), np.float64),
+            [self.checker.extract(t) for t in texts])
+
+  def __call__(self, params) -> dict[str, float]:
+    t0 = time.perf_counter()
+    toks = self.greedy.token_ids(params)
+    texts = [self.tokenizer.decode(t) for t in toks]
+    scores, answers = self._rows(texts, [len(t) for t in toks], self.records)
+    out = {f"{self.prefix}accuracy": metrics_lib.accuracy(scores)}
+    comps = [dict(prompt_index=i, mode="greedy", prompt=r.get("prompt"), answer=r.get("answer"),
+                  completion=t, extracted=a, score=float(s), tokens=len(tk))
+             for i, (r, t, a, s, tk) in enumerate(zip(self.records, texts, answers, scores, toks))]
+    self.timing = {"greedy_s": time.perf_counter() - t0}
+    if self.engine is not None:
+      t1 = time.perf_counter()
+      params_s = self.to_sampler(params)
+      rollout = generate(self.engine, params_s, self.ids, n=self.n, seed=self.seed,
+                         slots=self.slots, steps_per_call=self.steps_per_call,
+                         max_prompt_len=bucket(max(map(len, self.ids))),
+                         pad_id=self.tokenizer.pad_id)
+      if self.own_copy:
+        release(params_s)
+      lengths = [int(x) for x in rollout.lengths]
+      texts = [self.tokenizer.decode(row[:m]) for row, m in zip(rollout.completion_ids, lengths)]
+      recs = [self.records[int(i)] for i in rollout.prompt_index]
+      s_scores, s_answers = self._rows(texts, lengths, recs)
+      P = len(self.records)
+      out.update(metrics_lib.sampled_metrics(
+          scores_pn=s_scores.reshape(P, self.n),
+          answers_pn=[s_answers[i * self.n:(i + 1) * self.n] for i in range(P)],
+          ks=self.ks, prefix=self.prefix))
+      comps += [dict(prompt_index=int(p), mode="sample", sample=j % self.n,
+                     prompt=recs[j].get("prompt"), answer=recs[j].get("answer"), completion=t,
+                     extracted=a, score=float(s), tokens=m,
+                     finish_reason=rollout.finish_reasons[j])
+                for j, (p, t, a, s, m) in enumerate(zip(rollout.prompt_index, texts, s_answers,
+                                                        s_scores, lengths))]
+      self.timing["sample_s"] = time.perf_counter() - t1
+    self.completions = comps
+    return out
+
+  def samples(self, prompts: int) -> list[dict]:
+    """The last call's completions of its first `prompts` prompts (greedy, then sampled)."""
+    return [c for c in self.completions if c["prompt_index"] < prompts]
