@@ -413,7 +413,7 @@ def cmd_sample(args, overrides) -> None:
 
 def cmd_eval(args, overrides) -> None:
   from jaxrl.evals import command
-  command.run(_load(args, overrides, _choices("eval")), checkpoint=args.checkpoint,
+  command.run(command.load(args.config, overrides), checkpoint=args.checkpoint,
               data=args.data, workdir=args.workdir)
 
 

@@ -118,6 +118,21 @@ def test_the_checker_is_named_or_found(repo_root):
   assert checker_for(c, None) is None  # a reward model alone: GRPO says the alarm is off
 
 
+def test_jaxrl_eval_reads_any_trainers_config(repo_root):
+  """An SFT config's eval section has no n or k; `jaxrl eval` adds the evaluator's keys before
+  the overrides, so they can be set, and still checks them."""
+  from jaxrl.evals import command
+  spec = os.path.join(repo_root, "configs/sft_tiny.py")
+  config = command.load(spec, ["eval.n=4", "eval.k=(1, 4)", "eval.reward=exact_match"])
+  s = command.settings(config)
+  assert (s["n"], s["k"], s["reward"], s["max_new_tokens"]) == (4, (1, 4), "exact_match", 6)
+  assert command.settings(command.load(os.path.join(repo_root, "configs/grpo_tiny.py")))[
+      "max_new_tokens"] == 8  # GRPO's 0: rollout.max_new_tokens
+  with pytest.raises(ConfigError, match=r"eval.k=\(8,\) needs at least 8 samples per prompt "
+                                        r"but eval.n=0"):
+    command.load(spec, ["eval.k=(8,)"])
+
+
 def test_jaxrl_eval_refuses_random_weights_in_one_line(repo_root, tmp_path, capsys):
   data = tmp_path / "test.jsonl"
   write_jsonl(str(data), [{"prompt": "1+1=", "answer": "2"}])

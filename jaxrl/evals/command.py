@@ -39,6 +39,21 @@ from jaxrl.train.rundir import RunDir
 CHOICES: dict = {}
 
 
+def load(spec: str, overrides=()):
+  """The config of `spec` with the evaluator's keys (jaxrl.config.eval_keys) added to an eval
+  section that lacks them (an SFT or DPO config's), so --config.eval.n=8 works on any trainer's
+  config; then the overrides, then the checks."""
+  config = config_lib.load_config(spec, (), CHOICES)
+  if "eval" in config:
+    with config.eval.unlocked():
+      for key, value in {**config_lib.eval_keys(), "max_new_tokens": 0}.items():
+        if key not in config.eval:
+          config.eval[key] = value
+  config_lib.apply_overrides(config, overrides)
+  config_lib.validate(config, CHOICES)
+  return config
+
+
 def settings(config) -> dict:
   """The eval section with jaxrl.config.eval_keys' defaults for the keys it lacks, and
   max_new_tokens resolved (GRPO's 0: rollout.max_new_tokens)."""
