@@ -136,6 +136,8 @@ def run(config, *, checkpoint: str | None, data: str | None = None,
   tokenizer = tokenizer_for(config)
   mesh = mesh_from_config(config.mesh)
   graphdef, params, step = load_params(config, cfg, mesh, checkpoint)
+  main = jax.process_index() == 0  # every process evaluates the same; one writes
+  run_dir = RunDir(workdir, write=main)  # a workdir that cannot be written: said now, not later
   _, shapes, axes = abstract_model(cfg)
   sampler_shd = tree_shardings(shapes, axes, mesh, "sampler")
   ev = Evaluator(graphdef, cfg, mesh, tokenizer, records, checker, batch=s["batch_size"],
@@ -149,16 +151,17 @@ def run(config, *, checkpoint: str | None, data: str | None = None,
   metrics = ev(params)
   wall = time.perf_counter() - t0
 
-  run_dir = RunDir(workdir)
-  if not rundir.read_run(workdir):
-    rundir.write_run(workdir, {"command": "eval"})
-  run_dir.write_config(config)
   result = {"checkpoint": checkpoint or "", "hf_path": config.model.get("hf_path") or "",
             "step": step, "data": where, "prompts": len(records), "checker": checker.name,
             "n": s["n"], "k": list(s["k"]), "temperature": s["temperature"],
             "max_new_tokens": s["max_new_tokens"], "metrics": metrics,
             "timing_s": {"total": wall, **ev.timing}}
   path = os.path.join(workdir, "completions.jsonl")
+  if not main:
+    return result
+  if not rundir.read_run(workdir):
+    rundir.write_run(workdir, {"command": "eval"})
+  run_dir.write_config(config)
   with open(path, "w", encoding="utf-8") as f:
     for row in ev.completions:
       f.write(json.dumps(row) + "\n")
