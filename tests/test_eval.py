@@ -279,3 +279,18 @@ def test_jaxrl_eval_writes_metrics_and_scored_completions(user_data_run, repo_ro
                                                          "step_2.jsonl"))]
   assert [row["completion"] for row in spot if row["mode"] == "greedy"] == [
       row["completion"] for row in greedy[:3]]
+
+
+def test_grpo_without_heldout_data_says_the_alarm_is_off(repo_root, tmp_path):
+  """No data.task and no data.eval_file: nothing to evaluate, and the run says so instead of
+  leaving the reward-hacking alarm silently off."""
+  spec = os.path.join(repo_root, "configs/grpo_tiny.py:runlocal")
+  write_jsonl(str(tmp_path / "train.jsonl"), get_task("addition").records("train", 16, 0))
+  overrides = ["data.task=", f"data.train_file={tmp_path / 'train.jsonl'}", "rewards=exact_match"]
+  said = []
+  p, _ = grpo.setup(config_lib.load_config(spec, overrides, grpo.CHOICES),
+                    str(tmp_path / "run"), out=said.append)
+  p.close()
+  assert p.evaluator is None and p.alarms.watching is None
+  assert ("held-out eval off: no held-out prompts (set data.eval_file to a JSONL of {prompt, "
+          "answer}); the reward-hacking alarm is off") in said
