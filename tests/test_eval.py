@@ -81,6 +81,25 @@ def test_maj_and_mean_at_k_on_crafted_votes():
   assert metrics.correct([0.5, 1.0, 0.99, 2.0]).tolist() == [False, True, False, True]
 
 
+def test_math_and_gsm8k_checkers_vote_on_values():
+  """maj@k's answers under the math verifiers: gsm8k's final number as a value (so "1,000" and
+  "1000." vote together), math's last \\boxed{}; the scores are the verifiers' own."""
+  gsm = reward_checker("gsm8k")
+  comps = ["so 10 * 100 = 1000\n#### 1,000", "the answer is \\boxed{1000}", "it is 999",
+           "1000.", "no idea"]
+  assert [gsm.extract(c) for c in comps] == ["1000", "1000", "999", "1000", ""]
+  records = [{"prompt": "q", "answer": "10 * 100 = 1000\n#### 1000"}] * len(comps)
+  scores, errors = gsm.score(comps, records, [5] * len(comps))
+  assert scores.tolist() == [1.0, 1.0, 0.0, 1.0, 0.0] and errors == 0
+  answers = [gsm.extract(c) for c in comps]
+  assert metrics.maj_at_k(answers_pn=[answers], scores_pn=[scores], k=5) == 1.0
+  assert metrics.maj_at_k(answers_pn=[answers[2:]], scores_pn=[scores[2:]], k=2) == 0.0
+  m = reward_checker("math")
+  assert m.extract("we get $\\boxed{ \\frac{1}{2} }$") == "\\frac{1}{2}"
+  assert m.extract("x = 3/4") == "3/4" and m.extract("nothing") == ""
+  assert reward_checker("exact_match").extract("work...\nAnswer: 12.") == "12"
+
+
 # ----------------------------------------------------------------------------- config
 
 
@@ -167,11 +186,12 @@ def test_greedy_accuracy_is_the_exact_match_every_trainer_ran(devices):
   new = Evaluator(graphdef, cfg, mesh, tok, records, fmt, batch=16, max_new=8)
   m_old, m_new = old(params), new(params)
   assert [c["completion"] for c in new.completions] == old.completions(params)
-  assert m_new == m_old and 0 < m_new["eval/accuracy"] < 1, m_new
+  assert m_new == {**m_old, "eval/reward_errors": 0.0} and 0 < m_new["eval/accuracy"] < 1, m_new
   # The task's own checker scores those completions as ExactMatch's check did (the demo's).
   comps = old.completions(params)
-  assert task_checker(task).score(comps, records, [0] * len(comps)).tolist() == [
-      task.check(c, r["answer"]) for c, r in zip(comps, records)]
+  scores, errors = task_checker(task).score(comps, records, [0] * len(comps))
+  assert errors is None and scores.tolist() == [task.check(c, r["answer"])
+                                                for c, r in zip(comps, records)]
 
 
 # ----------------------------------------------------------------------------- GRPO and jaxrl eval

@@ -1,4 +1,4 @@
-"""`jaxrl eval`: a checkpoint's held-out metrics on a JSONL of {"prompt", "answer"} records.
+"""`jaxrl eval`: a checkpoint's held-out metrics on a file of {"prompt", "answer"} records.
 
     jaxrl eval --config configs/grpo_tiny.py --checkpoint runs/grpo --data test.jsonl \
         [--workdir OUT] [--config.eval.n=8 --config.eval.k='(1, 4)' --config.eval.reward=...]
@@ -23,7 +23,7 @@ import time
 import jax
 
 from jaxrl import config as config_lib
-from jaxrl.data import read_jsonl
+from jaxrl.data import read_records
 from jaxrl.data.hf_tokenizer import tokenizer_for
 from jaxrl.errors import ConfigError
 from jaxrl.evals.evaluator import Evaluator, checker_for
@@ -72,19 +72,22 @@ def settings(config) -> dict:
 
 def held_out(config, data: str | None, s: dict) -> tuple[list[dict], str]:
   """(records, where they came from): --data, else data.eval_file, else data.task's test split
-  (the trainers' held-out draw: eval.examples records at seed + 1)."""
+  (the trainers' held-out draw: eval.examples records at seed + 1). Files are read as the
+  trainers read them: JSONL, Parquet, Arrow or a save_to_disk directory, data.fields renaming
+  columns."""
   d = config.get("data") or {}
-  on_bad_row = d.get("on_bad_row", "error")
   path = data or d.get("eval_file") or ""
   if path:
-    records, skipped = read_jsonl(path, "rl", on_bad_row=on_bad_row)
+    records, skipped = read_records(path, "rl", on_bad_row=d.get("on_bad_row", "error"),
+                                    fields=d.get("fields"))
     return records, path + (f" ({skipped} bad rows skipped)" if skipped else "")
   if d.get("task"):
     from jaxrl.tasks import get_task
     task = get_task(d["task"])
     return task.records("test", s["examples"], config.seed + 1), f"{task.name}'s test split"
-  raise ConfigError("jaxrl eval has no records: pass --data FILE.jsonl (one {\"prompt\", "
-                    "\"answer\"} object a line), or set data.eval_file or data.task.")
+  raise ConfigError("jaxrl eval has no records: pass --data FILE (JSONL with one {\"prompt\", "
+                    "\"answer\"} object a line, or Parquet / Arrow), or set data.eval_file or "
+                    "data.task.")
 
 
 def run_dir_of(checkpoint: str) -> str:

@@ -15,9 +15,14 @@ policies on the same random draws rather than adding the draws' noise. The metri
 are pure functions (jaxrl.evals.metrics).
 
 A checker is any registered reward (jaxrl.rewards) or a built-in task's `check`. A completion is
-correct for pass@k when it scores a full mark (>= 1). maj@k votes over the checker's extracted
-answers: a task's `extract_answer`, a reward function's own `extract` attribute when it has
-one, else jaxrl.rewards.extract_answer (the text after "####" or "answer:", else the first line).
+correct for pass@k when it scores a full mark (>= 1). A reward checker's failed checks (a math
+verifier that raised or timed out scores 0) are counted in eval/reward_errors. maj@k votes over
+the checker's extracted answers: a task's `extract_answer`; a reward function's own `extract`
+attribute when it has one; for the math rewards the last \\boxed{} (whitespace dropped), else
+the last number; for the gsm8k rewards the final number's value ("#### N", else \\boxed{},
+else the last number; "1,000" and "1000" vote together); else jaxrl.rewards.extract_answer (the
+text after "####" or "answer:", else the first line). Voting compares extracted text, so two
+LaTeX spellings of one value (\\frac12, \\frac{1}{2}) vote apart.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import numpy as np
 from jaxrl.errors import ConfigError, check_choice
 from jaxrl.evals import metrics as metrics_lib
 from jaxrl.parallel.sync import release
+from jaxrl.rewards import mathcheck
 from jaxrl.rewards import REWARDS, RewardSpec, extract_answer, get_reward, score
 from jaxrl.sampler import Engine, SamplingParams, bucket, generate
 from jaxrl.train.evaluation import GreedyDecoder, encode_prompt
@@ -42,11 +48,49 @@ from jaxrl.train.evaluation import GreedyDecoder, encode_prompt
 @dataclasses.dataclass(frozen=True)
 class Checker:
   """Scores completions of held-out records. `score(completions, records, lengths)` gives one
-  float per completion (records[i] is completion i's record, lengths[i] its token count);
+  float per completion (records[i] is completion i's record, lengths[i] its token count) and
+  how many of them are a failed check's 0, or None for a checker that cannot fail (a task's);
   `extract(completion)` the answer it gives, for maj@k's vote."""
   name: str
-  score: Callable[[list[str], list[dict], list[int]], np.ndarray]
+  score: Callable[[list[str], list[dict], list[int]], tuple[np.ndarray, int | None]]
   extract: Callable[[str], str]
+
+
+def _final_number(text: str) -> str:
+  """A GSM8K answer's value as text: the number after the last "####", else in the last
+  \\boxed{}, else the last number; "" when there is none."""
+  text = text.replace("\u2212", "-")
+  for part in ((text.rsplit("####", 1)[1] if "####" in text else None),
+               mathcheck.last_boxed(text)):
+    value = mathcheck.parse_number(part) if part else None
+    if value is not None:
+      return str(value)
+  found = mathcheck.numbers(text)
+  value = mathcheck.parse_number(found[-1]) if found else None
+  return "" if value is None else str(value)
+
+
+def _math_answer(text: str) -> str:
+  """A math answer as text: the last \\boxed{}'s content without whitespace, else the last
+  number's value; "" when there is neither."""
+  boxed = mathcheck.last_boxed(text)
+  if boxed is not None and boxed.strip():
+    return "".join(boxed.split())
+  found = mathcheck.numbers(text)
+  value = mathcheck.parse_number(found[-1]) if found else None
+  return "" if value is None else str(value)
+
+
+def extractor(name: str, fn) -> Callable[[str], str]:
+  """The answer extraction maj@k votes with under reward `name` (see the module docstring)."""
+  own = getattr(fn, "extract", None)
+  if own is not None:
+    return own
+  if name.startswith("gsm8k"):
+    return _final_number
+  if name.startswith("math"):
+    return _math_answer
+  return extract_answer
 
 
 def task_checker(task) -> Checker:
@@ -56,7 +100,7 @@ def task_checker(task) -> Checker:
   def check(completions, records, lengths):
     del lengths
     return np.array([task.check(c, r["answer"]) for c, r in zip(completions, records)],
-                    np.float64)
+                    np.float64), None
 
   return Checker(f"task:{task.name}", check, task_extract)
 
@@ -71,10 +115,10 @@ def reward_checker(name: str, kwargs: dict | None = None) -> Checker:
     keys = dict.fromkeys(k for r in records for k in r)
     fields = {k: [r.get(k) for r in records] for k in keys}
     fields["completion_length"] = [int(n) for n in lengths]
-    values, _ = score([spec], list(completions), fields)
-    return values.astype(np.float64)
+    values, stats = score([spec], list(completions), fields)
+    return values.astype(np.float64), int(stats["reward/errors"])
 
-  return Checker(name, check, getattr(fn, "extract", extract_answer))
+  return Checker(name, check, extractor(name, fn))
 
 
 def checker_for(config, task) -> Checker | None:
@@ -145,11 +189,14 @@ class Evaluator:
     self.completions: list[dict] = []  # the last call's, every completion with its score
 
   def _rows(self, texts, lengths, recs) -> tuple[np.ndarray, list[str]]:
-    return (np.asarray(self.checker.score(texts, recs, lengths), np.float64),
-            [self.checker.extract(t) for t in texts])
+    scores, errors = self.checker.score(texts, recs, lengths)
+    if errors is not None:
+      self.errors = (self.errors or 0) + errors
+    return np.asarray(scores, np.float64), [self.checker.extract(t) for t in texts]
 
   def __call__(self, params) -> dict[str, float]:
     t0 = time.perf_counter()
+    self.errors: int | None = None  # failed checks this call; None: the checker cannot fail
     toks = self.greedy.token_ids(params)
     texts = [self.tokenizer.decode(t) for t in toks]
     scores, answers = self._rows(texts, [len(t) for t in toks], self.records)
@@ -184,6 +231,8 @@ class Evaluator:
                                                         s_scores, lengths))]
       self.timing["sample_s"] = time.perf_counter() - t1
     self.completions = comps
+    if self.errors is not None:  # completions whose check failed (scored 0), greedy and sampled
+      out[f"{self.prefix}reward_errors"] = float(self.errors)
     return out
 
   def samples(self, prompts: int) -> list[dict]:
