@@ -115,8 +115,11 @@ def step_metrics(p: Parts, e: Experience, upd: dict) -> dict:
       "reward/mean": float(e.rewards_bg.mean()), "reward/std": float(e.rewards_bg.std()),
       # Train accuracy only where a task checks answers: a metric that does not apply is
       # absent from metrics.jsonl, not "nan".
-      **({"accuracy": e.reward_stats.get(f"reward/task_{task.name}",
-                                         e.reward_stats["accuracy"])} if task is not None else {}),
+      # (The task's reward when it is one, else the accuracy score_rollout adds; not
+      # .get(key, stats["accuracy"]), whose default is looked up, and missing, either way.)
+      **({"accuracy": e.reward_stats[f"reward/task_{task.name}"]
+          if f"reward/task_{task.name}" in e.reward_stats else e.reward_stats["accuracy"]}
+         if task is not None else {}),
       "frac_zero_std_groups": e.frac_zero,
       "is_ratio/mean": upd["is_ratio/mean"],
       "staleness/mean": float(e.step - e.version),
