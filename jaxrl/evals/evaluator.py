@@ -187,6 +187,8 @@ class Evaluator:
     # devices); params used as given are the caller's.
     self.to_sampler, self.own_copy = to_sampler or (lambda params: params), to_sampler is not None
     self.completions: list[dict] = []  # the last call's, every completion with its score
+    self.errors: int | None = None     # the last call's failed checks; None: cannot fail
+    self.timing: dict[str, float] = {}  # the last call's seconds, greedy and sampled
 
   def _rows(self, texts, lengths, recs) -> tuple[np.ndarray, list[str]]:
     scores, errors = self.checker.score(texts, recs, lengths)
@@ -196,7 +198,7 @@ class Evaluator:
 
   def __call__(self, params) -> dict[str, float]:
     t0 = time.perf_counter()
-    self.errors: int | None = None  # failed checks this call; None: the checker cannot fail
+    self.errors = None
     toks = self.greedy.token_ids(params)
     texts = [self.tokenizer.decode(t) for t in toks]
     scores, answers = self._rows(texts, [len(t) for t in toks], self.records)
