@@ -45,6 +45,9 @@ def _choices(command: str | None):
   if command == "sample":
     from jaxrl.sampler import command as sample_command
     return sample_command.CHOICES
+  if command == "eval":
+    from jaxrl.evals import command as eval_command
+    return eval_command.CHOICES
   return trainer(command).CHOICES if command in TRAINERS else None
 
 
@@ -102,6 +105,13 @@ def _parser() -> argparse.ArgumentParser:
                  help="a jaxrl sft / grpo / dpo run directory (its latest params, with the "
                  "tokenizer of the checkpoint it started from) or a Hugging Face checkpoint; "
                  "without it, model.hf_path's weights, else a random init")
+  s = sub.add_parser("eval", help="held-out metrics of a checkpoint (greedy accuracy; pass@k, "
+                     "mean@k, maj@k with eval.n > 0): DIR/eval.json and DIR/completions.jsonl")
+  _common(s, config_required=True)
+  s.add_argument("--checkpoint", metavar="RUN", help="a jaxrl sft or grpo run directory (its "
+                 "latest params); without it, model.hf_path's weights")
+  s.add_argument("--data", metavar="FILE", help='JSONL, {"prompt", "answer"} a line (default: '
+                 "data.eval_file, else data.task's test split)")
   s = sub.add_parser("demo", help="the embedded default job (runs with no arguments)")
   _common(s, config_required=False)
   _data_parser(sub)
@@ -404,6 +414,12 @@ def cmd_sample(args, overrides) -> None:
               workdir=args.workdir, n=args.n, checkpoint=args.checkpoint)
 
 
+def cmd_eval(args, overrides) -> None:
+  from jaxrl.evals import command
+  command.run(command.load(args.config, overrides), checkpoint=args.checkpoint,
+              data=args.data, workdir=args.workdir)
+
+
 def cmd_launch(args, overrides) -> None:
   from jaxrl import launch
   from jaxrl.plot import compare_table
@@ -485,7 +501,7 @@ def cmd_plot(args, overrides) -> None:
 COMMANDS = {"info": cmd_info, "model": cmd_model, "sweep": cmd_sweep, "plan": cmd_plan,
             "bench": cmd_bench, "convert": cmd_convert, "demo": cmd_demo, "data": cmd_data,
             "sft": cmd_train, "rm": cmd_train, "grpo": cmd_train, "dpo": cmd_train,
-            "sample": cmd_sample, "launch": cmd_launch, "compare": cmd_compare, "plot": cmd_plot}
+            "sample": cmd_sample, "eval": cmd_eval, "launch": cmd_launch, "compare": cmd_compare, "plot": cmd_plot}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -334,13 +334,41 @@ def check_sections(config: ml_collections.ConfigDict, command: str,
                     f"(configs/{command}_tiny.py).")
 
 
+def eval_keys() -> dict:
+  """The held-out evaluator's keys (jaxrl.evals), beside a trainer's every/examples/batch_size:
+  GRPO's eval section carries them, and `jaxrl eval` reads them from any config (these
+  defaults fill the keys a config lacks)."""
+  return dict(
+      n=0,              # samples per prompt at `temperature` (0: greedy accuracy only)
+      k=(),             # pass@k, mean@k and maj@k for each k (each k <= n), e.g. (1, 4)
+      temperature=1.0,  # the n samples' temperature
+      reward="",        # the checker: "task", a registered reward, or "" (data.task's
+                        # checker, else the first of `rewards`)
+      spot_check=8,     # prompts whose completions GRPO writes to DIR/samples/step_N.jsonl
+  )
+
+
 def check_loop_sections(config: ml_collections.ConfigDict) -> None:
   """The ranges of the train and eval sections every trainer has and the shared loop reads
   (jaxrl.train.loop): steps, log_every, save_every >= 1 (a 0 divides by zero after the
-  compile); eval.every >= 0 (0 = no periodic eval); the eval batch >= 1."""
+  compile); eval.every >= 0 (0 = no periodic eval); the eval batch >= 1; and the evaluator's
+  keys (eval_keys) where a config has them."""
   check_at_least(config, 1, "train.steps", "train.log_every", "train.save_every",
-                 "train.keep_checkpoints", "eval.batch_size", "eval.max_new_tokens")
-  check_at_least(config, 0, "eval.every", "eval.examples")
+                 "train.keep_checkpoints", "eval.batch_size")
+  # GRPO's eval.max_new_tokens 0 means rollout.max_new_tokens; everyone else's decodes that many.
+  check_at_least(config, 0 if "rollout" in config else 1, "eval.max_new_tokens")
+  check_at_least(config, 0, "eval.every", "eval.examples", "eval.n", "eval.spot_check")
+  check_positive(config, "eval.temperature", example="1.0")
+  ks, n = _get(config, "eval.k"), _get(config, "eval.n")
+  if ks is None:
+    return
+  if not isinstance(ks, (tuple, list)) or not all(
+      isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in ks):
+    raise ConfigError(f"eval.k={ks!r} must be a tuple of integers >= 1: set e.g. "
+                      "--config.eval.k='(1, 4)'.")
+  if ks and (not isinstance(n, int) or max(ks) > n):
+    raise ConfigError(f"eval.k={tuple(ks)} needs at least {max(ks)} samples per prompt but "
+                      f"eval.n={n!r}: set --config.eval.n={max(ks)} or more.")
 
 
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:

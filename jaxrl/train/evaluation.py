@@ -50,16 +50,21 @@ def make_greedy_decoder(graphdef, cfg, mesh, *, batch: int, prompt_len: int, max
   return jax.jit(decode, out_shardings=replicated)
 
 
-class ExactMatch:
-  """Greedy-decodes `prompts` and scores each completion with `check(completion, answer)`."""
+def encode_prompt(tokenizer, record: dict) -> list[int]:
+  """The token ids of a held-out record's prompt: the one place evaluation encodes a prompt
+  (greedy exact match and jaxrl.evals), the same way GRPO's rollouts encode theirs."""
+  return tokenizer.encode(record["prompt"], bos=True)
 
-  def __init__(self, graphdef, cfg, mesh, tokenizer, records, check, *, batch: int,
+
+class GreedyDecoder:
+  """Greedy completions (text) of fixed prompts, `batch` rows per call of one jitted decoder
+  (make_greedy_decoder) on the learner's params in the learner layout."""
+
+  def __init__(self, graphdef, cfg, mesh, tokenizer, ids: list[list[int]], *, batch: int,
                max_new: int):
-    self.tokenizer, self.check, self.records = tokenizer, check, list(records)
-    self.samples: list[tuple[str, str, str]] = []  # (prompt, completion, answer) of the last eval
+    self.tokenizer, self.count = tokenizer, len(ids)
     replicas = mesh.shape["data"] * mesh.shape["fsdp"]
     self.batch = -(-batch // replicas) * replicas  # the cache shards slots over replicas
-    ids = [tokenizer.encode(r["prompt"], bos=True) for r in self.records]
     self.prompt_len = max(map(len, ids))
     n_pad = -(-len(ids) // self.batch) * self.batch
     self.tokens = np.full((n_pad, self.prompt_len), tokenizer.pad_id, np.int32)
@@ -72,15 +77,34 @@ class ExactMatch:
     self.tok_shd = batch_sharding(mesh, 2, "learner")
     self.len_shd = batch_sharding(mesh, 1, "learner")
 
-  def completions(self, params) -> list[str]:
+  def token_ids(self, params) -> list[np.ndarray]:
+    """Each prompt's new tokens, cut before the first eos."""
     out = []
     for s in range(0, len(self.tokens), self.batch):
       new = self.decode(params, global_array(self.tokens[s:s + self.batch], self.tok_shd),
                         global_array(self.lengths[s:s + self.batch], self.len_shd))
       for row in np.asarray(new):
         eos = np.flatnonzero(row == self.tokenizer.eos_id)
-        out.append(self.tokenizer.decode(row[:eos[0]] if len(eos) else row))
-    return out[:len(self.records)]
+        out.append(row[:eos[0]] if len(eos) else row)
+    return out[:self.count]
+
+  def __call__(self, params) -> list[str]:
+    return [self.tokenizer.decode(row) for row in self.token_ids(params)]
+
+
+class ExactMatch:
+  """Greedy-decodes `prompts` and scores each completion with `check(completion, answer)`."""
+
+  def __init__(self, graphdef, cfg, mesh, tokenizer, records, check, *, batch: int,
+               max_new: int):
+    self.tokenizer, self.check, self.records = tokenizer, check, list(records)
+    self.samples: list[tuple[str, str, str]] = []  # (prompt, completion, answer) of the last eval
+    self.greedy = GreedyDecoder(graphdef, cfg, mesh, tokenizer,
+                                [encode_prompt(tokenizer, r) for r in self.records],
+                                batch=batch, max_new=max_new)
+
+  def completions(self, params) -> list[str]:
+    return self.greedy(params)
 
   def __call__(self, params) -> dict[str, float]:
     comps = self.completions(params)

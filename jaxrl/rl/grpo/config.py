@@ -133,7 +133,11 @@ def default_config():
                           clip_norm=1.0)
   c.train = ml_collections.ConfigDict(dict(
       steps=80, log_every=5, save_every=20, keep_checkpoints=2, async_checkpoints=True))
-  c.eval = ml_collections.ConfigDict(dict(every=20, examples=256, batch_size=128))
+  # Held-out eval every `every` steps on data.eval_file (else data.task's test split,
+  # `examples` prompts): greedy accuracy, and with n > 0 pass@k / mean@k / maj@k from n samples
+  # (jaxrl.evals; the keys are jaxrl.config.eval_keys'). max_new_tokens 0: rollout's.
+  c.eval = ml_collections.ConfigDict(dict(every=20, examples=256, batch_size=128,
+                                          max_new_tokens=0, **config_lib.eval_keys()))
   # Alarms: KL above kl_threshold; reward (mean over the last `window` steps; the raw reward-model
   # score when there is one) rising between an eval and the latest one at least `window` steps
   # before it, while held-out accuracy falls by more than min_accuracy_drop.

@@ -36,7 +36,13 @@ class KLCoefficient:
 
 
 class Alarms:
-  """KL past a threshold, and reward rising while held-out accuracy falls (reward hacking)."""
+  """KL past a threshold, and reward rising while held-out accuracy falls (reward hacking).
+
+  The reward-hacking alarm reads the held-out eval's eval/accuracy (on_eval): the run's
+  evaluator (jaxrl.evals) on data.eval_file or the task's test split, scored by the eval's
+  checker. `watching` says which, once the trainer has armed it; None means no held-out eval
+  runs, so the alarm cannot fire (the trainer says so when it starts, and summary.json
+  records it)."""
 
   def __init__(self, *, kl_threshold: float, window: int, out, min_drop: float = 0.03,
                reward_key: str = "reward/mean"):
@@ -51,6 +57,7 @@ class Alarms:
     self.evals: list[tuple[int, float, float]] = []  # (step, mean reward since last, accuracy)
     self.raised = {"kl": 0, "reward_hacking": 0}
     self.kl_max: float | None = None  # over every step of the run, logged or not
+    self.watching: str | None = None  # the held-out metric on_eval is given, once armed
 
   def get_state(self) -> dict:
     """What a resumed run needs to raise the same alarms and report the same kl/max."""

@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
 import time
 from typing import Any
 
@@ -52,10 +54,11 @@ from jax.sharding import NamedSharding
 from jaxrl.data import prefs
 from jaxrl.data.hf_tokenizer import eos_ids
 from jaxrl.errors import ConfigError
+from jaxrl.evals.evaluator import Evaluator, checker_for
 from jaxrl.models.flops import rollout_flops
 from jaxrl.parallel import batch_sharding
 from jaxrl.parallel.distributed import global_array
-from jaxrl.parallel.sync import Overlap, SamplerCopy, WeightSync
+from jaxrl.parallel.sync import Overlap, SamplerCopy, WeightSync, sync
 from jaxrl.rewards import RewardSpec
 from jaxrl.rewards import model as rm_lib
 from jaxrl.rl.grpo.config import CHOICES, default_config
@@ -66,7 +69,6 @@ from jaxrl.rl.grpo.update import (grpo_loss, make_batch_logprobs_fn, old_logp_fr
                                   update)
 from jaxrl.sampler import Engine, SamplingParams, bucket
 from jaxrl.train.data import load_task, records
-from jaxrl.train.evaluation import ExactMatch
 from jaxrl.train.optim import make_optimizer
 from jaxrl.train.run import Run
 from jaxrl.train.state import make_train_step
@@ -80,7 +82,8 @@ def run(config, workdir: str, *, out=print) -> dict:
   return p.run.train(
       state, functools.partial(step, p), p.stream, put=lambda b: b,
       eval_fn=functools.partial(evaluate, p), updates_per_step=p.updates_per_step,
-      summary_extra=lambda: {"alarms": dict(p.alarms.raised), "kl/max": p.alarms.kl_max},
+      summary_extra=lambda: {"alarms": dict(p.alarms.raised), "kl/max": p.alarms.kl_max,
+                             "reward_hacking_alarm": p.alarms.watching or "off"},
       banner=f"grpo: {p.cfg.num_params:,} parameters, {len(p.stream.records)} prompts, "
              f"{r.prompts_per_step} x {r.group_size} samples per step, {config.train.steps} "
              f"steps; placement {p.run.placement.mode}")
@@ -113,8 +116,11 @@ def step_metrics(p: Parts, e: Experience, upd: dict) -> dict:
       "reward/mean": float(e.rewards_bg.mean()), "reward/std": float(e.rewards_bg.std()),
       # Train accuracy only where a task checks answers: a metric that does not apply is
       # absent from metrics.jsonl, not "nan".
-      **({"accuracy": e.reward_stats.get(f"reward/task_{task.name}",
-                                         e.reward_stats["accuracy"])} if task is not None else {}),
+      # (The task's reward when it is one, else the accuracy score_rollout adds; not
+      # .get(key, stats["accuracy"]), whose default is looked up, and missing, either way.)
+      **({"accuracy": e.reward_stats[f"reward/task_{task.name}"]
+          if f"reward/task_{task.name}" in e.reward_stats else e.reward_stats["accuracy"]}
+         if task is not None else {}),
       "frac_zero_std_groups": e.frac_zero,
       "is_ratio/mean": upd["is_ratio/mean"],
       "staleness/mean": float(e.step - e.version),
@@ -133,12 +139,21 @@ def step_metrics(p: Parts, e: Experience, upd: dict) -> dict:
 
 
 def evaluate(p: Parts, params, step: int) -> dict:
-  """Held-out greedy accuracy (when the run has a task and held-out prompts), and the alarms'
-  verdict on it."""
-  if p.exact is None:
+  """The held-out eval (jaxrl.evals: greedy eval/accuracy, and eval/pass@k, mean@k, maj@k when
+  eval.n > 0) on data.eval_file or the task's test split, scored by the eval's checker; the
+  reward-hacking alarm's verdict on eval/accuracy; a few completions written to
+  DIR/samples/step_N.jsonl for a person to read."""
+  if p.evaluator is None:
     return {}
-  m = p.exact(params)
+  m = p.evaluator(params)
   m.update(p.alarms.on_eval(step, m["eval/accuracy"]))
+  keep = p.config.eval.spot_check
+  if keep and p.run.main:
+    folder = os.path.join(p.run.run_dir.workdir, "samples")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"step_{step}.jsonl"), "w", encoding="utf-8") as f:
+      for row in p.evaluator.samples(keep):
+        f.write(json.dumps({"step": step, **row}) + "\n")
   return m
 
 
@@ -175,7 +190,7 @@ class Parts:
   reference: Any              # the frozen reference's params
   beta: KLCoefficient
   alarms: Alarms
-  exact: ExactMatch | None
+  evaluator: Evaluator | None  # held-out eval; None: no held-out records or no checker
 
   # The run's: the config, the ModelConfig, the tokenizer and the learner's mesh.
   config = property(lambda self: self.run.config)
@@ -258,7 +273,7 @@ def setup(config, workdir: str, *, out=print) -> tuple[Parts, Any]:
                         extras={"rm_norm": rm_norm} if rm_norm is not None else None,
                         learner_state={"kl_coef": beta, "alarms": alarms})
   run.checkpointer()
-  exact = run.exact_match(graphdef, held_out, task and task.check, max_new=r.max_new_tokens)
+  evaluator = _evaluator(run, graphdef, held_out, task, weight_sync, alarms)
   overlap = Overlap() if r.async_generation else None
   if overlap is not None:
     run.closers.append(overlap.close)
@@ -268,8 +283,47 @@ def setup(config, workdir: str, *, out=print) -> tuple[Parts, Any]:
       overlap=overlap, pending={}, stream=stream, specs=specs, rms=rms, rm_norm=rm_norm,
       prompt_len=prompt_len, length=prompt_len + r.max_new_tokens,  # fixed: jits compile once
       grouped=grouped, old_from_update=old_from_update, logprobs_fn=logprobs_fn,
-      train_step=train_step, reference=reference, beta=beta, alarms=alarms, exact=exact)
+      train_step=train_step, reference=reference, beta=beta, alarms=alarms,
+      evaluator=evaluator)
   return parts, state
+
+
+def _evaluator(run: Run, graphdef, held_out: list[dict], task, weight_sync: WeightSync,
+               alarms: Alarms) -> Evaluator | None:
+  """The held-out evaluator of data.eval_file (or the task's test split), scored by the eval's
+  checker (jaxrl.evals.checker_for: eval.reward, data.task's checker, or the first of
+  `rewards`), and the reward-hacking alarm armed on its eval/accuracy. Says in one line what is
+  evaluated, or why nothing is and the alarm is off."""
+  config = run.config
+  e, r, d = config.eval, config.rollout, config.data
+  checker = checker_for(config, task)
+  where = d.eval_file or (f"{task.name}'s test split" if task is not None else "")
+  off = None
+  if not held_out:
+    off = "no held-out prompts (set data.eval_file to a JSONL of {prompt, answer})"
+  elif checker is None:
+    off = (f"no checker for {where} (rewards={config.rewards!r}: set "
+           "--config.eval.reward=exact_match or another reward)")
+  elif e.every == 0:
+    off = "eval.every=0"
+  if off is not None:
+    run.say(f"held-out eval off: {off}; the reward-hacking alarm is off")
+    return None
+  ev = Evaluator(graphdef, run.cfg, run.mesh, run.tokenizer, held_out, checker,
+                 batch=e.batch_size, max_new=e.max_new_tokens or r.max_new_tokens, n=e.n,
+                 ks=e.k, temperature=e.temperature, seed=config.seed,
+                 sampler_mesh=run.placement.sampler.mesh,
+                 to_sampler=lambda params: sync(params, weight_sync.target,
+                                                dtype=weight_sync.dtype),
+                 slots=r.slots, steps_per_call=r.steps_per_call)
+  sampled = ""
+  if e.n:
+    sampled = f"; {e.n} samples per prompt at temperature {e.temperature}"
+    sampled += f" (pass@k, mean@k, maj@k for k in {tuple(e.k)})" if e.k else ""
+  alarms.watching = f"eval/accuracy ({checker.name} on {len(held_out)} prompts of {where})"
+  run.say(f"held-out eval every {e.every} steps: {len(held_out)} prompts of {where}, checker "
+          f"{checker.name}; greedy eval/accuracy{sampled}; reward-hacking alarm armed")
+  return ev
 
 
 def _check(config) -> None:
