@@ -291,10 +291,12 @@ def test_grpo_rollout_prompts_are_chat_templated(tmp_path, repo_root, devices, m
   train = _jsonl(tmp_path / "rl.jsonl", [{"prompt": user, "answer": "42"},
                                          {"messages": chat["messages"], "answer": "42"}] * 2)
   config = config_lib.load_config("configs/qwen3_0p6b.py:fixture", [
-      "data.task=", f"data.train_file={train}", "rewards=exact_match"])
+      "data.task=", f"data.train_file={train}", f"data.eval_file={train}",
+      "rewards=exact_match"])
   p, state = trainer.setup(config, str(tmp_path / "grpo"), out=lambda *a: None)
   try:
     assert p.engine.sampling.stop_tokens == (p.tokenizer.eos_id,)
+    assert p.evaluator.ids == [chat["ids"]] * 4  # the held-out eval prompts the same way
     prompts = next(p.stream)
     params_s = p.sampler_copy.refresh(state.params)
     rollout, rewards, _ = experience.sample(p, params_s, prompts, 0, 0)

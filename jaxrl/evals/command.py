@@ -33,6 +33,7 @@ from jaxrl.parallel import mesh_from_config, tree_shardings
 from jaxrl.parallel.sync import sync
 from jaxrl.train import rundir
 from jaxrl.train.rundir import RunDir
+from jaxrl.train.run import adopt_hf_path
 
 # `jaxrl eval` reads any trainer's config: beyond the shared sections, only the eval section's
 # ranges, which jaxrl.config checks for every config (check_loop_sections).
@@ -135,6 +136,8 @@ def run(config, *, checkpoint: str | None, data: str | None = None,
     raise ConfigError("the config names no checker: set --config.eval.reward to a reward (e.g. "
                       "exact_match) or to task with data.task set.")
   records, where = held_out(config, data, s)
+  if checkpoint:  # a run started from model.hf_path: its tokenizer, template and shapes
+    adopt_hf_path(config, checkpoint, key="--checkpoint", say=out)
   cfg = config_lib.model_config(config)
   tokenizer = tokenizer_for(config)
   mesh = mesh_from_config(config.mesh)
@@ -146,7 +149,7 @@ def run(config, *, checkpoint: str | None, data: str | None = None,
   ev = Evaluator(graphdef, cfg, mesh, tokenizer, records, checker, batch=s["batch_size"],
                  max_new=s["max_new_tokens"], n=s["n"], ks=s["k"],
                  temperature=s["temperature"], seed=config.seed,
-                 to_sampler=lambda p: sync(p, sampler_shd))
+                 to_sampler=lambda p: sync(p, sampler_shd), data_cfg=config.get("data"))
   out(f"eval: {len(records)} prompts of {where}, checker {checker.name}, greedy"
       + (f" and {s['n']} samples per prompt at temperature {s['temperature']}" if s["n"] else "")
       + f", up to {s['max_new_tokens']} new tokens")

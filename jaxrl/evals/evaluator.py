@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from jaxrl.data.hf_tokenizer import eos_ids
 from jaxrl.errors import ConfigError, check_choice
 from jaxrl.evals import metrics as metrics_lib
 from jaxrl.parallel.sync import release
@@ -159,7 +160,7 @@ class Evaluator:
                *, batch: int, max_new: int, n: int = 0, ks: Sequence[int] = (),
                temperature: float = 1.0, seed: int = 0, sampler_mesh=None,
                to_sampler: Callable | None = None, slots: int | None = None,
-               steps_per_call: int = 8, prefix: str = "eval/"):
+               steps_per_call: int = 8, prefix: str = "eval/", data_cfg=None):
     self.records, self.checker, self.tokenizer = list(records), checker, tokenizer
     if not self.records:
       raise ConfigError("the held-out set is empty: give a data file with at least one "
@@ -170,7 +171,8 @@ class Evaluator:
       raise ConfigError(f"eval.k={tuple(self.ks)} needs eval.n >= {max(self.ks)} samples per "
                         f"prompt (eval.n={self.n}): raise --config.eval.n or drop k={bad[0]}.")
     self.seed, self.prefix = int(seed), prefix
-    self.ids = [encode_prompt(tokenizer, r) for r in self.records]  # the one encoding
+    # the one encoding (data_cfg: the config's data section, for chat templates)
+    self.ids = [encode_prompt(tokenizer, r, data_cfg) for r in self.records]
     self.greedy = GreedyDecoder(graphdef, cfg, mesh, tokenizer, self.ids, batch=batch,
                                 max_new=max_new)
     self.engine = None
@@ -182,7 +184,7 @@ class Evaluator:
       self.steps_per_call = steps_per_call
       self.engine = Engine(graphdef, cfg, sampler_mesh, sampling=SamplingParams(
           temperature=float(temperature), max_new_tokens=int(max_new),
-          eos_id=tokenizer.eos_id))
+          eos_id=tokenizer.eos_id, stop_ids=eos_ids(tokenizer)[1:]))
     # A copy made for sampling is freed once sampled from (GRPO's learner and sampler share
     # devices); params used as given are the caller's.
     self.to_sampler, self.own_copy = to_sampler or (lambda params: params), to_sampler is not None

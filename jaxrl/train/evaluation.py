@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxrl.data.hf_tokenizer import eos_ids
+from jaxrl.data.prompts import render_prompt
 from jaxrl.models import apply, init_cache
 from jaxrl.parallel import batch_sharding, cache_sharding, shard_activations
 from jaxrl.parallel.distributed import global_array
@@ -50,10 +52,12 @@ def make_greedy_decoder(graphdef, cfg, mesh, *, batch: int, prompt_len: int, max
   return jax.jit(decode, out_shardings=replicated)
 
 
-def encode_prompt(tokenizer, record: dict) -> list[int]:
+def encode_prompt(tokenizer, record: dict, data_cfg=None) -> list[int]:
   """The token ids of a held-out record's prompt: the one place evaluation encodes a prompt
-  (greedy exact match and jaxrl.evals), the same way GRPO's rollouts encode theirs."""
-  return tokenizer.encode(record["prompt"], bos=True)
+  (greedy exact match and jaxrl.evals), the same way GRPO's rollouts encode theirs
+  (jaxrl.data.prompts.render_prompt: the chat template for an instruct checkpoint, per the
+  config's data section `data_cfg`; bos + text for the byte tokenizer)."""
+  return render_prompt(record, tokenizer, data_cfg)
 
 
 class GreedyDecoder:
@@ -84,7 +88,7 @@ class GreedyDecoder:
       new = self.decode(params, global_array(self.tokens[s:s + self.batch], self.tok_shd),
                         global_array(self.lengths[s:s + self.batch], self.len_shd))
       for row in np.asarray(new):
-        eos = np.flatnonzero(row == self.tokenizer.eos_id)
+        eos = np.flatnonzero(np.isin(row, eos_ids(self.tokenizer)))
         out.append(row[:eos[0]] if len(eos) else row)
     return out[:self.count]
 
@@ -96,11 +100,11 @@ class ExactMatch:
   """Greedy-decodes `prompts` and scores each completion with `check(completion, answer)`."""
 
   def __init__(self, graphdef, cfg, mesh, tokenizer, records, check, *, batch: int,
-               max_new: int):
+               max_new: int, data_cfg=None):
     self.tokenizer, self.check, self.records = tokenizer, check, list(records)
     self.samples: list[tuple[str, str, str]] = []  # (prompt, completion, answer) of the last eval
     self.greedy = GreedyDecoder(graphdef, cfg, mesh, tokenizer,
-                                [encode_prompt(tokenizer, r) for r in self.records],
+                                [encode_prompt(tokenizer, r, data_cfg) for r in self.records],
                                 batch=batch, max_new=max_new)
 
   def completions(self, params) -> list[str]:

@@ -174,6 +174,7 @@ class Run:
     if not answers or check is None:
       return None
     return ExactMatch(graphdef, self.cfg, self.mesh, self.tokenizer, answers, check,
+                      data_cfg=self.config.get("data"),
                       batch=self.config.eval.batch_size, max_new=max_new)
 
   def checkpointer(self) -> Checkpointer:

@@ -315,7 +315,7 @@ def _evaluator(run: Run, graphdef, held_out: list[dict], task, weight_sync: Weig
                  sampler_mesh=run.placement.sampler.mesh,
                  to_sampler=lambda params: sync(params, weight_sync.target,
                                                 dtype=weight_sync.dtype),
-                 slots=r.slots, steps_per_call=r.steps_per_call)
+                 slots=r.slots, steps_per_call=r.steps_per_call, data_cfg=config.data)
   sampled = ""
   if e.n:
     sampled = f"; {e.n} samples per prompt at temperature {e.temperature}"
