@@ -127,13 +127,19 @@ def _chunked_bwd(tied, temperature, chunk, entropy, res, cts):
     ds_bcv = jnp.where(onehot_bcv, g_bc[..., None], 0.0) - g_bc[..., None] * p_bcv
     if entropy:
       ds_bcv = ds_bcv - gent_bc[..., None] * p_bcv * (logp_bcv + ent_bc[..., None])
-    dz_bcv = (ds_bcv / temperature).astype(dt)
+    dz_bcv = ds_bcv / temperature  # float32, as autodiff hands the logits' gradient on
+    # The two products as autodiff writes them: the float32 gradient against the compute-dtype
+    # operand, accumulated in float32 (a bf16 dz would be faster on a TPU but would not be the
+    # unchunked gradient).
+    both = ((0, 1), (0, 1)), ((), ())
     if tied:  # w [V, D]
-      dh_bcd = jnp.einsum("BCV,VD->BCD", dz_bcv, w_c, preferred_element_type=jnp.float32)
-      dw = dw + jnp.einsum("BCV,BCD->VD", dz_bcv, h_bcd, preferred_element_type=jnp.float32)
+      dh_bcd = jax.lax.dot_general(dz_bcv, w_c, (((2,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+      dw = dw + jax.lax.dot_general(dz_bcv, h_bcd, both, preferred_element_type=jnp.float32)
     else:  # w [D, V]
-      dh_bcd = jnp.einsum("BCV,DV->BCD", dz_bcv, w_c, preferred_element_type=jnp.float32)
-      dw = dw + jnp.einsum("BCD,BCV->DV", h_bcd, dz_bcv, preferred_element_type=jnp.float32)
+      dh_bcd = jax.lax.dot_general(dz_bcv, w_c, (((2,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+      dw = dw + jax.lax.dot_general(h_bcd, dz_bcv, both, preferred_element_type=jnp.float32)
     return dw, dh_bcd.astype(dt)
 
   g_ent = g_ent_bt if entropy else jnp.zeros_like(g_logp_bt)
