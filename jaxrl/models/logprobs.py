@@ -19,12 +19,11 @@ Why not a library: tokamax's linear_softmax_cross_entropy_loss (the one kept JAX
 a memory-efficient linear cross-entropy; a Mosaic TPU and a Triton kernel) returns one scalar
 loss, sum or mean over all rows, with no per-token values, no weights or mask, no temperature
 and no entropy, while GRPO needs per-token log pi (for its ratios) and the entropy, and SFT a
-masked sum. Its XLA fallback materialises the full logits. On a TPU the scan below runs the
-same two matmuls per chunk that its kernel fuses.
+masked sum. Its XLA fallback materialises the full logits.
 
-Memory (what jaxrl's plan counts): per chunk, B x chunk x V float32 logits in the forward, and
-in the backward the recomputed logits and their gradient (about 2-3 such arrays live at once),
-plus the [V, D] float32 sum of the head's gradient.
+Memory (what jaxrl's plan counts): a few float32 arrays of B x chunk x V at a time (XLA's
+count: about 2 on CPU, about 4 compiled for a TPU v5e; docs/guides/memory.md), plus the
+[V, D] float32 sum of the head's gradient, sharded as the head.
 
 Shapes: B rows, T positions, c = chunk, n = ceil(T / c) chunks, D embed, V vocab.
 """
