@@ -46,6 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxrl import config as config_lib
 from jaxrl.backends import compiler_options
 from jaxrl.data import ON_BAD_ROW, prefs
+from jaxrl.data.prompts import prompt_section
 from jaxrl.errors import ConfigError
 from jaxrl.models import apply_logprobs
 from jaxrl.models.flops import packed_flops
@@ -117,6 +118,9 @@ def default_config():
       batch_size=32,       # pairs per global batch (KTO from a kto file: rows)
       shards=0,            # data shards (0 = one per process)
       on_bad_row="error",  # or "skip" (counted and reported)
+      # chat (None: chat-templated when the tokenizer has a template), chat_template_kwargs,
+      # system_prompt: how prompts are rendered, as in SFT, GRPO and sampling
+      **prompt_section(),
   ))
   c.algo = algo_section()
   c.ref = ml_collections.ConfigDict(dict(
@@ -302,7 +306,7 @@ def held_out_rows(r, held_out) -> list[dict]:
     return []
   return list(prefs.prefs_batches(held_out, r.tokenizer, seq_len=d.seq_len,
                                      batch_size=eval_bs, seed=0, shuffle=False, num_epochs=1,
-                                     on_bad_row=d.on_bad_row))
+                                     on_bad_row=d.on_bad_row, data_cfg=d))
 
 
 class PrefEval:

@@ -183,7 +183,7 @@ def cached_reference(r, report, train, eval_rows, score) -> RefCache:
   bs = max(r.replicas, min(config.ref.batch_size, n) // r.replicas * r.replicas)
   padded = [train[i % n] for i in range(-(-n // bs) * bs)]  # whole batches cover every row
   fill = fill_make(padded, r.tokenizer, seq_len=d.seq_len, batch_size=bs, seed=0,
-                   shuffle=False, num_epochs=1, on_bad_row=d.on_bad_row)
+                   shuffle=False, num_epochs=1, on_bad_row=d.on_bad_row, data_cfg=d)
   cache.fill(score, list(fill) + eval_rows)
   if r.main:
     cache.save()

@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl import config as config_lib
 from jaxrl.data import ON_BAD_ROW, prefs
+from jaxrl.data.prompts import prompt_section
 from jaxrl.errors import ConfigError
 from jaxrl.models import RewardModel, last_index, reward_apply
 from jaxrl.models.flops import packed_flops
@@ -72,6 +73,9 @@ def default_config():
       batch_size=32,       # pairs per global batch (each pair is two rows)
       shards=0,            # data shards (0 = one per process)
       on_bad_row="error",  # or "skip" (counted and reported)
+      # chat (None: chat-templated when the tokenizer has a template), chat_template_kwargs,
+      # system_prompt: how prompts are rendered, as in SFT, GRPO and sampling
+      **prompt_section(),
   ))
   c.head = ml_collections.ConfigDict(dict(
       # Add w * the response's mean log-prob under the backbone's LM head (w learned, from 0)
@@ -266,7 +270,7 @@ def run(config, workdir: str, *, out=print) -> dict:
     eval_batches = [{k: global_array(v, shd) for k, v in b.items() if k in PAIR_KEYS}
                     for b in prefs.prefs_batches(
                         rows, r.tokenizer, seq_len=d.seq_len, batch_size=eval_bs, seed=0,
-                        shuffle=False, num_epochs=1, on_bad_row=d.on_bad_row)]
+                        shuffle=False, num_epochs=1, on_bad_row=d.on_bad_row, data_cfg=d)]
   evaluate_pairs = PairEval(graphdef, mesh, eval_batches, len(held_out), margin=margin,
                             center_coef=center_coef)
 

@@ -152,14 +152,15 @@ class Run:
     """The global batch is the concatenation of `data.shards` shard batches, and each process
     reads only its own shards, so the batches do not depend on the process count.
     make(records, tokenizer, seq_len=, batch_size=, seed=, shard_index=, shard_count=,
-    on_bad_row=, **kwargs) is one shard's iterator (sft_batches, prefs_batches, ...)."""
+    on_bad_row=, data_cfg=, **kwargs) is one shard's iterator (sft_batches, prefs_batches, ...);
+    data_cfg (data.chat and the other prompt keys) says how prompts are rendered."""
     c, d = self.config, self.config.data
     shards, mine = data_shards(d.shards)
     check_batch_size(d.batch_size, shards, self.replicas, c.optim.accum_steps)
     return ShardedBatches([
         make(records, self.tokenizer, seq_len=d.seq_len, batch_size=d.batch_size // shards,
              seed=c.seed, shard_index=i, shard_count=shards, on_bad_row=d.on_bad_row,
-             **kwargs) for i in mine])
+             **{"data_cfg": d, **kwargs}) for i in mine])
 
   def init_state(self, tx, *, layout: str | None = None, model=None, into: str | None = None):
     """(graphdef, state, shardings): the starting policy (see starting_state), in config.layout
