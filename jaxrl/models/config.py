@@ -14,6 +14,13 @@ from jaxrl.errors import ConfigError, check_choice
 
 DTYPES = ("float32", "bfloat16")
 
+# model.remat: what each decoder block keeps for the backward (jax.checkpoint policies, see
+# jaxrl.models.llama.REMAT_POLICIES). "none" keeps everything autodiff saves; "full" keeps
+# only each block's input and recomputes the block in the backward; "dots_saveable" keeps every
+# matmul's output (attention's [T, S] scores included); "dots_with_no_batch_dims_saveable"
+# keeps the projections' and the MLP's outputs but recomputes attention's batched products.
+REMAT = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -43,12 +50,24 @@ class ModelConfig:
   max_seq_len: int = 2048
   dtype: str = "float32"  # compute dtype of matmuls; logits and softmax are always fp32
   param_dtype: str = "float32"
+  # Memory knobs: they change no parameter and no value, only what a learner program keeps live
+  # (docs/design.md, "The model"). remat: one of REMAT, per decoder block. logits_chunk: the
+  # positions per chunk of the LM head's log-softmax (jaxrl.models.logprobs), used when
+  # vocab_size >= chunk_min_vocab (0 turns chunking off), so no [rows, T, V] float32 logits
+  # exist in a learner program; small vocabularies (the tiny presets) stay unchunked.
+  remat: str = "none"
+  logits_chunk: int = 256
+  chunk_min_vocab: int = 32768
 
   def __post_init__(self):
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in DTYPES:
         raise ConfigError(
             f"model.{name}={getattr(self, name)!r} is not supported: choose one of {DTYPES}.")
+    check_choice("model.remat", self.remat, REMAT)
+    for name in ("logits_chunk", "chunk_min_vocab"):
+      if int(getattr(self, name)) < 0:
+        raise ConfigError(f"model.{name} must be 0 or more, got {getattr(self, name)}.")
     for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads",
                  "head_dim", "mlp_dim", "max_seq_len"):
       if int(getattr(self, name)) <= 0:
@@ -62,6 +81,11 @@ class ModelConfig:
 
   def replace(self, **kw) -> ModelConfig:
     return dataclasses.replace(self, **kw)
+
+  @property
+  def chunked_logits(self) -> bool:
+    """Whether learner log-probs run the LM head in chunks of logits_chunk positions."""
+    return self.logits_chunk > 0 and self.vocab_size >= self.chunk_min_vocab
 
   @property
   def num_params(self) -> int:

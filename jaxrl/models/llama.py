@@ -27,6 +27,7 @@ from flax import nnx
 
 from jaxrl.models.attention import attention, decode_attention, pin_rows
 from jaxrl.models.config import ModelConfig, RopeScaling
+from jaxrl.models.logprobs import chunked_token_logprobs, lm_head
 
 # A KV cache is a (keys, values) pair of [B, K, S, H] arrays per layer, donated and updated in
 # place, never restacked (restacking a cache every step made decoding up to 3x slower at batch
@@ -329,6 +330,26 @@ class Block(nnx.Module):
     return x + self.mlp(self.mlp_norm(x)), kv
 
 
+# model.remat -> the jax.checkpoint policy of each decoder block (config.REMAT says what each
+# keeps). "full" is policy None: nothing inside a block is saved, only its input.
+REMAT_POLICIES = {
+    "full": None,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _remat(fn, remat: str):
+  """fn(layer, ...) rematerialised under model.remat's policy; fn itself for "none"."""
+  if remat == "none":
+    return fn
+  return nnx.remat(fn, policy=REMAT_POLICIES[remat], prevent_cse=True)
+
+
+def _call_block(layer, x, positions, rope, segment_ids, cache):
+  return layer(x, positions, rope, segment_ids=segment_ids, cache=cache)
+
+
 class Transformer(nnx.Module):
   """Decoder-only transformer. `__call__` returns (logits [B,T,V] float32, kv)."""
 
@@ -352,10 +373,13 @@ class Transformer(nnx.Module):
       positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
     rope = self._rope(positions_bt)
     x = pin_rows(self._embed(tokens_bt))
+    # Remat wraps the full-sequence forward only: the learner's programs differentiate it, and
+    # forward-only programs (prefill, the reference) lower it unchanged; decoding never sees it.
+    block = _call_block if cache is not None else _remat(_call_block, self.cfg.remat)
     new_cache = []
     for i, layer in enumerate(self.layers):
-      x, kv = layer(x, positions_bt, rope, segment_ids=segment_ids_bt,
-                    cache=None if cache is None else cache[i])
+      x, kv = block(layer, x, positions_bt, rope, segment_ids_bt,
+                    None if cache is None else cache[i])
       x = pin_rows(x)
       new_cache.append(kv)
     return self.final_norm(x), new_cache
@@ -378,11 +402,16 @@ class Transformer(nnx.Module):
     rope_p, rope_n = self._rope(pos_p), self._rope(pos_n)
     valid_ps = jnp.arange(Tp)[None, :] < prompt_len_p[:, None]
     x_p, x_n = pin_rows(self._embed(prompt_pt)), pin_rows(self._embed(completion_nt[:, :-1]))
-    for layer in self.layers:
+    def both(layer, x_p, x_n):
       # The prompt's own pass first (its padding comes after every real token, so it never
       # reaches a real position), then the completions attend to its valid keys.
       x_p, kv_p = layer(x_p, pos_p, rope_p)
       x_n, _ = layer(x_n, pos_n, rope_n, prompt=(*kv_p, valid_ps))
+      return x_p, x_n
+
+    both = _remat(both, self.cfg.remat)
+    for layer in self.layers:
+      x_p, x_n = both(layer, x_p, x_n)
       x_p, x_n = pin_rows(x_p), pin_rows(x_n)
     last_p = jnp.take_along_axis(x_p, (prompt_len_p - 1)[:, None, None], axis=1)  # [P, 1, D]
     h = jnp.concatenate([jnp.repeat(last_p, G, axis=0), x_n], axis=1)
@@ -397,17 +426,28 @@ class Transformer(nnx.Module):
         rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)))
 
   def logits(self, h_btd):
-    """Logits in float32; the matmul accumulates in float32 whatever the compute dtype.
+    """Logits [B, T, V] in float32; the matmul accumulates in float32 whatever the compute
+    dtype (jaxrl.models.logprobs.lm_head)."""
+    return lm_head(h_btd, self._head(), tied=self.cfg.tie_embeddings)
 
-    Tied weights contract the embedding [V, D] on its own D axis. Written as h @ embed.T,
-    XLA:CPU fused the transpose and the final norm into a loop fusion that recomputed the
-    transposed table every decode step: 93 us of a 1.0 ms batch-1 step on the bench preset,
-    ~20 us as this."""
-    if self.cfg.tie_embeddings:
-      return jnp.einsum("BTD,VD->BTV", h_btd, self.embed[...].astype(h_btd.dtype),
-                        preferred_element_type=jnp.float32)
-    return jnp.einsum("BTD,DV->BTV", h_btd, self.lm_head[...].astype(h_btd.dtype),
-                      preferred_element_type=jnp.float32)
+  def _head(self):
+    """The LM head's weight: the embedding [V, D] when tied, else lm_head [D, V]."""
+    return self.embed[...] if self.cfg.tie_embeddings else self.lm_head[...]
+
+  def token_logprobs(self, h_btd, targets_bt, *, temperature: float = 1.0,
+                     entropy: bool = True):
+    """(log pi(target) [B, T], entropy [B, T] or None) of final-normed hidden states: what
+    every learner program reads. With cfg.chunked_logits the LM head runs over chunks of
+    cfg.logits_chunk positions (jaxrl.models.logprobs), so no [B, T, V] logits are live;
+    otherwise it is token_logprobs(self.logits(h)), as it always was. entropy=False skips the
+    entropy where it costs a pass (the chunked path); unchunked, XLA drops the unread value."""
+    cfg = self.cfg
+    if cfg.chunked_logits:
+      return chunked_token_logprobs(h_btd, self._head(), targets_bt, tied=cfg.tie_embeddings,
+                                    temperature=temperature, chunk=cfg.logits_chunk,
+                                    entropy=entropy)
+    logp_bt, ent_bt = token_logprobs(self.logits(h_btd), targets_bt, temperature=temperature)
+    return logp_bt, ent_bt if entropy else None
 
   def __call__(self, tokens_bt, positions_bt=None, *, segment_ids_bt=None,
                cache: KVCache | None = None):
@@ -449,6 +489,15 @@ def apply(graphdef, params, tokens_bt, positions_bt=None, *, segment_ids_bt=None
   merging costs only trace time, while nnx.jit costs ~4 ms per call on CPU."""
   model = nnx.merge(graphdef, params)
   return model(tokens_bt, positions_bt, segment_ids_bt=segment_ids_bt, cache=cache)
+
+
+def apply_logprobs(graphdef, params, tokens_bt, targets_bt, positions_bt=None, *,
+                   segment_ids_bt=None, temperature: float = 1.0, entropy: bool = True):
+  """Pure full-sequence forward to (log pi(target) [B, T], entropy [B, T] or None): the
+  learners' forward (Transformer.token_logprobs; chunked above cfg.chunk_min_vocab)."""
+  model = nnx.merge(graphdef, params)
+  h_btd, _ = model.hidden(tokens_bt, positions_bt, segment_ids_bt=segment_ids_bt)
+  return model.token_logprobs(h_btd, targets_bt, temperature=temperature, entropy=entropy)
 
 
 def _nest(pairs):
