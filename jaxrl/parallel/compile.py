@@ -116,6 +116,14 @@ def compile_program(program) -> Compiled:
                   float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)), dt)
 
 
+def run_peaks(programs, estimates, compiled) -> tuple[int, int]:
+  """(the plan's, XLA's) peak per device over a run's programs: each program's bytes plus what
+  stays resident beside it, the largest of them."""
+  plan = max(e.peak for e in estimates)
+  xla = max(c.bytes + e.resident for e, c in zip(estimates, compiled))
+  return plan, xla
+
+
 def report(programs, estimates, compiled, chip: Chip | None) -> tuple[str, bool | None]:
   """The table `jaxrl plan --compile` prints, and whether the run fits the chip's HBM (the
   largest compiled program plus what stays resident beside it)."""

@@ -379,23 +379,30 @@ def _row_ways(args) -> int:
 
 
 def residual_bytes(loss_fn, params, batch, *, ways: int, tpu: bool = False) -> int:
-  """Bytes per device the backward of loss_fn(params, batch, key) keeps from its forward:
-  the residuals of jax.vjp, traced under eval_shape (nothing runs), the batch's rows split
-  `ways` ways. Parameter-shaped residuals (weights cast for the forward) are split the same
-  way, as FSDP shards them."""
+  """Bytes per device the backward of loss_fn(params, batch, key) keeps from its forward: the
+  residuals of jax.vjp, traced under eval_shape (nothing runs), the batch's rows split `ways`
+  ways. Two things XLA does not keep are left out: boolean masks (it recomputes them from
+  iotas), and the float32 twin of a bfloat16 residual of the same shape (a convert it
+  recomputes: with bf16 compute each activation appears in both precisions)."""
   def residuals(p, b):
     return jax.vjp(lambda q: loss_fn(q, b, None)[0], p)[1]
   strip = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
   out = jax.eval_shape(residuals, strip(params), strip(batch))
   flat_params = {(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(params)}
-  total = 0
+  count: dict[tuple, int] = {}
   for x in jax.tree.leaves(out):
-    shape = list(x.shape)
-    if (tuple(shape), str(x.dtype)) in flat_params or not shape:
-      continue  # the params themselves (arguments already) and scalars
+    key = (tuple(x.shape), str(x.dtype))
+    if key in flat_params or not x.shape or x.dtype == np.bool_:
+      continue  # the params themselves (arguments already), scalars and masks
+    count[key] = count.get(key, 0) + 1
+  total = 0
+  for (shape, dtype), n in count.items():
+    if dtype == "float32":
+      n = max(0, n - count.get((shape, "bfloat16"), 0))
+    shape = list(shape)
     if shape[0] % ways == 0:
       shape[0] //= ways
-    total += _tiled(shape, _itemsize(x.dtype), tpu)
+    total += n * _tiled(shape, _itemsize(dtype), tpu)
   return total
 
 
@@ -422,9 +429,10 @@ def estimate(program: Program) -> ProgramEstimate:
     state = program.args[0]
     grads = abstract_bytes(state.params, tpu=tpu)
     # Residuals of one micro-batch; the gradients (and their accumulator across micro-batches)
-    # in the params' sharding; the logits' gradient and log-softmax at the loss's top.
+    # in the params' sharding; the logits' gradient at the loss's top (one fp32 [rows, T, V],
+    # or one chunk's); the weights FSDP gathers.
     temp = (residual_bytes(loss_fn, params, batch, ways=ways, tpu=tpu) + 2 * grads
-            + 2 * logits + gathered_bytes(params))
+            + logits + gathered_bytes(params))
   elif program.kind == "forward":  # the learner's: its weights gathered as in the train step
     temp = 2 * logits + gathered_bytes(program.args[0])
   elif program.kind == "prefill":

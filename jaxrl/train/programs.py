@@ -31,14 +31,11 @@ def learner_mesh(config, devices=None):
 
 
 def model_knobs(config) -> dict:
-  """The model section's remat policy and log-prob chunk size as the model reads them (the
-  keys exist once the model has them; before that: none and whole sequences)."""
-  m = config.model
+  """The model's remat policy and log-prob chunk (positions per chunk; 0 when off) as the
+  model reads them (ModelConfig.remat, .chunked_logits)."""
   cfg = config_lib.model_config(config)
-  chunk = int(m.get("logits_chunk") or 0)
-  min_vocab = int(m.get("chunk_min_vocab") or 32768)
-  return {"remat": str(m.get("remat") or "none"),
-          "logits_chunk": chunk if chunk and cfg.vocab_size >= min_vocab else 0}
+  return {"remat": getattr(cfg, "remat", "none"),
+          "logits_chunk": cfg.logits_chunk if getattr(cfg, "chunked_logits", False) else 0}
 
 
 def abstract_state(cfg, mesh, tx, *, layout: str, model=None):
