@@ -1,5 +1,6 @@
 """model.remat: every policy gives the plain model's loss and gradients, keeps less for the
-backward, and leaves the sampler's programs as they were."""
+backward, and leaves the sampler's programs as they were. (tests/test_chunked.py checks GRPO's
+grouped forward on 8 devices rematerialised and chunked.)"""
 
 import jax
 import jax.numpy as jnp
@@ -10,29 +11,21 @@ from flax import nnx
 from jaxrl.errors import ConfigError
 from jaxrl.models import ModelConfig, Transformer, abstract_model, apply, get_preset
 from jaxrl.models.config import REMAT
-from jaxrl.parallel import init_params, make_mesh, shard_activations
 from jaxrl.rl.grpo.update import batch_logprobs
 
 POLICIES = [r for r in REMAT if r != "none"]
 
 
-def _grads(cfg, batch, mesh=None):
-  """(loss, grads) of a GRPO-like per-token loss (log-probs and entropy) over `batch`, as the
-  learner computes it: batch_logprobs under shard_activations when a mesh is given."""
-  if mesh is None:
-    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(3)))
-  else:
-    graphdef, params = init_params(cfg, mesh, "learner", seed=3)
-  w = jax.random.normal(jax.random.key(5), batch["completion" if "prompt" in batch
-                                                else "targets"].shape)
+def _grads(cfg, batch):
+  """(loss, grads) of a GRPO-like per-token loss (log-probs and entropy) over `batch`, through
+  the learner's batch_logprobs."""
+  graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(3)))
+  w = jax.random.normal(jax.random.key(5), batch["targets"].shape)
 
   def loss(p, b):
     logp, ent = batch_logprobs(graphdef, p, b, 0.9)
     return jnp.sum(w * logp) + 0.1 * jnp.sum(w * ent)
-
-  fn = jax.value_and_grad(loss)
-  fn = jax.jit(fn if mesh is None else shard_activations(fn, mesh))
-  return fn(params, batch)
+  return jax.jit(jax.value_and_grad(loss))(params, batch)
 
 
 def _close(a, b):
@@ -54,18 +47,6 @@ def test_remat_gradients_equal_plain(policy):
   cfg = get_preset("tiny-qwen3")
   batch = _rows(cfg)
   _close(_grads(cfg.replace(remat=policy), batch), _grads(cfg, batch))
-
-
-def test_remat_grouped_forward_on_a_mesh(devices):
-  """GRPO's grouped forward (each prompt once, G completions attending to it), sharded as the
-  learner runs it on 8 devices with the backend's attention kernel: the same gradients."""
-  mesh = make_mesh(data=1, fsdp=4, tensor=2)
-  cfg = get_preset("tiny-qwen2")
-  P, G, Tp, Tc = 2, 4, 6, 5
-  batch = {"prompt": jax.random.randint(jax.random.key(2), (P, Tp), 3, cfg.vocab_size),
-           "prompt_len": jnp.array([[4], [6]]),
-           "completion": jax.random.randint(jax.random.key(4), (P * G, Tc), 3, cfg.vocab_size)}
-  _close(_grads(cfg.replace(remat="full"), batch, mesh), _grads(cfg, batch, mesh))
 
 
 def test_remat_keeps_less_for_the_backward():

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.llama import Transformer, _dtype, token_logprobs
+from jaxrl.models.llama import Transformer, _dtype
 
 # HF's initializer_range for a sequence-classification head: scores start within ~0.2 of
 # zero, so the Bradley-Terry loss starts near ln 2 and the head does not swamp the backbone.
@@ -58,7 +58,8 @@ class RewardModel(nnx.Module):
     if self.logprob_feature:
       if logp_mask_bt is None:
         raise ValueError("a RewardModel with logprob_feature needs logp_mask_bt")
-      logp_bt, _ = token_logprobs(self.backbone.logits(h_btd), jnp.roll(tokens_bt, -1, axis=1))
+      logp_bt, _ = self.backbone.token_logprobs(h_btd, jnp.roll(tokens_bt, -1, axis=1),
+                                                entropy=False)
       T = tokens_bt.shape[1]
       mask_bt = (logp_mask_bt > 0) & (jnp.arange(T)[None, :] < last_b[:, None])
       mean_b = (logp_bt * mask_bt).sum(1) / jnp.maximum(mask_bt.sum(1), 1)

@@ -47,7 +47,7 @@ from jaxrl import config as config_lib
 from jaxrl.backends import compiler_options
 from jaxrl.data import ON_BAD_ROW, prefs
 from jaxrl.errors import ConfigError
-from jaxrl.models import apply, token_logprobs
+from jaxrl.models import apply_logprobs
 from jaxrl.models.flops import packed_flops
 from jaxrl.parallel import batch_sharding, shard_activations
 from jaxrl.parallel.distributed import global_array
@@ -144,9 +144,9 @@ def make_seq_logps(graphdef):
   def seq_logps(params, rows):
     lead, S = rows["inputs"].shape[:-1], rows["inputs"].shape[-1]
     flat = {k: rows[k].reshape(-1, S) for k in ROW_KEYS}  # [B, 2, S] -> [2B, S]
-    logits, _ = apply(graphdef, params, flat["inputs"], flat["positions"],
-                      segment_ids_bt=flat["segment_ids"])
-    logp, _ = token_logprobs(logits, flat["targets"])
+    logp, _ = apply_logprobs(graphdef, params, flat["inputs"], flat["targets"],
+                             flat["positions"], segment_ids_bt=flat["segment_ids"],
+                             entropy=False)
     mask = flat["loss_mask"]
     return (logp * mask).sum(-1).reshape(lead), mask.sum(-1).reshape(lead)
   return seq_logps

@@ -15,7 +15,7 @@ import ml_collections
 
 from jaxrl import config as config_lib
 from jaxrl.data import ON_BAD_ROW, prefs, sft_batches
-from jaxrl.models import apply, token_logprobs
+from jaxrl.models import apply_logprobs
 from jaxrl.models.flops import packed_flops
 from jaxrl.parallel import batch_sharding
 from jaxrl.parallel.distributed import distributed_section, global_array
@@ -70,9 +70,9 @@ def sft_loss(graphdef):
   {})); the train step divides by the count over the whole batch."""
   def loss_fn(params, batch, key):
     del key  # no dropout in these models
-    logits, _ = apply(graphdef, params, batch["inputs"], batch["positions"],
-                      segment_ids_bt=batch["segment_ids"])
-    logp, _ = token_logprobs(logits, batch["targets"])
+    logp, _ = apply_logprobs(graphdef, params, batch["inputs"], batch["targets"],
+                             batch["positions"], segment_ids_bt=batch["segment_ids"],
+                             entropy=False)
     mask = batch["loss_mask"]
     return -(logp * mask).sum(), (mask.sum(), {})
   return loss_fn

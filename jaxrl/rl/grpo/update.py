@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrl.backends import compiler_options
-from jaxrl.models import apply, token_logprobs
+from jaxrl.models import apply_logprobs
 from jaxrl.parallel import shard_activations
 from jaxrl.parallel.distributed import to_host
 from jaxrl.objectives import losses
@@ -102,15 +102,18 @@ def old_policy_means(sums) -> dict:
 # ----------------------------------------------------------------------------- forwards and loss
 
 
-def batch_logprobs(graphdef, params, batch, temperature: float):
-  """(log-probs, entropy) of a learner batch's targets, in either form: grouped_learner_batch's
-  (each prompt once; [N, Tc] on the completion's own index) or learner_batch's joined rows."""
+def batch_logprobs(graphdef, params, batch, temperature: float, *, entropy: bool = True):
+  """(log-probs, entropy or None) of a learner batch's targets, in either form:
+  grouped_learner_batch's (each prompt once; [N, Tc] on the completion's own index) or
+  learner_batch's joined rows. Through Transformer.token_logprobs, so the LM head runs in
+  chunks above model.chunk_min_vocab."""
   if "prompt" in batch:
     model = nnx.merge(graphdef, params)
     h = model.grouped_hidden(batch["prompt"], batch["prompt_len"][:, 0], batch["completion"])
-    return token_logprobs(model.logits(h), batch["completion"], temperature=temperature)
-  logits, _ = apply(graphdef, params, batch["inputs"], batch["positions"])
-  return token_logprobs(logits, batch["targets"], temperature=temperature)
+    return model.token_logprobs(h, batch["completion"], temperature=temperature,
+                                entropy=entropy)
+  return apply_logprobs(graphdef, params, batch["inputs"], batch["targets"], batch["positions"],
+                        temperature=temperature, entropy=entropy)
 
 
 def make_batch_logprobs_fn(graphdef, temperature: float, *, mesh: Mesh | None = None,
@@ -120,8 +123,7 @@ def make_batch_logprobs_fn(graphdef, temperature: float, *, mesh: Mesh | None = 
   returns (log-probs, None) and skips the entropy's pass over the vocabulary (the reference
   forward's case: nothing reads the reference's entropy)."""
   def logprobs(params, batch):
-    logp, ent = batch_logprobs(graphdef, params, batch, temperature)
-    return logp, ent if entropy else None
+    return batch_logprobs(graphdef, params, batch, temperature, entropy=entropy)
 
   if mesh is None:
     return jax.jit(logprobs, compiler_options=compiler_options(jax.devices()))
