@@ -1,0 +1,68 @@
+"""`jaxrl plan --compile`: the trainers' programs compile for a TPU topology on this CPU machine
+(libtpu, a test dependency), and the memory plan is within 15% of XLA's figures there too."""
+
+import json
+import os
+import sys
+
+import pytest
+
+from jaxrl import config as config_lib
+from jaxrl.errors import ConfigError
+from jaxrl.parallel import compile as aot
+from jaxrl.parallel.plan import estimate
+from jaxrl.rl import grpo
+from jaxrl.train import dpo, rm, sft
+
+pytest.importorskip("libtpu", reason='libtpu is in the test extra: pip install -e ".[test]"')
+
+TRAINERS = {"sft": sft, "rm": rm, "dpo": dpo, "grpo": grpo}
+
+
+@pytest.fixture(scope="module")
+def v5e_2x2():
+  return aot.topology_devices("v5e:2x2")
+
+
+@pytest.mark.parametrize("name", list(TRAINERS))
+def test_tiny_programs_compile_for_v5e_within_15_percent(repo_root, v5e_2x2, name):
+  module = TRAINERS[name]
+  config = config_lib.load_config(os.path.join(repo_root, f"configs/{name}_tiny.py"),
+                                  choices=module.CHOICES)
+  _, programs = module.programs(config, devices=v5e_2x2)
+  estimates = [estimate(p) for p in programs]
+  compiled = [aot.compile_program(p) for p in programs]
+  plan, xla = aot.run_peaks(programs, estimates, compiled)
+  assert abs(plan - xla) / xla < 0.15, (plan, xla)
+  chip = aot.chip_of("v5e:2x2")
+  for p, c in zip(programs, compiled):
+    if p.kind != "sync":  # (a reshard without a cast does no arithmetic)
+      assert c.flops > 0 and c.seconds(chip) > 0, p.name  # the cost model saw the program
+  assert all(x.platform == "tpu" for x in v5e_2x2)
+
+
+def test_real_size_plan_matches_the_recorded_compile(repo_root):
+  """A real-size program compiles for ~10 min on the 2-core CI machine, so its XLA figures
+  come from benchmarks/scale.py's run (benchmarks/results/scale.jsonl); the plan is recomputed
+  here, from today's code, and must stay within 15% of them."""
+  path = os.path.join(repo_root, "benchmarks", "results", "scale.jsonl")
+  with open(path) as f:
+    rows = {r["row"]: r for r in map(json.loads, filter(str.strip, f))}
+  record = rows["qwen3:0.6b,grpo,v5e"]
+  sys.path.insert(0, os.path.join(repo_root, "benchmarks"))
+  import scale
+  config, module, chip = scale.load(record["row"])
+  _, programs = module.programs(config, devices=aot.topology_devices(scale.TOPOLOGY[chip]))
+  recorded = {p["name"]: p for p in record["programs"]}
+  train = programs[0]
+  xla = recorded[train.name]["xla_bytes"]
+  assert abs(estimate(train).program_peak - xla) / xla < 0.15, (estimate(train), xla)
+  assert record["fits"] and record["xla_peak"] <= record["hbm"]
+
+
+def test_without_libtpu_one_sentence_says_how_to_install_it(monkeypatch):
+  monkeypatch.setitem(sys.modules, "libtpu", None)  # import libtpu now fails
+  with pytest.raises(ConfigError, match=r'pip install "jax\[tpu\]'):
+    aot.topology_devices("v5e:2x4")
+  with pytest.raises(ConfigError, match="unknown chip 'v9x'"):
+    aot.topology_devices("v9x:2x2")
