@@ -446,8 +446,7 @@ def family_config(arg, *, models: dict, default: str, sft_config, grpo_config, f
   "8b,sft,v5p"; TRAINER grpo | sft, default grpo; CHIP v5e | v5p | v6e, default v5e), or
   "fixture" (a GRPO pulse on the family's tiny HF fixture, on CPU). `models` maps MODEL to
   (preset, local HF checkpoint dir); `sizing` maps (MODEL, TRAINER, CHIP) to the memory knobs
-  {"remat": ..., "accum_steps": ...} the compiler's figures chose (default: full remat, one
-  micro-batch)."""
+  {"remat": ..., "accum_steps": ...} the compiler's figures chose (default below)."""
   if arg == "fixture":
     preset, ckpt = models[default]
     return hf_model_config("fixture", preset=preset, checkpoint=ckpt, fixture=fixture,
@@ -461,6 +460,10 @@ def family_config(arg, *, models: dict, default: str, sft_config, grpo_config, f
     raise ValueError(f"unknown arg {arg!r}: use MODEL[,sft|grpo][,v5e|v5p|v6e] with MODEL one "
                      f"of {', '.join(models)}, or 'fixture'")
   preset, ckpt = models[model]
-  knobs = {"remat": "full", "accum_steps": 1, **(sizing or {}).get((model, trainer, chip), {})}
+  # Full remat everywhere; micro-batches by size (a 4B model's activations at one micro-batch
+  # over a v5e chip's 16 GiB): 1 below 2B parameters, 4 up to 5B, 8 above.
+  n = PRESETS[preset].num_params
+  knobs = {"remat": "full", "accum_steps": 1 if n < 2e9 else 4 if n < 5e9 else 8,
+           **(sizing or {}).get((model, trainer, chip), {})}
   return hf_model_config(trainer, preset=preset, checkpoint=ckpt, fixture=fixture,
                          sft_config=sft_config, grpo_config=grpo_config, chip=chip, **knobs)

@@ -23,14 +23,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import ml_collections
 import numpy as np
 
 from jaxrl.errors import ConfigError
-from jaxrl.models import (CACHE_AXES, ModelConfig, RewardModel, abstract_model, cache_shape)
+from jaxrl.models import CACHE_AXES, ModelConfig, RewardModel, abstract_model, cache_shape
 from jaxrl.parallel.layouts import get_rules, logical_spec
 from jaxrl.parallel.sync import HOST_RESHARD_MIN_BYTES, Layout, Placement, host_memory
 
@@ -286,15 +285,10 @@ class Program:
   logits_chunk: int = 0  # positions per log-prob chunk (0: the whole sequence at once)
 
 
-def _tiled(shape, itemsize: int, tpu: bool) -> int:
-  """Bytes of a per-device array; on TPU padded to its (8 or 16, 128) memory tiles."""
-  shape = tuple(int(d) for d in shape)
-  if tpu and shape:
-    shape = shape[:-1] + (-(-shape[-1] // 128) * 128,)
-    if len(shape) >= 2:
-      sub = 8 * max(1, 4 // itemsize)
-      shape = shape[:-2] + (-(-shape[-2] // sub) * sub,) + shape[-1:]
-  return int(np.prod(shape)) * itemsize
+def _nbytes(shape, itemsize: int) -> int:
+  """Bytes of an array. (TPU tile padding is not modelled: real-size dimensions are multiples
+  of 128, where it adds nothing; the tiny presets' small dimensions pad more.)"""
+  return int(np.prod(tuple(int(d) for d in shape))) * itemsize
 
 
 def _itemsize(dtype) -> int:
@@ -303,7 +297,7 @@ def _itemsize(dtype) -> int:
   return np.dtype(dtype).itemsize
 
 
-def abstract_bytes(tree, *, tpu: bool = False, ways: int = 1) -> int:
+def abstract_bytes(tree, *, ways: int = 1) -> int:
   """Bytes one device holds of a tree of ShapeDtypeStructs (or arrays): each leaf's shard
   under its sharding, or the whole leaf divided by `ways` when it has none."""
   total = 0
@@ -311,21 +305,13 @@ def abstract_bytes(tree, *, tpu: bool = False, ways: int = 1) -> int:
     item = _itemsize(x.dtype)
     sharding = getattr(x, "sharding", None)
     if sharding is not None and hasattr(sharding, "shard_shape"):
-      total += _tiled(sharding.shard_shape(x.shape), item, tpu)
+      total += _nbytes(sharding.shard_shape(x.shape), item)
     else:
       shape = list(x.shape)
       if shape and ways > 1 and shape[0] % ways == 0:
         shape[0] //= ways
-      total += _tiled(shape, item, tpu)
+      total += _nbytes(shape, item)
   return total
-
-
-def on_tpu(program: Program) -> bool:
-  """Whether the program's devices are TPU chips. (The estimate does not model TPU tile
-  padding: real-size dimensions are multiples of 128, where it adds nothing.)"""
-  x = jax.tree.leaves(program.args)[0]
-  devices = getattr(x.sharding, "device_set", ())
-  return any(d.platform == "tpu" for d in devices)
 
 
 def gathered_bytes(params) -> int:
@@ -378,7 +364,7 @@ def _row_ways(args) -> int:
   return ways
 
 
-def residual_bytes(loss_fn, params, batch, *, ways: int, tpu: bool = False) -> int:
+def residual_bytes(loss_fn, params, batch, *, ways: int) -> int:
   """Bytes per device the backward of loss_fn(params, batch, key) keeps from its forward: the
   residuals of jax.vjp, traced under eval_shape (nothing runs), the batch's rows split `ways`
   ways. Two things XLA does not keep are left out: boolean masks (it recomputes them from
@@ -402,22 +388,21 @@ def residual_bytes(loss_fn, params, batch, *, ways: int, tpu: bool = False) -> i
     shape = list(shape)
     if shape[0] % ways == 0:
       shape[0] //= ways
-    total += n * _tiled(shape, _itemsize(dtype), tpu)
+    total += n * _nbytes(shape, _itemsize(dtype))
   return total
 
 
 def estimate(program: Program) -> ProgramEstimate:
   """The plan's estimate of `program` per device (see the module docstring)."""
-  tpu = False  # see on_tpu
-  argument = abstract_bytes(program.args, tpu=tpu)
+  argument = abstract_bytes(program.args)
   out_tree = jax.eval_shape(program.fn, *program.args)
   # An output without a sharding (a scan's carry) takes that of an argument of its shape.
   like = {(tuple(x.shape), str(x.dtype)): x.sharding for x in jax.tree.leaves(program.args)}
   out_tree = jax.tree.map(
       lambda x: x if getattr(x, "sharding", None) is not None else jax.ShapeDtypeStruct(
           x.shape, x.dtype, sharding=like.get((tuple(x.shape), str(x.dtype)))), out_tree)
-  output = abstract_bytes(out_tree, tpu=tpu)
-  alias = min(output, sum(abstract_bytes(program.args[i], tpu=tpu) for i in program.donated))
+  output = abstract_bytes(out_tree)
+  alias = min(output, sum(abstract_bytes(program.args[i]) for i in program.donated))
   ways = _row_ways(program.args)
   positions = program.seq_len
   if program.logits_chunk and program.logits_chunk < positions:
@@ -427,11 +412,11 @@ def estimate(program: Program) -> ProgramEstimate:
   if program.kind == "train":
     loss_fn, params, batch = program.loss
     state = program.args[0]
-    grads = abstract_bytes(state.params, tpu=tpu)
+    grads = abstract_bytes(state.params)
     # Residuals of one micro-batch; the gradients (and their accumulator across micro-batches)
     # in the params' sharding; the logits' gradient at the loss's top (one fp32 [rows, T, V],
     # or one chunk's); the weights FSDP gathers.
-    temp = (residual_bytes(loss_fn, params, batch, ways=ways, tpu=tpu) + 2 * grads
+    temp = (residual_bytes(loss_fn, params, batch, ways=ways) + 2 * grads
             + logits + gathered_bytes(params))
   elif program.kind == "forward":  # the learner's: its weights gathered as in the train step
     temp = 2 * logits + gathered_bytes(program.args[0])

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from jaxrl import config as config_lib
 from jaxrl.models import abstract_model
 from jaxrl.parallel import shard_activations, tree_shardings
 from jaxrl.parallel.mesh import make_mesh
-from jaxrl.parallel.plan import Program, abstract_bytes
+from jaxrl.parallel.plan import Program
 from jaxrl.train.state import TrainState, make_train_step, state_shardings
 
 
@@ -94,23 +93,3 @@ def forward_program(name: str, fn, args, *, kind: str = "forward", resident=None
   return Program(name, fn, tuple(args), kind, resident=dict(resident or {}), donated=donated,
                  flops=flops, tokens=tokens, rows=rows, seq_len=seq_len, vocab=vocab,
                  logits_chunk=logits_chunk)
-
-
-def state_bytes(state) -> int:
-  """Bytes per device of an abstract state (params + optimizer state)."""
-  return abstract_bytes(state, tpu=_tpu(state))
-
-
-def _tpu(tree) -> bool:
-  x = jax.tree.leaves(tree)[0]
-  return any(d.platform == "tpu" for d in getattr(x.sharding, "device_set", ()))
-
-
-def graph(cfg, model=None):
-  """The model's graphdef without building it."""
-  return nnx.split(nnx.eval_shape(lambda: (model or _transformer())(cfg, rngs=nnx.Rngs(0))))[0]
-
-
-def _transformer():
-  from jaxrl.models import Transformer
-  return Transformer
