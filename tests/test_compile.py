@@ -66,3 +66,13 @@ def test_without_libtpu_one_sentence_says_how_to_install_it(monkeypatch):
     aot.topology_devices("v5e:2x4")
   with pytest.raises(ConfigError, match="unknown chip 'v9x'"):
     aot.topology_devices("v9x:2x2")
+
+
+def test_jaxrl_plan_compile_prints_xla_beside_the_plan(repo_root, capsys):
+  from jaxrl import cli
+  cli.main(["plan", "--config", os.path.join(repo_root, "configs/sft_tiny.py"),
+            "--compile", "v5e:2x2"])
+  out = capsys.readouterr().out
+  assert "learner: Mesh(data=1 x fsdp=4 x tensor=1) over 4 tpu devices" in out
+  assert "compiled per chip" in out and "plan/XLA" in out
+  assert "v5e HBM 16 GiB per chip: the largest peak" in out and "fits" in out
