@@ -283,6 +283,11 @@ class Program:
   seq_len: int = 0
   vocab: int = 0  # the model's vocabulary (the fp32 logits' last dimension)
   logits_chunk: int = 0  # positions per log-prob chunk (0: the whole sequence at once)
+  # Bytes per device of one decoder block's activations over this program's rows (its
+  # residuals without remat): what a forward holds at once, and what a rematerialised
+  # block's recompute holds in the backward.
+  layer_bytes: int = 0
+  remat: str = "none"
 
 
 def _nbytes(shape, itemsize: int) -> int:
@@ -415,11 +420,15 @@ def estimate(program: Program) -> ProgramEstimate:
     grads = abstract_bytes(state.params)
     # Residuals of one micro-batch; the gradients (and their accumulator across micro-batches)
     # in the params' sharding; the logits' gradient at the loss's top (one fp32 [rows, T, V],
-    # or one chunk's); the weights FSDP gathers.
+    # or one chunk's); the weights FSDP gathers; with remat, one block's recompute.
     temp = (residual_bytes(loss_fn, params, batch, ways=ways) + 2 * grads
             + logits + gathered_bytes(params))
+    if program.remat != "none":  # one block recomputed whole in the backward
+      temp += program.layer_bytes
   elif program.kind == "forward":  # the learner's: its weights gathered as in the train step
-    temp = 2 * logits + gathered_bytes(program.args[0])
+    # A forward holds only part of a block's residuals at once: a third, as XLA counted Qwen3-
+    # 0.6B's GRPO log-prob forward on v5e (attention's scores dominate both).
+    temp = 2 * logits + gathered_bytes(program.args[0]) + program.layer_bytes // 3
   elif program.kind == "prefill":
     temp = 2 * logits
   elif program.kind == "decode":

@@ -480,11 +480,13 @@ def programs(config, *, devices=None):
   fwd = forward_flops(cfg, tokens=rows * T, pairs=rows * T * (T + 1) / 2)
   knobs = pg.model_knobs(config)
   resident = {"reference params": abstract_bytes(state.params)} if mode == "live" else {}
-  loss_fn = kto_loss(graphdef, a) if kto else pair_loss(graphdef, a)
+  plain = pg.plain_graphdef(cfg)
+  make_loss = kto_loss if kto else pair_loss
   out = [pg.train_program(
-      loss_fn, tx, schedule, state, shardings, batch, mesh=mesh,
+      make_loss(graphdef, a), tx, schedule, state, shardings, batch, mesh=mesh,
       accum_steps=config.optim.accum_steps, resident=resident, flops=3 * fwd,
-      tokens=rows * T, seq_len=T, vocab=cfg.vocab_size, logits_chunk=knobs["logits_chunk"])]
+      tokens=rows * T, seq_len=T, vocab=cfg.vocab_size, logits_chunk=knobs["logits_chunk"],
+      cfg=cfg, plain_loss=make_loss(plain, a))]
   if mode == "live":
     seq_logps = make_seq_logps(graphdef)
     ref_fn = jax.jit(shard_activations(lambda p, r: seq_logps(p, r)[0], mesh),
@@ -495,7 +497,8 @@ def programs(config, *, devices=None):
         "reference forward", ref_fn, (state.params, {k: batch[k] for k in ROW_KEYS}),
         resident={"actor params + optimizer state": abstract_bytes(state)}, flops=fwd,
         tokens=rows * T, rows=max(1, rows // replicas), seq_len=T, vocab=cfg.vocab_size,
-        logits_chunk=knobs["logits_chunk"]))
+        logits_chunk=knobs["logits_chunk"], cfg=cfg, mesh=mesh,
+        plain_fn=lambda p, r: make_seq_logps(plain)(p, r)[0]))
   replicas = mesh.shape["data"] * mesh.shape["fsdp"]
   work = Workload(rows=max(1, rows // (replicas * config.optim.accum_steps)), seq_len=T,
                   reference=mode == "live", **knobs)

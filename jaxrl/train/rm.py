@@ -297,12 +297,15 @@ def programs(config, *, devices=None):
   batch = {k: pg.spec((B, 2, T), "float32" if k == "loss_mask" else "int32", shd)
            for k in PAIR_KEYS}
   knobs = pg.model_knobs(config)
+  def loss(g):
+    return rm_loss(g, margin=float(config.loss.margin),
+                   center_coef=float(config.loss.center_coef))
   step = pg.train_program(
-      rm_loss(graphdef, margin=float(config.loss.margin),
-              center_coef=float(config.loss.center_coef)),
+      loss(graphdef),
       tx, schedule, state, shardings, batch, mesh=mesh, accum_steps=config.optim.accum_steps,
       seq_len=T, vocab=cfg.vocab_size if config.head.logprob_feature else 0,
-      logits_chunk=knobs["logits_chunk"],
+      logits_chunk=knobs["logits_chunk"], cfg=cfg,
+      plain_loss=loss(pg.plain_graphdef(cfg, model)),
       flops=3 * forward_flops(cfg, tokens=2 * B * T, pairs=B * T * (T + 1),
                               lm_head=bool(config.head.logprob_feature)), tokens=2 * B * T)
   replicas = mesh.shape["data"] * mesh.shape["fsdp"]

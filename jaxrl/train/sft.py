@@ -159,7 +159,7 @@ def programs(config, *, devices=None):
   step = pg.train_program(
       sft_loss(graphdef), tx, schedule, state, shardings, batch, mesh=mesh,
       accum_steps=config.optim.accum_steps, seq_len=T, vocab=cfg.vocab_size,
-      logits_chunk=knobs["logits_chunk"],
+      logits_chunk=knobs["logits_chunk"], cfg=cfg, plain_loss=sft_loss(pg.plain_graphdef(cfg)),
       flops=3 * forward_flops(cfg, tokens=B * T, pairs=B * T * (T + 1) / 2), tokens=B * T)
   replicas = mesh.shape["data"] * mesh.shape["fsdp"]
   work = Workload(rows=max(1, B // (replicas * config.optim.accum_steps)), seq_len=T, **knobs)

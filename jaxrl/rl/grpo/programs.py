@@ -28,7 +28,8 @@ from jaxrl.parallel import batch_sharding
 from jaxrl.parallel.plan import Workload, abstract_bytes
 from jaxrl.parallel.sync import make_placement
 from jaxrl.rl.grpo.config import grouped_forward, prompt_length
-from jaxrl.rl.grpo.update import grpo_loss, make_batch_logprobs_fn, old_logp_from_update
+from jaxrl.rl.grpo.update import (batch_logprobs, grpo_loss, make_batch_logprobs_fn,
+                                  old_logp_from_update)
 from jaxrl.rewards import model as rm_lib
 from jaxrl.sampler import Engine, SamplingParams, bucket
 from jaxrl.train import programs as pg
@@ -99,10 +100,13 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
   n_mb = N // a.minibatches
   batch, width = rows(n_mb, True)
   loss_fn = grpo_loss(graphdef, a, temperature=r.temperature, norm_len=r.max_new_tokens)
+  plain = pg.plain_graphdef(cfg)  # without remat: one block's activations
   train = pg.train_program(
       loss_fn, tx, schedule, state, shardings, batch, mesh=mesh,
       accum_steps=config.optim.accum_steps, resident=resident, flops=3 * flops(n_mb),
-      tokens=n_mb * Tc, seq_len=width, vocab=cfg.vocab_size, logits_chunk=knobs["logits_chunk"])
+      tokens=n_mb * Tc, seq_len=width, vocab=cfg.vocab_size, logits_chunk=knobs["logits_chunk"],
+      cfg=cfg, plain_loss=grpo_loss(plain, a, temperature=r.temperature,
+                                    norm_len=r.max_new_tokens))
 
   fwd_batch, _ = rows(N, False)
   inputs = ("prompt", "prompt_len", "completion") if grouped else ("inputs", "targets",
@@ -115,7 +119,8 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
       (state.params, {k: fwd_batch[k] for k in inputs}),
       resident={"actor params + optimizer state": abstract_bytes(state)},
       flops=flops(N), tokens=N * Tc, rows=N // replicas, seq_len=width, vocab=cfg.vocab_size,
-      logits_chunk=knobs["logits_chunk"])
+      logits_chunk=knobs["logits_chunk"], cfg=cfg, mesh=mesh,
+      plain_fn=lambda p, b: batch_logprobs(plain, p, b, r.temperature)[0])
 
   # The sampler: weights in its layout (cast by the sync), prefill, decode steps.
   sync_dtype = config.placement.sync_dtype or None
