@@ -13,8 +13,9 @@ Per program, per chip:
   outputs - aliased (the donated state, counted once) + temporaries. Generated code is
   reported apart (it lives in the program's own memory, a few MiB).
 - seconds: a roofline from XLA's cost_analysis(): max(flops / peak bf16 FLOP/s, bytes accessed
-  / HBM bandwidth). Its own `optimal_seconds` came out negative for the learner programs on
-  libtpu 0.0.50, so it is not used.
+  / HBM bandwidth), the flops at least the program's model FLOPs per chip (XLA counts a
+  loop's body once: the micro-batch scan, the chunked log-probs). Its own `optimal_seconds`
+  came out negative for the learner programs on libtpu 0.0.50, so it is not used.
 Chip figures (Google Cloud TPU docs, docs.cloud.google.com/tpu/docs/v5e, /v5p-training, /v6e):
 v5e 197 TFLOP/s bf16, 16 GB HBM at 819 GB/s; v5p 459 TFLOP/s, 95 GB at 2,765 GB/s; v6e 918
 TFLOP/s, 32 GB at 1,638 GB/s.
@@ -25,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+
+import jax
 
 from jaxrl.errors import ConfigError
 
@@ -97,9 +100,20 @@ class Compiled:
     """XLA's peak for one execution: arguments + outputs - aliased + temporaries."""
     return self.argument + self.output - self.alias + self.temp
 
-  def seconds(self, chip: Chip) -> float:
-    """The roofline: whichever of compute and HBM traffic takes longer at the chip's peak."""
-    return max(self.flops / chip.bf16_flops, self.bytes_accessed / chip.hbm_bytes_per_s)
+  def seconds(self, chip: Chip, floor_flops: float = 0.0) -> float:
+    """The roofline: whichever of compute and HBM traffic takes longer at the chip's peak.
+    XLA's cost analysis counts a loop's body once (the micro-batch scan of a train step with
+    optim.accum_steps > 1, the chunked log-probs' scan), so `floor_flops`, the model FLOPs per
+    chip the program must do (roofline_flops), bounds the compute from below."""
+    return max(max(self.flops, floor_flops) / chip.bf16_flops,
+               self.bytes_accessed / chip.hbm_bytes_per_s)
+
+
+def roofline_flops(program, chips: int) -> float:
+  """The FLOPs per chip a program cannot do without: its model FLOPs over the chips, and for a
+  train step with full remat one more forward (4 forward-equivalents instead of 3)."""
+  extra = 4 / 3 if program.kind == "train" and program.remat == "full" else 1.0
+  return program.flops * extra / chips
 
 
 def compile_program(program) -> Compiled:
@@ -136,7 +150,8 @@ def report(programs, estimates, compiled, chip: Chip | None) -> tuple[str, bool 
   for p, e, c in zip(programs, estimates, compiled):
     total = c.bytes + e.resident
     peak = max(peak, total)
-    secs = f"{c.seconds(chip):.4f}" if chip else "-"
+    chips = len(jax.tree.leaves(p.args)[0].sharding.device_set)
+    secs = f"{c.seconds(chip, roofline_flops(p, chips)):.4f}" if chip else "-"
     lines.append(f"  {p.name:<{w}}  {e.program_peak / GIB:>9.3f}  {c.bytes / GIB:>8.3f}  "
                  f"{e.program_peak / max(c.bytes, 1):>8.2f}  {e.resident / GIB:>9.3f}  "
                  f"{total / GIB:>8.3f}  {secs:>10}  {p.flops / 1e12:>11.3f}")
