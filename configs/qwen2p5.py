@@ -23,7 +23,8 @@ from jaxrl.train import sft
 
 MODELS = {"1.5b": ("qwen2.5-1.5b", "checkpoints/Qwen2.5-1.5B-Instruct"),
           "7b": ("qwen2.5-7b", "checkpoints/Qwen2.5-7B-Instruct")}
-# (model, trainer, chip) -> memory knobs; the rest take full remat and one micro-batch.
+# (model, trainer, chip) -> memory knobs where the family default (full remat; 1, 4 or 8
+# micro-batches by size: jaxrl.config.family_config) does not fit; none so far.
 SIZING = {}
 FIXTURE = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
                                         "tests", "fixtures", "hf", "qwen2"))
