@@ -168,8 +168,8 @@ def main() -> None:
         f.write(json.dumps(record) + "\n")
       results[row] = record
       print(f"{row}: XLA peak {record['xla_peak'] / GIB:.2f} GiB per chip "
-            f"({'fits' if record['fits'] else 'does NOT fit'}); plan {record['plan_peak'] / GIB:.2f}"
-            f"; {time.time() - t0:.0f} s", flush=True)
+            f"({'fits' if record['fits'] else 'does NOT fit'}); plan "
+            f"{record['plan_peak'] / GIB:.2f}; {time.time() - t0:.0f} s", flush=True)
       write_doc(render(results))
   write_doc(render(results))
 

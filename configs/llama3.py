@@ -4,12 +4,14 @@ arg: "MODEL[,TRAINER][,CHIP]": MODEL 3.2-1b | 3.2-3b | 3.1-8b, TRAINER grpo (def
 CHIP v5e (default) | v5p | v6e; or "fixture" (a GRPO pulse on tests/fixtures/hf/llama, CPU).
 
 Fetch a checkpoint once, on a machine with network access (jaxrl itself never downloads):
-    huggingface-cli download meta-llama/Llama-3.2-1B-Instruct --local-dir checkpoints/Llama-3.2-1B-Instruct
+    huggingface-cli download meta-llama/Llama-3.2-1B-Instruct \
+        --local-dir checkpoints/Llama-3.2-1B-Instruct
 Until it is there the preset supplies the same shapes, so the plan and the compile work first:
     jaxrl plan --config configs/llama3.py:3.2-1b,grpo,v5e --compile v5e:2x4
     jaxrl plan --config configs/llama3.py:3.1-8b,sft,v5p --compile v5p:2x2x1
     jaxrl sft  --config configs/llama3.py:3.2-1b,sft --workdir runs/sft
-    jaxrl grpo --config configs/llama3.py:3.2-1b --config.init.checkpoint=runs/sft --workdir runs/grpo
+    jaxrl grpo --config configs/llama3.py:3.2-1b --config.init.checkpoint=runs/sft \
+        --workdir runs/grpo
 
 The memory knobs (model.remat, optim.accum_steps) are those the compiler's figures chose:
 docs/guides/scale.md lists the compiled bytes and roofline times of every variant.

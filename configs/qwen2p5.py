@@ -4,12 +4,14 @@ arg: "MODEL[,TRAINER][,CHIP]": MODEL 1.5b | 7b, TRAINER grpo (default) | sft,
 CHIP v5e (default) | v5p | v6e; or "fixture" (a GRPO pulse on tests/fixtures/hf/qwen2, CPU).
 
 Fetch a checkpoint once, on a machine with network access (jaxrl itself never downloads):
-    huggingface-cli download Qwen/Qwen2.5-1.5B-Instruct --local-dir checkpoints/Qwen2.5-1.5B-Instruct
+    huggingface-cli download Qwen/Qwen2.5-1.5B-Instruct \
+        --local-dir checkpoints/Qwen2.5-1.5B-Instruct
 Until it is there the preset supplies the same shapes, so the plan and the compile work first:
     jaxrl plan --config configs/qwen2p5.py:1.5b,grpo,v5e --compile v5e:2x4
     jaxrl plan --config configs/qwen2p5.py:7b,sft,v5p --compile v5p:2x2x1
     jaxrl sft  --config configs/qwen2p5.py:1.5b,sft --workdir runs/sft
-    jaxrl grpo --config configs/qwen2p5.py:1.5b --config.init.checkpoint=runs/sft --workdir runs/grpo
+    jaxrl grpo --config configs/qwen2p5.py:1.5b --config.init.checkpoint=runs/sft \
+        --workdir runs/grpo
 
 The memory knobs (model.remat, optim.accum_steps) are those the compiler's figures chose:
 docs/guides/scale.md lists the compiled bytes and roofline times of every variant.

@@ -17,7 +17,7 @@ from importlib import metadata
 from jaxrl import config as config_lib
 from jaxrl.errors import ConfigError
 from jaxrl.parallel import describe, init_params, mesh_from_config, param_table
-from jaxrl.parallel.plan import memory_plan, plan_programs
+from jaxrl.parallel.plan import memory_plan, plan_programs, suggest
 from jaxrl.parallel.sync import WeightSync, make_placement, memcpy_gb_per_s
 from jaxrl.tasks import ERROR_MODES, get_task
 
@@ -301,10 +301,16 @@ def cmd_plan(args, overrides) -> None:
   if work.slots:
     print(f"sampler: {describe(placement.sampler.mesh)}")
   sync_dtype = config.placement.sync_dtype if "placement" in config else ""
-  print(memory_plan(cfg, placement, config.get("plan"), workload=work, sync_dtype=sync_dtype,
-                    reward_models=plan_roles(config)).table())
+  # The roles say what the bytes are; the programs' peak is the verdict (and, when it does not
+  # fit, the roles' suggestions say what to change).
+  roles = memory_plan(cfg, placement, None, workload=work, sync_dtype=sync_dtype,
+                      reward_models=plan_roles(config))
+  print(roles.table())
   plan = plan_programs(programs, config.get("plan"))
   print(plan.table())
+  if plan.fits is False:
+    roles.device_bytes = plan.device_bytes
+    print("\n".join(f"  - {x}" for x in suggest(roles, placement, work, cfg)))
   if args.compile:
     compiled = []
     for p in programs:

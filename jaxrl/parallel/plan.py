@@ -228,11 +228,11 @@ def memory_plan(cfg: ModelConfig, placement: Placement, section=None, *,
   plan = MemoryPlan(placement.mode, learner, sampler, learner_peak, sampler_peak,
                     device_bytes_of(section), [])
   if plan.fits is False:
-    plan.suggestions = _suggest(plan, placement, w, cfg)
+    plan.suggestions = suggest(plan, placement, w, cfg)
   return plan
 
 
-def _suggest(plan: MemoryPlan, placement: Placement, w: Workload, cfg: ModelConfig) -> list[str]:
+def suggest(plan: MemoryPlan, placement: Placement, w: Workload, cfg: ModelConfig) -> list[str]:
   out = []
   kv = plan.sampler.get("kv cache", 0)
   if placement.mode == "colocated" and plan.sampler:
