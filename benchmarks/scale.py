@@ -82,13 +82,20 @@ def measure(row: str, out=print) -> dict:
         "flops_xla": x.flops, "bytes_accessed": x.bytes_accessed,
         "floor_flops": aot.roofline_flops(p, len(devices)),
         "seconds": x.seconds(c, aot.roofline_flops(p, len(devices))),
-        "model_flops": p.flops, "tokens": p.tokens, "compile_s": round(x.compile_s, 1)})
+        "model_flops": p.flops, "tokens": p.tokens, "compile_s": round(x.compile_s, 1),
+        "oom": x.oom})
+    if x.oom:  # the compiler's own verdict: it does not fit; the rest need not compile
+      out(f"  {row}: {p.name}: the TPU compiler ran out of HBM (temporaries "
+          f"{x.temp / GIB:.2f} GiB alone)", flush=True)
+      break
     out(f"  {row}: {p.name}: XLA {x.bytes / GIB:.2f} GiB, roofline "
         f"{record['programs'][-1]['seconds']:.4f} s, "
         f"compiled in {x.compile_s:.0f} s", flush=True)
-  plan, xla = aot.run_peaks(programs, estimates, [_Figures(q) for q in record["programs"]])
+  figures = [_Figures(q) for q in record["programs"]]
+  plan, xla = aot.run_peaks(programs[:len(figures)], estimates[:len(figures)], figures)
   record.update(plan_peak=plan, xla_peak=xla, hbm=int(c.hbm_gib * GIB),
-                fits=bool(xla <= c.hbm_gib * GIB))
+                fits=bool(xla <= c.hbm_gib * GIB) and not any(
+                    q["oom"] for q in record["programs"]))
   return record
 
 
@@ -125,6 +132,11 @@ def render(results: dict[str, dict], plans: dict[str, float] | None = None) -> s
       p["seconds"] = max(max(p["flops_xla"], floor) / c.bf16_flops,
                          p["bytes_accessed"] / c.hbm_bytes_per_s)
     train = progs["train step"]
+    if train.get("oom"):
+      lines.append(f"| {name} | {chip}-8 ({r['chips']} chips) | {r['remat']}, "
+                   f"{r['accum_steps']} | > {train['xla']['temp'] / GIB:.2f} (temporaries alone; "
+                   "the compiler ran out of HBM) | **no** | | | | |")
+      continue
     mfu = train["model_flops"] / r["chips"] / train["seconds"] / c.bf16_flops
     dec = progs.get("decode steps")
     steps = dec["tokens"] // max(1, _slots(r)) if dec else 0

@@ -55,6 +55,13 @@ def test_real_size_plan_matches_the_recorded_compile(repo_root, row):
   plan is recomputed here from today's code (seconds) and must stay within 15% of them, per
   program for the train step and for the run's peak."""
   record = _recorded()[row]
+  if any(p.get("oom") for p in record["programs"]):  # the compiler refused it: so must the plan
+    sys.path.insert(0, os.path.join(repo_root, "benchmarks"))
+    import scale
+    config, module, chip = scale.load(row)
+    _, programs = module.programs(config, devices=aot.topology_devices(scale.TOPOLOGY[chip]))
+    assert not record["fits"] and estimate(programs[0]).peak > record["hbm"]
+    return
   sys.path.insert(0, os.path.join(repo_root, "benchmarks"))
   import scale
   config, module, chip = scale.load(row)
@@ -86,3 +93,19 @@ def test_jaxrl_plan_compile_prints_xla_beside_the_plan(repo_root, capsys):
   assert "learner: Mesh(data=1 x fsdp=4 x tensor=1) over 4 tpu devices" in out
   assert "compiled per chip" in out and "plan/XLA" in out
   assert "v5e HBM 16 GiB per chip: the largest peak" in out and "fits" in out
+
+
+def test_a_program_the_tpu_compiler_cannot_fit_is_reported_not_raised():
+  """libtpu refuses a program whose temporaries exceed the chip's HBM (CompileTimeHbmOom); the
+  compile reports it, with the compiler's figure, instead of a traceback."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from jaxrl.parallel.plan import Program
+  mesh = Mesh(np.array(aot.topology_devices("v5e:2x2")[:1]), ("x",))
+  x = jax.ShapeDtypeStruct((1 << 20,), jnp.float32, sharding=NamedSharding(mesh, P()))
+  big = jax.jit(lambda x: jnp.cumsum(jnp.outer(x, x[:5000]), axis=0).astype(jnp.bfloat16)
+                @ jnp.ones((5000, 8), jnp.bfloat16))  # ~20 GB of float32 temporaries
+  c = aot.compile_program(Program("big", big, (x,), "forward"))
+  assert c.oom and c.temp > 16 * aot.GIB

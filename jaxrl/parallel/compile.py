@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import time
 
 import jax
@@ -94,6 +95,9 @@ class Compiled:
   flops: float
   bytes_accessed: float
   compile_s: float
+  # The TPU compiler refuses a program whose temporaries exceed the chip's HBM
+  # (CompileTimeHbmOom): then only `temp` (its figure, the arguments not counted) is known.
+  oom: bool = False
 
   @property
   def bytes(self) -> int:
@@ -119,7 +123,14 @@ def roofline_flops(program, chips: int) -> float:
 def compile_program(program) -> Compiled:
   """Lowers and compiles a jaxrl.parallel.plan.Program for its (abstract) devices."""
   t0 = time.perf_counter()
-  compiled = program.fn.lower(*program.args).compile()
+  try:
+    compiled = program.fn.lower(*program.args).compile()
+  except jax.errors.JaxRuntimeError as e:
+    found = re.search(r"CompileTimeHbmOom.*?temporaries \(([\d.]+)G\)", str(e))
+    if not found:
+      raise
+    return Compiled(program.name, 0, 0, 0, int(float(found.group(1)) * GIB), 0, 0.0, 0.0,
+                    time.perf_counter() - t0, oom=True)
   dt = time.perf_counter() - t0
   m = compiled.memory_analysis()
   cost = compiled.cost_analysis()
