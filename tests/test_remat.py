@@ -92,3 +92,18 @@ def test_remat_leaves_decoding_alone():
 def test_remat_bad_value_is_one_sentence():
   with pytest.raises(ConfigError, match=r"model.remat='dots'.*Choose one of: none, full"):
     ModelConfig(**{**get_preset("tiny").__dict__, "remat": "dots"})
+
+
+def test_memory_knobs_are_config_overrides():
+  """--config.model.remat / logits_chunk / chunk_min_vocab reach the ModelConfig every program
+  is built from, with their types checked like every model field."""
+  from jaxrl import config as config_lib
+  c = config_lib.base_config()
+  c.model.remat, c.model.logits_chunk, c.model.chunk_min_vocab = "full", "64", 256
+  cfg = config_lib.model_config(c)
+  assert (cfg.remat, cfg.logits_chunk, cfg.chunk_min_vocab) == ("full", 64, 256)
+  assert cfg.chunked_logits  # the tiny preset's 512 words are above 256
+  bad = config_lib.base_config()
+  bad.model.logits_chunk = 1.5
+  with pytest.raises(ConfigError, match="model.logits_chunk=1.5 has the wrong type"):
+    config_lib.model_config(bad)

@@ -56,7 +56,7 @@ class ModelConfig:
   # vocab_size >= chunk_min_vocab (0 turns chunking off), so no [rows, T, V] float32 logits
   # exist in a learner program; small vocabularies (the tiny presets) stay unchunked.
   remat: str = "none"
-  logits_chunk: int = 256
+  logits_chunk: int = 128
   chunk_min_vocab: int = 32768
 
   def __post_init__(self):

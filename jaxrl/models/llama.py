@@ -12,6 +12,10 @@ Two forward modes share one code path:
     slot's cache at that slot's position, and queries attend to every cache entry at or before
     their position. Prefill and single decode steps are both this mode.
 
+Learner programs read log-probs, not logits: apply_logprobs and Transformer.token_logprobs run
+the LM head in chunks of positions above cfg.chunk_min_vocab (jaxrl.models.logprobs), and
+cfg.remat rematerialises each decoder block of a full-sequence forward. Neither changes a value.
+
 Shapes use letters: B batch (or decode slots), T new tokens, S cache length, D embed, N query
 heads, K kv heads, G = N // K, H head dim, F mlp, V vocab.
 """

@@ -19,12 +19,11 @@ Why not a library: tokamax's linear_softmax_cross_entropy_loss (the one kept JAX
 a memory-efficient linear cross-entropy; a Mosaic TPU and a Triton kernel) returns one scalar
 loss, sum or mean over all rows, with no per-token values, no weights or mask, no temperature
 and no entropy, while GRPO needs per-token log pi (for its ratios) and the entropy, and SFT a
-masked sum. Its XLA fallback materialises the full logits. On a TPU the scan below runs the
-same two matmuls per chunk that its kernel fuses.
+masked sum. Its XLA fallback materialises the full logits.
 
-Memory (what jaxrl's plan counts): per chunk, B x chunk x V float32 logits in the forward, and
-in the backward the recomputed logits and their gradient (about 2-3 such arrays live at once),
-plus the [V, D] float32 sum of the head's gradient.
+Memory (what jaxrl's plan counts): a few float32 arrays of B x chunk x V at a time (XLA's
+count: about 2 on CPU, about 4 compiled for a TPU v5e; docs/guides/memory.md), plus the
+[V, D] float32 sum of the head's gradient, sharded as the head.
 
 Shapes: B rows, T positions, c = chunk, n = ceil(T / c) chunks, D embed, V vocab.
 """
@@ -127,13 +126,19 @@ def _chunked_bwd(tied, temperature, chunk, entropy, res, cts):
     ds_bcv = jnp.where(onehot_bcv, g_bc[..., None], 0.0) - g_bc[..., None] * p_bcv
     if entropy:
       ds_bcv = ds_bcv - gent_bc[..., None] * p_bcv * (logp_bcv + ent_bc[..., None])
-    dz_bcv = (ds_bcv / temperature).astype(dt)
+    dz_bcv = ds_bcv / temperature  # float32, as autodiff hands the logits' gradient on
+    # The two products as autodiff writes them: the float32 gradient against the compute-dtype
+    # operand, accumulated in float32 (a bf16 dz would be faster on a TPU but would not be the
+    # unchunked gradient).
+    both = ((0, 1), (0, 1)), ((), ())
     if tied:  # w [V, D]
-      dh_bcd = jnp.einsum("BCV,VD->BCD", dz_bcv, w_c, preferred_element_type=jnp.float32)
-      dw = dw + jnp.einsum("BCV,BCD->VD", dz_bcv, h_bcd, preferred_element_type=jnp.float32)
+      dh_bcd = jax.lax.dot_general(dz_bcv, w_c, (((2,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+      dw = dw + jax.lax.dot_general(dz_bcv, h_bcd, both, preferred_element_type=jnp.float32)
     else:  # w [D, V]
-      dh_bcd = jnp.einsum("BCV,DV->BCD", dz_bcv, w_c, preferred_element_type=jnp.float32)
-      dw = dw + jnp.einsum("BCD,BCV->DV", h_bcd, dz_bcv, preferred_element_type=jnp.float32)
+      dh_bcd = jax.lax.dot_general(dz_bcv, w_c, (((2,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+      dw = dw + jax.lax.dot_general(h_bcd, dz_bcv, both, preferred_element_type=jnp.float32)
     return dw, dh_bcd.astype(dt)
 
   g_ent = g_ent_bt if entropy else jnp.zeros_like(g_logp_bt)
