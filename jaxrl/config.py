@@ -417,6 +417,9 @@ def hf_model_config(arg, *, preset: str, checkpoint: str, fixture: str, sft_conf
   c.model.param_dtype = "float32"
   c.model.dtype = "bfloat16"
   c.model.remat = remat
+  # 256 positions per log-prob chunk: what the table in docs/guides/scale.md was compiled with
+  # (the model's default is 128, which saves a little more on v5e; re-measure before moving).
+  c.model.logits_chunk = 256
   c.optim.accum_steps = accum_steps
   c.mesh.fsdp = -1  # learner: FSDP over every chip (8 on v5e-8 / v6e-8; v5p-8 has 4 chips)
   c.placement = placement_config()

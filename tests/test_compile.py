@@ -66,7 +66,8 @@ def test_real_size_plan_matches_the_recorded_compile(repo_root, row):
   import scale
   config, module, chip = scale.load(row)
   assert int(config.optim.accum_steps) == record["accum_steps"]  # the config compiled
-  _, programs = module.programs(config, devices=aot.topology_devices(scale.TOPOLOGY[chip]))
+  work, programs = module.programs(config, devices=aot.topology_devices(scale.TOPOLOGY[chip]))
+  assert (work.remat, work.logits_chunk) == (record["remat"], record["logits_chunk"])
   recorded = {p["name"]: p for p in record["programs"]}
   estimates = [estimate(p) for p in programs if p.name in recorded]
   train = estimates[0]
