@@ -431,6 +431,7 @@ def hf_model_config(arg, *, preset: str, checkpoint: str, fixture: str, sft_conf
     c.model.hf_path = fixture
     c.model.param_dtype = c.model.dtype = "float32"
     c.model.remat = "none"
+    c.model.logits_chunk = None  # the model's default (a tiny vocabulary never chunks)
     c.optim.accum_steps = 1
     c.mesh.fsdp, c.mesh.tensor = -1, 1
     c.placement.sampler_mesh.data, c.placement.sampler_mesh.tensor = -1, 1
