@@ -17,15 +17,18 @@ ARGS = {"tiny.py": [None, "tp", "sampler"], "model.py": [None, *PRESETS],
         "grpo_tiny.py": [None, "runlocal", "dapo", "dr_grpo", "gspo", "rloo", "async"],
         "dpo_tiny.py": [None, "ipo", "kto", "orpo", "simpo", "runlocal"],
         **{f: [None, "grpo", "sft", "fixture"] for f in ("qwen3_0p6b.py", "qwen2p5_1p5b.py",
-                                                         "llama3p2_1b.py")}}
+                                                         "llama3p2_1b.py")},
+        "qwen3.py": [None, "fixture", "8b,sft,v5p", "4b,grpo,v6e"],
+        "qwen2p5.py": [None, "fixture", "7b,sft,v6e"], "llama3.py": [None, "fixture", "3.1-8b,v5p"]}
 # The command each config file is for (its own sections' choices are validated too).
 COMMAND = {"sft_tiny.py": "sft", "rm_tiny.py": "rm", "grpo_tiny.py": "grpo", "dpo_tiny.py": "dpo",
            "sample_tiny.py": "sample",
-           **{f: "grpo" for f in ("qwen3_0p6b.py", "qwen2p5_1p5b.py", "llama3p2_1b.py")}}
+           **{f: "grpo" for f in ("qwen3_0p6b.py", "qwen2p5_1p5b.py", "llama3p2_1b.py",
+                                  "qwen3.py", "qwen2p5.py", "llama3.py")}}
 
 
 def _choices(path, arg):
-  command = "sft" if arg == "sft" else COMMAND.get(os.path.basename(path))
+  command = "sft" if "sft" in (arg or "").split(",") else COMMAND.get(os.path.basename(path))
   if command == "sample":
     return sample_command.CHOICES
   return cli.trainer(command).CHOICES if command else None
