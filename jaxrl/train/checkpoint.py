@@ -170,7 +170,7 @@ class Checkpointer:
     """Each process writes and removes a small file in the directory first. Orbax creates the
     step's directory in a background thread, and when that fails (a read-only directory) the
     save waits out a 5-minute barrier and reports only the timeout: this finds out at once,
-    with the OS's words, and every process agrees to stop."""
+    with the OS's words."""
     probe = self.directory / f".write-probe-{jax.process_index()}"
     error = None
     try:
@@ -179,11 +179,10 @@ class Checkpointer:
       probe.unlink()
     except OSError as e:
       error = e
-    failed = error is not None
-    if jax.process_count() > 1:
-      from jax.experimental import multihost_utils
-      failed = bool(np.any(multihost_utils.process_allgather(np.int32(failed))))
-    if failed:
+    # Not agreed across processes here: a collective at this point interleaves with orbax's
+    # own barriers (two-process runs failed with a barrier name mismatch). A process that
+    # fails stops; the others find out at their next save's barrier.
+    if error is not None:
       self._fail(step, error)
 
   def restore(self, abstract_state, step: int | None = None):

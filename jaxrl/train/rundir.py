@@ -86,8 +86,10 @@ class RunDir:
       flat_old = _flatten(old)
       new = config.to_dict() if "backend" not in old else {**config.to_dict(), "backend": backend}
       flat_new = _flatten(json.loads(json.dumps(new, default=str)))
+      # A resume on another device count is a supported move (the demo resumes a 1-device
+      # SFT on 8), recorded in config.json but not a config change worth a note.
       changed = [k for k in sorted(set(flat_old) | set(flat_new))
-                 if flat_old.get(k) != flat_new.get(k)]
+                 if flat_old.get(k) != flat_new.get(k) and k != "backend.devices"]
       if changed:
         out("note: the config differs from the one in config.json: " + ", ".join(
             f"{k}: {flat_old.get(k)!r} -> {flat_new.get(k)!r}" for k in changed))
