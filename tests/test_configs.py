@@ -16,16 +16,17 @@ ARGS = {"tiny.py": [None, "tp", "sampler"], "model.py": [None, *PRESETS],
         "sft_tiny.py": [None, "runlocal"], "rm_tiny.py": [None, "biased", "logprob", "runlocal"],
         "grpo_tiny.py": [None, "runlocal", "dapo", "dr_grpo", "gspo", "rloo", "async"],
         "dpo_tiny.py": [None, "ipo", "kto", "orpo", "simpo", "runlocal"],
+        "gsm8k_qwen3.py": [None, "grpo", "sft", "fixture", "sft_fixture"],
         **{f: [None, "grpo", "sft", "fixture"] for f in ("qwen3_0p6b.py", "qwen2p5_1p5b.py",
                                                          "llama3p2_1b.py")}}
 # The command each config file is for (its own sections' choices are validated too).
 COMMAND = {"sft_tiny.py": "sft", "rm_tiny.py": "rm", "grpo_tiny.py": "grpo", "dpo_tiny.py": "dpo",
-           "sample_tiny.py": "sample",
+           "sample_tiny.py": "sample", "gsm8k_qwen3.py": "grpo",
            **{f: "grpo" for f in ("qwen3_0p6b.py", "qwen2p5_1p5b.py", "llama3p2_1b.py")}}
 
 
 def _choices(path, arg):
-  command = "sft" if arg == "sft" else COMMAND.get(os.path.basename(path))
+  command = "sft" if arg in ("sft", "sft_fixture") else COMMAND.get(os.path.basename(path))
   if command == "sample":
     return sample_command.CHOICES
   return cli.trainer(command).CHOICES if command else None
