@@ -82,7 +82,7 @@ def test_sft_then_grpo_on_the_users_own_files_raises_held_out_accuracy(tmp_path,
   seed 0: 0.398 -> 0.453 -> 0.445 (+0.047); seed 1: 0.352 -> 0.414 -> 0.406 (+0.055);
   seed 2: 0.484 -> 0.461 -> 0.492 (+0.008). The gain is small and seed 2's is within noise;
   at 40 steps (lr 5e-5) seeds 0-1 peaked at step 20 and fell back (+0.016, +0.023 at the end,
-  the reward-hacking alarm firing), hence 20 steps. ~100 s alone, ~210 s with three at once.
+  the reward-hacking alarm firing), hence 20 steps. ~80 s alone, ~210 s with three at once.
   """
   from jaxrl.data.records import write_jsonl
   from jaxrl.tasks import get_task
