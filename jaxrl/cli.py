@@ -17,7 +17,7 @@ from importlib import metadata
 from jaxrl import config as config_lib
 from jaxrl.errors import ConfigError
 from jaxrl.parallel import describe, init_params, mesh_from_config, param_table
-from jaxrl.parallel.plan import memory_plan
+from jaxrl.parallel.plan import memory_plan, plan_programs, suggest
 from jaxrl.parallel.sync import WeightSync, make_placement, memcpy_gb_per_s
 from jaxrl.tasks import ERROR_MODES, get_task
 
@@ -75,9 +75,12 @@ def _parser() -> argparse.ArgumentParser:
   s.add_argument("--command", dest="run_command", default="model",
                  help="the jaxrl command each run executes (default: model)")
   s.add_argument("--seeds", metavar="SEEDS", help="each run once per seed, e.g. 0-4")
-  s = sub.add_parser("plan", help="memory plan: bytes per device for each model role, and "
-                     "whether it fits a device")
+  s = sub.add_parser("plan", help="memory plan of a trainer's config: bytes per device for each "
+                     "role and program, and whether it fits a device")
   _common(s, config_required=True)
+  s.add_argument("--compile", metavar="TOPOLOGY", help="also compile the trainer's programs for "
+                 "a TPU topology (e.g. v5e:2x4, v5p:2x2x1, v6e:2x4; needs libtpu) and print "
+                 "XLA's bytes and a roofline time per chip")
   s = sub.add_parser("bench", help="measure a systems figure on this machine (sync: learner -> "
                      "sampler weight sync against memcpy)")
   s.add_argument("what", choices=["sync"])
@@ -295,16 +298,44 @@ def _placement(config):
 
 
 def cmd_plan(args, overrides) -> None:
-  config = _load(args, overrides)
-  cfg = config_lib.model_config(config)
-  placement = _placement(config)
-  print(f"model {_model_name(config)}: {cfg.num_params:,} parameters ({cfg.param_dtype})")
-  print(f"learner: {describe(placement.learner.mesh)}")
-  print(f"sampler: {describe(placement.sampler.mesh)}")
-  sync_dtype = config.placement.sync_dtype if "placement" in config else ""
+  """The trainer's memory plan (its own programs function), optionally checked by compiling
+  for a TPU topology (jaxrl.parallel.compile)."""
+  from jaxrl.parallel import compile as aot
   from jaxrl.rewards.model import plan_roles
-  print(memory_plan(cfg, placement, config.get("plan"), sync_dtype=sync_dtype,
-                    reward_models=plan_roles(config)).table())
+  from jaxrl.train.rundir import infer_command
+  command = infer_command(_load(args, overrides).to_dict())
+  if command not in TRAINERS:
+    raise ConfigError(f"jaxrl plan reads a trainer's config (sft, rm, dpo, grpo): "
+                      f"{args.config} is none of them; plan e.g. configs/grpo_tiny.py.")
+  module = trainer(command)
+  config = _load(args, overrides, module.CHOICES)
+  devices = aot.topology_devices(args.compile) if args.compile else None
+  work, programs = module.programs(config, devices=devices)
+  cfg = config_lib.model_config(config)
+  placement = make_placement(config.mesh, config.get("placement"), devices=devices)
+  print(f"{command}: model {_model_name(config)}: {cfg.num_params:,} parameters "
+        f"({cfg.param_dtype}; compute {cfg.dtype}; remat {work.remat}; log-prob chunk "
+        f"{work.logits_chunk or 'off'})")
+  print(f"learner: {describe(placement.learner.mesh)}")
+  if work.slots:
+    print(f"sampler: {describe(placement.sampler.mesh)}")
+  sync_dtype = config.placement.sync_dtype if "placement" in config else ""
+  # The roles say what the bytes are; the programs' peak is the verdict (and, when it does not
+  # fit, the roles' suggestions say what to change).
+  roles = memory_plan(cfg, placement, None, workload=work, sync_dtype=sync_dtype,
+                      reward_models=plan_roles(config))
+  print(roles.table())
+  plan = plan_programs(programs, config.get("plan"))
+  print(plan.table())
+  if plan.fits is False:
+    roles.device_bytes = plan.device_bytes
+    print("\n".join(f"  - {x}" for x in suggest(roles, placement, work, cfg)))
+  if args.compile:
+    compiled = []
+    for p in programs:
+      print(f"compiling {p.name} for {args.compile} ...", flush=True)
+      compiled.append(aot.compile_program(p))
+    print(aot.report(programs, plan.estimates, compiled, aot.chip_of(args.compile))[0])
 
 
 def cmd_bench(args, overrides) -> None:

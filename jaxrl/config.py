@@ -417,27 +417,37 @@ def iter_config_files(root: str = "configs") -> Iterator[str]:
       yield os.path.join(root, name)
 
 
-def hf_model_config(arg, *, preset: str, checkpoint: str, fixture: str, sft_config,
-                    grpo_config):
-  """The ready-made real-model configs (configs/qwen3_0p6b.py, ...): a local HF checkpoint on an
-  8-chip slice, fp32 master weights with bf16 compute, the trainer's sections and the memory
-  plan that matches them. The config file passes the trainers' default_config functions (this
-  module imports no trainer).
+# The ready-made real-model configs' chips (8-chip slices) and their plan.device names.
+REAL_CHIPS = {"v5e": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e"}
 
-  arg: "" or "grpo" (GRPO: actor + reference; sampler 64 slots x 2048 tokens), "sft" (SFT: no
-  reference, no generation), "fixture" (GRPO on a tiny HF fixture, runs on CPU in seconds).
+
+def hf_model_config(arg, *, preset: str, checkpoint: str, fixture: str, sft_config,
+                    grpo_config, chip: str = "v5e", remat: str = "full", accum_steps: int = 1):
+  """The ready-made real-model configs (configs/qwen3.py, configs/qwen2p5.py, configs/llama3.py
+  and the older single-model files): a local HF checkpoint on an 8-chip slice of `chip`, fp32
+  master weights (and Adam state) with bf16 compute, the trainer's sections, and the memory
+  knobs (model.remat, optim.accum_steps) chosen so the compiled programs fit the chip
+  (docs/guides/scale.md has the compiler's figures for each). The config file passes the
+  trainers' default_config functions (this module imports no trainer).
+
+  arg: "" or "grpo" (GRPO: 16 prompts x 8 completions per step, 512 prompt + 1536 completion
+  tokens, 64 decode slots; actor + reference colocated with the sampler), "sft" (SFT: 64
+  sequences of 2048 tokens per step), "fixture" (GRPO on a tiny HF fixture, runs on CPU in
+  seconds).
   """
   if arg not in (None, "", "grpo", "sft", "fixture"):
     raise ValueError(f"unknown arg {arg!r}: use '', 'grpo', 'sft' or 'fixture'")
+  if chip not in REAL_CHIPS:
+    raise ValueError(f"unknown chip {chip!r}: use one of {', '.join(REAL_CHIPS)}")
   if arg == "sft":
     c = sft_config()
-    c.data.update(seq_len=512, batch_size=64)
+    c.data.update(seq_len=2048, batch_size=64)
     c.optim.update(lr=1e-5, warmup_steps=20)
     c.eval.update(max_new_tokens=32, batch_size=64)
   else:
     c = grpo_config()
-    # 512 prompt + 1536 completion tokens in 64 decode slots, as the plan below assumes.
-    c.rollout.update(prompts_per_step=16, group_size=8, max_new_tokens=1536, slots=64)
+    c.rollout.update(prompts_per_step=16, group_size=8, prompt_len=512, max_new_tokens=1536,
+                     slots=64, grow_cache=False)
     c.optim.update(lr=1e-6)
     c.eval.update(batch_size=64)
   c.model.preset = preset
@@ -445,29 +455,58 @@ def hf_model_config(arg, *, preset: str, checkpoint: str, fixture: str, sft_conf
   # fp32 master weights (and Adam state) on the learner; the sampler gets a bf16 copy.
   c.model.param_dtype = "float32"
   c.model.dtype = "bfloat16"
-  c.mesh.fsdp = 8  # learner: FSDP over the 8 chips
+  c.model.remat = remat
+  # 256 positions per log-prob chunk: what the table in docs/guides/scale.md was compiled with
+  # (the model's default is 128, which saves a little more on v5e; re-measure before moving).
+  c.model.logits_chunk = 256
+  c.optim.accum_steps = accum_steps
+  c.mesh.fsdp = -1  # learner: FSDP over every chip (8 on v5e-8 / v6e-8; v5p-8 has 4 chips)
   c.placement = placement_config()
-  c.placement.sampler_mesh.data, c.placement.sampler_mesh.tensor = 4, 2
+  c.placement.sampler_mesh.data, c.placement.sampler_mesh.tensor = -1, 2
   c.placement.sync_dtype = "bfloat16"
   c.plan = plan_config()
-  c.plan.device = "tpu-v5e"
-  c.plan.slots, c.plan.max_len = 64, 2048
-  # One 2048-token sequence per chip per micro-step: the fp32 logits over a 128k-152k vocabulary
-  # dominate activations (2.5 GiB at micro_batch=1, 10 GiB at 4).
-  c.plan.micro_batch, c.plan.seq_len = 1, 2048
-  c.plan.remat = True  # without recomputation activations alone need ~14 GiB per chip
-  if arg == "sft":
-    c.plan.reference = False
-    c.plan.slots, c.plan.max_len = 8, 8  # SFT does not generate: a minimal sampler side
-  elif arg == "fixture":
+  c.plan.device = REAL_CHIPS[chip]
+  if arg == "fixture":
     c.model.hf_path = fixture
     c.model.param_dtype = c.model.dtype = "float32"
+    c.model.remat = "none"
+    c.model.logits_chunk = None  # the model's default (a tiny vocabulary never chunks)
+    c.optim.accum_steps = 1
     c.mesh.fsdp, c.mesh.tensor = -1, 1
     c.placement.sampler_mesh.data, c.placement.sampler_mesh.tensor = -1, 1
     c.placement.sync_dtype = ""
-    c.rollout.update(prompts_per_step=4, group_size=4, max_new_tokens=8, slots=16)
+    c.rollout.update(prompts_per_step=4, group_size=4, prompt_len=0, max_new_tokens=8,
+                     slots=16, grow_cache=True)
     c.train.update(steps=2, log_every=1, save_every=2)
     c.eval.update(every=2, examples=8, batch_size=8)
     c.plan.device = ""
-    c.plan.slots, c.plan.max_len, c.plan.micro_batch, c.plan.seq_len = 8, 64, 2, 64
   return c
+
+
+def family_config(arg, *, models: dict, default: str, sft_config, grpo_config, fixture: str,
+                  sizing: dict | None = None):
+  """A model family's ready-made configs from one file: arg = "MODEL[,TRAINER][,CHIP]" (e.g.
+  "8b,sft,v5p"; TRAINER grpo | sft, default grpo; CHIP v5e | v5p | v6e, default v5e), or
+  "fixture" (a GRPO pulse on the family's tiny HF fixture, on CPU). `models` maps MODEL to
+  (preset, local HF checkpoint dir); `sizing` maps (MODEL, TRAINER, CHIP) to the memory knobs
+  {"remat": ..., "accum_steps": ...} the compiler's figures chose (default below)."""
+  if arg == "fixture":
+    preset, ckpt = models[default]
+    return hf_model_config("fixture", preset=preset, checkpoint=ckpt, fixture=fixture,
+                           sft_config=sft_config, grpo_config=grpo_config)
+  parts = [x.strip() for x in (arg or default).split(",")]
+  model = parts[0]
+  trainer = next((x for x in parts[1:] if x in ("sft", "grpo")), "grpo")
+  chip = next((x for x in parts[1:] if x in REAL_CHIPS), "v5e")
+  unknown = [x for x in parts[1:] if x not in ("sft", "grpo", *REAL_CHIPS)]
+  if model not in models or unknown:
+    raise ValueError(f"unknown arg {arg!r}: use MODEL[,sft|grpo][,v5e|v5p|v6e] with MODEL one "
+                     f"of {', '.join(models)}, or 'fixture'")
+  preset, ckpt = models[model]
+  # Full remat everywhere; micro-batches by size (a 4B model's activations at one micro-batch
+  # over a v5e chip's 16 GiB): 1 below 2B parameters, 4 up to 5B, 8 above.
+  n = PRESETS[preset].num_params
+  knobs = {"remat": "full", "accum_steps": 1 if n < 2e9 else 4 if n < 5e9 else 8,
+           **(sizing or {}).get((model, trainer, chip), {})}
+  return hf_model_config(trainer, preset=preset, checkpoint=ckpt, fixture=fixture,
+                         sft_config=sft_config, grpo_config=grpo_config, chip=chip, **knobs)

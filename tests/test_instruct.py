@@ -348,3 +348,38 @@ def test_sft_prompt_rows_use_the_same_prompt_as_sampling():
   # The byte tokenizer: bos + prompt, completion + eos, as before.
   byte = tokenize_sft({"prompt": "1+2=", "completion": "3"}, ByteTokenizer())
   assert ByteTokenizer().decode(byte["inputs"], skip_special=False) == "<bos>1+2=3"
+
+
+# ----------------------------------------------------------------------------- DPO and RM
+
+
+@pytest.mark.parametrize("command", ["dpo", "rm"])
+def test_dpo_and_rm_take_the_prompt_keys_and_pass_them_to_their_batches(command, repo_root):
+  """DPO and RM configs carry data.chat, chat_template_kwargs and system_prompt like SFT and
+  GRPO, and the skeleton's batches hand the data section to the maker, so `data.chat=False`
+  reaches the pair tokenizer (before, these trainers always chat-templated an instruct
+  checkpoint's pairs, with no way to turn it off)."""
+  import types
+  from jaxrl.data import prefs
+  from jaxrl.train.run import Run
+  config = config_lib.load_config(os.path.join(repo_root, "configs", f"{command}_tiny.py"),
+                                  ["data.chat=False", "data.system_prompt=Be brief."])
+  assert config.data.chat is False and config.data.system_prompt == "Be brief."
+  seen = {}
+
+  def make(records, tokenizer, **kwargs):
+    seen.update(kwargs)
+    return iter(())
+
+  fake = types.SimpleNamespace(config=config, tokenizer=None, replicas=1)
+  Run.batches(fake, make, [])
+  assert seen["data_cfg"] is config.data
+  # What data.chat=False changes for an instruct tokenizer: the pair's prompt is plain text.
+  tok = HFTokenizer(os.path.join(HF, "qwen3"))
+  pair = {"prompt": "2+2=", "chosen": "4", "rejected": "5"}
+  plain = prefs.tokenize_pair(pair, tok, config.data)
+  templated = prefs.tokenize_pair(pair, tok, None)
+  assert len(plain["chosen"]["inputs"]) < len(templated["chosen"]["inputs"])
+  # Plain text: the system prompt, a blank line, the prompt and the answer; no template turns.
+  assert tok.decode(plain["chosen"]["inputs"].tolist()) == "Be brief.\n\n2+2=4"
+  assert "<|im_start|>" in tok.decode(templated["chosen"]["inputs"].tolist(), skip_special=False)

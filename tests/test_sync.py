@@ -13,7 +13,7 @@ from jaxrl.errors import ConfigError
 from jaxrl.models import apply, get_preset, init_cache
 from jaxrl.parallel import cache_sharding, init_params
 from jaxrl.parallel import sync as sync_lib
-from jaxrl.parallel.plan import memory_plan, plan_config
+from jaxrl.parallel.plan import Workload, memory_plan, plan_config
 from jaxrl.parallel.sync import (HostReshard, Overlap, SamplerCopy, WeightSync, host_pool_bytes,
                                  live_bytes, make_placement, placement_config, release, sync)
 from jaxrl.train.state import init_train_state
@@ -229,9 +229,8 @@ def _bytes_per_device():
 
 def test_plan_is_within_20_percent_of_measured_live_bytes(colocated):
   cfg = get_preset("tiny")
-  section = plan_config()
-  section.slots, section.max_len = 16, 128
-  plan = memory_plan(cfg, colocated, section)
+  work = Workload(reference=True, slots=16, max_len=128)  # what a GRPO trainer's would say
+  plan = memory_plan(cfg, colocated, plan_config(), workload=work)
   before = _bytes_per_device()  # other tests' arrays may still be alive in this process
   # Build what stays live in a colocated GRPO step: actor, Adam state, reference, sampler copy,
   # KV cache. Gradients and activations are transient and excluded on both sides.
@@ -255,13 +254,15 @@ def test_plan_says_when_it_does_not_fit(colocated):
   cfg = get_preset("qwen3-8b").replace(param_dtype="bfloat16", dtype="bfloat16")
   section = plan_config()
   section.device = "tpu-v5e"
-  plan = memory_plan(cfg, colocated, section)
+  work = Workload(rows=1, seq_len=2048, reference=True, slots=64, max_len=2048)
+  plan = memory_plan(cfg, colocated, section, workload=work)
   assert plan.fits is False
   text = plan.table()
   assert "does NOT fit" in text and "LoRA" in text and "disaggregated" in text
+  assert "model.remat=full" in text
   section.device = "h200"
-  section.micro_batch, section.slots, section.max_len, section.remat = 1, 8, 1024, True
-  assert memory_plan(get_preset("qwen3-0.6b"), colocated, section).fits is True
+  work = Workload(rows=1, seq_len=2048, reference=True, slots=8, max_len=1024, remat="full")
+  assert memory_plan(get_preset("qwen3-0.6b"), colocated, section, workload=work).fits is True
   section.device = "tpu-v9"
   with pytest.raises(ConfigError, match="plan.device='tpu-v9' is not a known device"):
     memory_plan(cfg, colocated, section)

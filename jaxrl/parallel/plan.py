@@ -1,30 +1,35 @@
-"""The memory plan: bytes per device for each model role, computed before launch.
+"""The memory plan: bytes per device for each model role and each program, before launch.
 
-Roles: the actor (params, gradients, optimizer state), the frozen reference, frozen reward
-models (one row each: the RL config's reward_model.checkpoints, or plan.reward_model), the
-critic (PPO only), the sampler's weight copy and its KV cache, plus an
-activation estimate. Colocated, one device holds the learner roles and the sampler side; the
-plan takes the larger of the training and the generation phase. Disaggregated, the learner and
-sampler devices are planned separately.
+A trainer describes its own run (jaxrl.train.sft.programs, rm.programs, dpo.programs,
+jaxrl.rl.grpo.programs): the `Workload` (rows, lengths, reference, reward models, the
+sampler's slots and KV cache, all read from the trainer's own config sections) and the jitted
+`Program`s it runs, with abstract arguments laid out on the mesh. Nothing here is a free knob:
+the `plan` config section only names the device (and whether a run checks the plan first).
 
-Activations are an estimate (Korthikanti et al. 2022, "Reducing Activation Recomputation in
-Large Transformer Models": 34·D + 5·N·T bytes per token per layer at 16 bits, without
-recomputation), plus the fp32 logits and their log-softmax. Everything else is exact shard
-arithmetic from the layouts.
+Two views, one source:
+- roles (memory_plan): the bytes that stay resident per device (actor params, Adam moments,
+  the reference, reward models, the sampler copy and its KV cache), exact shard arithmetic;
+- programs (plan_programs): per jitted program, XLA's own accounting estimated without a
+  compile: argument + output - aliased (donated) + temporary bytes, plus what stays resident
+  beside it. Arguments and outputs are exact from the shardings; the temporaries of a train
+  step are the residuals its backward keeps (counted by tracing jax.vjp of the trainer's loss
+  under eval_shape, so remat and chunked log-probs count as the program runs them), the
+  gradients and the gathered weights of one layer; a forward's are its fp32 logits. The
+  compiler's figures (jaxrl.parallel.compile) check it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import ml_collections
 import numpy as np
 
 from jaxrl.errors import ConfigError
-from jaxrl.models import (CACHE_AXES, ModelConfig, RewardModel, abstract_model, cache_shape,
-                          get_preset)
+from jaxrl.models import CACHE_AXES, ModelConfig, RewardModel, abstract_model, cache_shape
 from jaxrl.parallel.layouts import get_rules, logical_spec
 from jaxrl.parallel.sync import HOST_RESHARD_MIN_BYTES, Layout, Placement, host_memory
 
@@ -38,22 +43,29 @@ DEVICE_MEMORY_GIB = {
 
 
 def plan_config() -> ml_collections.ConfigDict:
-  """The `plan` config section (RL configs fill slots, lengths and roles from their own)."""
+  """The `plan` config section: which device the plan is checked against, and whether a run
+  checks it before its first step. Everything else the plan counts comes from the trainer's
+  own sections (its Workload and Programs)."""
   return ml_collections.ConfigDict(dict(
-      device="",  # a DEVICE_MEMORY_GIB name; "" = only report
+      device="",  # a DEVICE_MEMORY_GIB name; "" = the runtime's own figure, else only report
       device_gib=0.0,  # explicit per-device memory, overrides `device`
-      slots=64,  # decode slots of the sampler (KV cache rows)
-      max_len=1024,  # prompt + completion tokens per slot
-      # Sequences each data-parallel replica runs through one forward/backward; gradient
-      # accumulation covers the rest of the batch, so only this sets activation memory.
-      micro_batch=4,
-      seq_len=1024,
-      reference=True,
-      reward_model="",  # preset name of a frozen reward model, "" for none
-      critic=False,  # PPO
-      optimizer_states=2,  # Adam's mu and nu
-      remat=False,  # activation recomputation: keep only each layer's input
+      check=True,  # a trainer stops before step 1 when the plan says it does not fit
   ))
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """What a trainer's config makes each device hold: filled by the trainer (its `programs`
+  function), never by hand. rows: sequences per device in one forward/backward of the
+  update; seq_len: their length; slots x max_len: the sampler's KV cache (0 = no sampler)."""
+  rows: int = 1
+  seq_len: int = 1024
+  reference: bool = False
+  optimizer_states: int = 2  # Adam's mu and nu
+  slots: int = 0
+  max_len: int = 0
+  remat: str = "none"
+  logits_chunk: int = 0  # positions per chunk of the chunked log-probs; 0 = whole sequence
 
 
 def _dtype_bytes(name: str) -> int:
@@ -92,17 +104,36 @@ def kv_cache_bytes_per_device(cfg: ModelConfig, layout: Layout, slots: int, max_
   return 2 * cfg.num_layers * int(np.prod(shape)) * _dtype_bytes(cfg.dtype) // ways  # k and v
 
 
-def activation_bytes_per_device(cfg: ModelConfig, layout: Layout, micro_batch: int,
-                                seq_len: int, remat: bool) -> int:
+def activation_bytes_per_device(cfg: ModelConfig, layout: Layout, rows: int, seq_len: int,
+                                remat: str = "none", logits_chunk: int = 0) -> int:
+  """A closed-form estimate of a train step's activations (the role table's row; the program
+  plan traces the real residuals instead). Korthikanti et al. 2022: 34·D + 5·N·T bytes per token
+  per layer at 16 bits without recomputation; "full" remat keeps each layer's input; the fp32
+  logits and their log-softmax over the whole sequence, or one chunk of positions."""
   m = layout.mesh.shape
-  tokens = micro_batch * seq_len
+  tokens = rows * seq_len
   scale = _dtype_bytes(cfg.dtype) / 2  # the formula counts 16-bit activations
-  if remat:
+  if remat == "full":
     per_layer = tokens * cfg.embed_dim * _dtype_bytes(cfg.dtype)
   else:
     per_layer = tokens * (34 * cfg.embed_dim + 5 * cfg.num_heads * seq_len) * scale / m["tensor"]
-  logits = 2 * tokens * cfg.vocab_size * 4 / m["tensor"]
+  positions = min(seq_len, logits_chunk) if logits_chunk else seq_len
+  logits = 2 * rows * positions * cfg.vocab_size * 4 / m["tensor"]
   return int(cfg.num_layers * per_layer + logits)
+
+
+def device_bytes_of(section) -> int | None:
+  """The per-device memory the plan checks against: plan.device_gib, else plan.device's
+  figure, else what the runtime reports (TPU/GPU), else None (only report)."""
+  p = plan_config() if section is None else section
+  if p["device_gib"]:
+    return int(float(p["device_gib"]) * GIB)
+  if p["device"]:
+    if p["device"] not in DEVICE_MEMORY_GIB:
+      raise ConfigError(f"plan.device={p['device']!r} is not a known device: choose one of "
+                        f"{', '.join(DEVICE_MEMORY_GIB)}, or set plan.device_gib.")
+    return DEVICE_MEMORY_GIB[p["device"]] * GIB
+  return None
 
 
 @dataclasses.dataclass
@@ -125,14 +156,14 @@ class MemoryPlan:
 
   def persistent_bytes(self) -> int:
     """Bytes that stay live between steps on a colocated device (no gradients, activations)."""
-    skip = ("actor gradients", "critic gradients", "activations (estimate)")
+    skip = ("actor gradients", "activations (estimate)")
     return sum(v for k, v in {**self.learner, **self.sampler}.items() if k not in skip)
 
   def table(self) -> str:
     rows = [(k, v, "learner") for k, v in self.learner.items()]
     rows += [(k, v, "sampler") for k, v in self.sampler.items()]
     w = max(len(r[0]) for r in rows)
-    lines = [f"memory plan ({self.placement}), bytes per device:"]
+    lines = [f"memory plan by role ({self.placement}), bytes per device:"]
     lines += [f"  {k:<{w}}  {_gib(v):>11}  [{side}]" for k, v, side in rows]
     if self.placement == "colocated":
       lines.append(f"  peak per device: {_gib(self.peak)} (train phase {_gib(self.learner_peak)},"
@@ -154,84 +185,307 @@ def _gib(n: float) -> str:
 
 
 def memory_plan(cfg: ModelConfig, placement: Placement, section=None, *,
-                sync_dtype: str = "", reward_models=()) -> MemoryPlan:
-  """Bytes per device for every role, the peak per phase, and whether it fits.
-  `reward_models` is a list of (label, ModelConfig), one learner row each (frozen: params
-  only, in the learner layout where they score)."""
-  p = plan_config() if section is None else section
+                workload: Workload | None = None, sync_dtype: str = "",
+                reward_models=()) -> MemoryPlan:
+  """Bytes per device for every role, the peak per phase, and whether it fits. `workload` is
+  the trainer's (its programs function); `reward_models` is a list of (label, ModelConfig[,
+  logprob_feature]), one learner row each (frozen: params only, in the learner layout)."""
+  w = Workload() if workload is None else workload
   _, shapes, axes = abstract_model(cfg)
   L, S = placement.learner, placement.sampler
   params = tree_bytes_per_device(shapes, axes, L)
   learner = {"actor params": params, "actor gradients": params,
-             "actor optimizer state": int(p["optimizer_states"]) * params}
-  if p["reference"]:
+             "actor optimizer state": w.optimizer_states * params}
+  if w.reference:
     learner["reference params"] = params
-  roles = list(reward_models)
-  if p["reward_model"]:
-    roles.append(("reward model", get_preset(p["reward_model"])))
-  for label, rm_cfg, *feature in roles:  # (label, ModelConfig[, logprob_feature])
+  for label, rm_cfg, *feature in reward_models:
     model = functools.partial(RewardModel, logprob_feature=bool(feature and feature[0]))
     _, rs, ra = abstract_model(rm_cfg, model)
     learner[f"{label} params"] = tree_bytes_per_device(rs, ra, L)
-  if p["critic"]:
-    learner.update({"critic params": params, "critic gradients": params,
-                    "critic optimizer state": int(p["optimizer_states"]) * params})
   learner["activations (estimate)"] = activation_bytes_per_device(
-      cfg, L, int(p["micro_batch"]), int(p["seq_len"]), bool(p["remat"]))
-  sampler = {
-      "sampler weights": tree_bytes_per_device(
-          shapes, axes, S, _dtype_bytes(sync_dtype) if sync_dtype else None),
-      "kv cache": kv_cache_bytes_per_device(cfg, S, int(p["slots"]), int(p["max_len"])),
-  }
-  train_only = ("actor gradients", "critic gradients", "activations (estimate)")
+      cfg, L, w.rows, w.seq_len, w.remat, w.logits_chunk)
+  sampler = {}
+  if w.slots:
+    sampler = {
+        "sampler weights": tree_bytes_per_device(
+            shapes, axes, S, _dtype_bytes(sync_dtype) if sync_dtype else None),
+        "kv cache": kv_cache_bytes_per_device(cfg, S, w.slots, w.max_len),
+    }
+  train_only = ("actor gradients", "activations (estimate)")
   if placement.mode == "colocated":
     resident = sum(v for k, v in learner.items() if k not in train_only)
     kept = sum(sampler.values()) if placement.keep_sampler_copy else 0
-    if not kept and host_memory(set(L.mesh.devices.flat) | set(S.mesh.devices.flat)):
+    if w.slots and not kept and host_memory(set(L.mesh.devices.flat) | set(S.mesh.devices.flat)):
       # On CPU the sync's pooled host buffers (one copy of the leaves it reshards on the host)
       # stay allocated over the update.
       kept = tree_bytes_per_device(
           shapes, axes, S, _dtype_bytes(sync_dtype) if sync_dtype else None,
           min_leaf_bytes=HOST_RESHARD_MIN_BYTES)
-    train_peak = sum(learner.values()) + kept
-    gen_peak = resident + sum(sampler.values())
-    learner_peak, sampler_peak = train_peak, gen_peak
+    learner_peak = sum(learner.values()) + kept
+    sampler_peak = resident + sum(sampler.values())
   else:
     learner_peak, sampler_peak = sum(learner.values()), sum(sampler.values())
-
-  device_bytes = None
-  if p["device_gib"]:
-    device_bytes = int(float(p["device_gib"]) * GIB)
-  elif p["device"]:
-    if p["device"] not in DEVICE_MEMORY_GIB:
-      raise ConfigError(f"plan.device={p['device']!r} is not a known device: choose one of "
-                        f"{', '.join(DEVICE_MEMORY_GIB)}, or set plan.device_gib.")
-    device_bytes = DEVICE_MEMORY_GIB[p["device"]] * GIB
-  plan = MemoryPlan(placement.mode, learner, sampler, learner_peak, sampler_peak, device_bytes,
-                    [])
+  plan = MemoryPlan(placement.mode, learner, sampler, learner_peak, sampler_peak,
+                    device_bytes_of(section), [])
   if plan.fits is False:
-    plan.suggestions = _suggest(plan, placement, p, cfg)
+    plan.suggestions = suggest(plan, placement, w, cfg)
   return plan
 
 
-def _suggest(plan: MemoryPlan, placement: Placement, p, cfg: ModelConfig) -> list[str]:
+def suggest(plan: MemoryPlan, placement: Placement, w: Workload, cfg: ModelConfig) -> list[str]:
   out = []
-  kv = plan.sampler["kv cache"]
-  if placement.mode == "colocated":
+  kv = plan.sampler.get("kv cache", 0)
+  if placement.mode == "colocated" and plan.sampler:
     if placement.keep_sampler_copy:
       out.append("set placement.keep_sampler_copy=False: the sampler copy and KV cache "
                  f"({_gib(sum(plan.sampler.values()))}) are then freed during the update")
     out.append("placement.mode=disaggregated puts the sampler weights and KV cache on their own "
                "devices")
   if kv > plan.device_bytes * 0.2:
-    out.append(f"fewer slots (plan.slots={p['slots']} costs {_gib(kv)} of KV cache; halving it "
-               f"saves {_gib(kv / 2)})")
-    out.append(f"a shorter max length (plan.max_len={p['max_len']})")
+    out.append(f"fewer decode slots ({w.slots} cost {_gib(kv)} of KV cache; halving them "
+               f"saves {_gib(kv / 2)}) or shorter sequences ({w.max_len} positions)")
+  if w.remat == "none":
+    out.append("model.remat=full (recompute each decoder block in the backward) keeps only each "
+               "layer's input")
+  out.append("fewer rows per device in one micro-batch: raise optim.accum_steps")
   opt = plan.learner["actor gradients"] + plan.learner["actor optimizer state"]
   out.append(f"LoRA would shrink gradients and optimizer state ({_gib(opt)}) to a few percent")
   if cfg.param_dtype == "float32":
     out.append("model.param_dtype=bfloat16 halves every weight copy")
   out.append("more devices on fsdp shard the learner roles further")
-  if not p["remat"]:
-    out.append("plan.remat=True (activation recomputation) keeps only each layer's input")
   return out
+
+
+# ----------------------------------------------------------------------------- programs
+
+
+@dataclasses.dataclass
+class Program:
+  """One jitted program a trainer runs, with abstract arguments (jax.ShapeDtypeStruct carrying
+  their shardings): what `jaxrl plan` estimates and `jaxrl plan --compile` compiles.
+
+  kind: "train" (forward + backward + update), "forward" (log-probs or rewards, no gradient),
+  "prefill", "decode" or "sync". resident: bytes per device that stay live beside the
+  program's own arguments while it runs (e.g. the reference's params during the update).
+  loss: for a train step, (loss_fn, params, micro_batch) of one micro-batch, abstract, whose
+  backward's residuals are counted. flops: model FLOPs per call; tokens: tokens it produces
+  or consumes per call (decode: slots x steps)."""
+  name: str
+  fn: Callable
+  args: tuple
+  kind: str
+  resident: dict[str, int] = dataclasses.field(default_factory=dict)
+  loss: tuple | None = None
+  donated: tuple[int, ...] = ()
+  flops: float = 0.0
+  tokens: int = 0
+  rows: int = 0  # sequences per device in one forward (train: one micro-batch)
+  seq_len: int = 0
+  vocab: int = 0  # the model's vocabulary (the fp32 logits' last dimension)
+  logits_chunk: int = 0  # positions per log-prob chunk (0: the whole sequence at once)
+  # Bytes per device of one decoder block's activations over this program's rows (its
+  # residuals without remat): what a forward holds at once, and what a rematerialised
+  # block's recompute holds in the backward.
+  layer_bytes: int = 0
+  remat: str = "none"
+
+
+def _nbytes(shape, itemsize: int) -> int:
+  """Bytes of an array. (TPU tile padding is not modelled: real-size dimensions are multiples
+  of 128, where it adds nothing; the tiny presets' small dimensions pad more.)"""
+  return int(np.prod(tuple(int(d) for d in shape))) * itemsize
+
+
+def _itemsize(dtype) -> int:
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    return 8  # a threefry key's two uint32 words
+  return np.dtype(dtype).itemsize
+
+
+def abstract_bytes(tree, *, ways: int = 1) -> int:
+  """Bytes one device holds of a tree of ShapeDtypeStructs (or arrays): each leaf's shard
+  under its sharding, or the whole leaf divided by `ways` when it has none."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    item = _itemsize(x.dtype)
+    sharding = getattr(x, "sharding", None)
+    if sharding is not None and hasattr(sharding, "shard_shape"):
+      total += _nbytes(sharding.shard_shape(x.shape), item)
+    else:
+      shape = list(x.shape)
+      if shape and ways > 1 and shape[0] % ways == 0:
+        shape[0] //= ways
+      total += _nbytes(shape, item)
+  return total
+
+
+def gathered_bytes(params) -> int:
+  """Bytes of the weights FSDP gathers whole onto every device at once: the embedding and
+  LM head (used at both ends of the forward and again in the backward) and two decoder
+  layers (the one computing and the next one prefetched)."""
+  layers: dict[str, int] = {}
+  other = 0
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    n = int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+    keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+    if "layers" in keys:
+      i = keys.index("layers")
+      layers[keys[i + 1] if i + 1 < len(keys) else ""] = layers.get(
+          keys[i + 1] if i + 1 < len(keys) else "", 0) + n
+    else:
+      other += n
+  per_layer = max(layers.values()) if layers else 0
+  return other + min(2, len(layers)) * per_layer
+
+
+@dataclasses.dataclass
+class ProgramEstimate:
+  """The plan's estimate of one program on one device, in XLA's terms."""
+  name: str
+  argument: int
+  output: int
+  alias: int
+  temp: int
+  resident: int
+
+  @property
+  def program_peak(self) -> int:
+    """What XLA's memory_analysis sums to: arguments + outputs - aliased + temporaries."""
+    return self.argument + self.output - self.alias + self.temp
+
+  @property
+  def peak(self) -> int:
+    return self.program_peak + self.resident
+
+
+def _row_ways(args) -> int:
+  """Ways a program's rows are split: the largest number of shards of any argument's leading
+  (batch) dimension."""
+  ways = 1
+  for x in jax.tree.leaves(args):
+    s = getattr(x, "sharding", None)
+    if s is not None and hasattr(s, "shard_shape") and len(x.shape) >= 2:
+      ways = max(ways, x.shape[0] // max(1, s.shard_shape(x.shape)[0]))
+  return ways
+
+
+def residual_bytes(loss_fn, params, batch, *, ways: int) -> int:
+  """Bytes per device the backward of loss_fn(params, batch, key) keeps from its forward: the
+  residuals of jax.vjp, traced under eval_shape (nothing runs), the batch's rows split `ways`
+  ways. Two things XLA does not keep are left out: boolean masks (it recomputes them from
+  iotas), and the float32 twin of a bfloat16 residual of the same shape (a convert it
+  recomputes: with bf16 compute each activation appears in both precisions)."""
+  def residuals(p, b):
+    return jax.vjp(lambda q: loss_fn(q, b, None)[0], p)[1]
+  strip = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
+  out = jax.eval_shape(residuals, strip(params), strip(batch))
+  flat_params = {(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(params)}
+  count: dict[tuple, int] = {}
+  for x in jax.tree.leaves(out):
+    key = (tuple(x.shape), str(x.dtype))
+    if key in flat_params or not x.shape or x.dtype == np.bool_:
+      continue  # the params themselves (arguments already), scalars and masks
+    count[key] = count.get(key, 0) + 1
+  total = 0
+  for (shape, dtype), n in count.items():
+    if dtype == "float32":
+      n = max(0, n - count.get((shape, "bfloat16"), 0))
+    shape = list(shape)
+    if shape[0] % ways == 0:
+      shape[0] //= ways
+    total += n * _nbytes(shape, _itemsize(dtype))
+  return total
+
+
+def estimate(program: Program) -> ProgramEstimate:
+  """The plan's estimate of `program` per device (see the module docstring)."""
+  argument = abstract_bytes(program.args)
+  out_tree = jax.eval_shape(program.fn, *program.args)
+  # An output without a sharding (a scan's carry) takes that of an argument of its shape.
+  like = {(tuple(x.shape), str(x.dtype)): x.sharding for x in jax.tree.leaves(program.args)}
+  out_tree = jax.tree.map(
+      lambda x: x if getattr(x, "sharding", None) is not None else jax.ShapeDtypeStruct(
+          x.shape, x.dtype, sharding=like.get((tuple(x.shape), str(x.dtype)))), out_tree)
+  output = abstract_bytes(out_tree)
+  alias = min(output, sum(abstract_bytes(program.args[i]) for i in program.donated))
+  ways = _row_ways(program.args)
+  positions = program.seq_len
+  if program.logits_chunk and program.logits_chunk < positions:
+    positions = program.logits_chunk
+  logits = 4 * program.rows * positions * program.vocab  # one fp32 [rows, T, V] array
+  temp = 0
+  if program.kind == "train":
+    loss_fn, params, batch = program.loss
+    state = program.args[0]
+    grads = abstract_bytes(state.params)
+    # Residuals of one micro-batch; the gradients (and their accumulator across micro-batches)
+    # in the params' sharding; the logits' gradient at the loss's top (one fp32 [rows, T, V],
+    # or one chunk's); the weights FSDP gathers; with remat, one block's recompute.
+    temp = (residual_bytes(loss_fn, params, batch, ways=ways) + 2 * grads
+            + logits + gathered_bytes(params))
+    if program.remat != "none":  # one block recomputed whole in the backward
+      temp += program.layer_bytes
+  elif program.kind == "forward":  # the learner's: its weights gathered as in the train step
+    # A forward holds only part of a block's residuals at once: a third, as XLA counted Qwen3-
+    # 0.6B's GRPO log-prob forward on v5e (attention's scores dominate both).
+    temp = 2 * logits + gathered_bytes(program.args[0]) + program.layer_bytes // 3
+  elif program.kind == "prefill":
+    temp = 2 * logits
+  elif program.kind == "decode":
+    # The decode scan's carry: XLA keeps a second copy of the decode state (the KV cache) for
+    # the loop body (Qwen3-0.6B on v5e: 1.9 GiB of cache, 1.9 GiB of temporaries).
+    temp = 2 * logits + abstract_bytes(program.args[1])
+  return ProgramEstimate(program.name, argument, output, alias, temp,
+                         sum(program.resident.values()))
+
+
+@dataclasses.dataclass
+class ProgramPlan:
+  """A trainer's programs, each estimated; fits when the largest peak fits the device."""
+  estimates: list[ProgramEstimate]
+  device_bytes: int | None
+
+  @property
+  def peak(self) -> int:
+    return max(e.peak for e in self.estimates)
+
+  @property
+  def fits(self) -> bool | None:
+    return None if self.device_bytes is None else self.peak <= self.device_bytes
+
+  def table(self) -> str:
+    w = max(len(e.name) for e in self.estimates)
+    lines = [f"memory plan by program, bytes per device (program = arguments + outputs - "
+             "donated + temporaries; peak adds what stays resident beside it):",
+             f"  {'program':<{w}}  {'arguments':>11}  {'temporaries':>11}  {'program':>11}  "
+             f"{'peak':>11}"]
+    for e in self.estimates:
+      lines.append(f"  {e.name:<{w}}  {_gib(e.argument):>11}  {_gib(e.temp):>11}  "
+                   f"{_gib(e.program_peak):>11}  {_gib(e.peak):>11}")
+    if self.device_bytes is not None:
+      verdict = "fits" if self.fits else "does NOT fit"
+      lines.append(f"  device memory {_gib(self.device_bytes)}: the largest peak "
+                   f"{_gib(self.peak)} {verdict} ({100 * self.peak / self.device_bytes:.0f}%)")
+    return "\n".join(lines)
+
+
+def plan_programs(programs: list[Program], section=None) -> ProgramPlan:
+  return ProgramPlan([estimate(p) for p in programs], device_bytes_of(section))
+
+
+def runtime_device_bytes(devices) -> int | None:
+  """What the runtime reports as one device's memory (TPU/GPU), or None (CPU)."""
+  stats = next(iter(devices)).memory_stats() or {}
+  return stats.get("bytes_limit")
+
+
+def check_fits(plan: ProgramPlan, device_bytes: int | None, *, what: str) -> None:
+  """One sentence and a stop when the plan's largest program does not fit the device."""
+  if device_bytes is None or plan.peak <= device_bytes:
+    return
+  worst = max(plan.estimates, key=lambda e: e.peak)
+  raise ConfigError(
+      f"{what} will not fit: its {worst.name} needs {_gib(worst.peak)} per device by the "
+      f"memory plan but the device has {_gib(device_bytes)}; see `jaxrl plan --config ...` for "
+      "what to change (model.remat, fewer rows per device via optim.accum_steps, more devices), "
+      "or pass --config.plan.check=False to start anyway.")

@@ -46,6 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxrl import config as config_lib
 from jaxrl.backends import compiler_options
 from jaxrl.data import ON_BAD_ROW, prefs
+from jaxrl.data.prompts import prompt_section
 from jaxrl.errors import ConfigError
 from jaxrl.models import apply_logprobs
 from jaxrl.models.flops import packed_flops
@@ -117,6 +118,9 @@ def default_config():
       batch_size=32,       # pairs per global batch (KTO from a kto file: rows)
       shards=0,            # data shards (0 = one per process)
       on_bad_row="error",  # or "skip" (counted and reported)
+      # chat (None: chat-templated when the tokenizer has a template), chat_template_kwargs,
+      # system_prompt: how prompts are rendered, as in SFT, GRPO and sampling
+      **prompt_section(),
   ))
   c.algo = algo_section()
   c.ref = ml_collections.ConfigDict(dict(
@@ -132,7 +136,7 @@ def default_config():
       steps=100, log_every=10, save_every=50, keep_checkpoints=2, async_checkpoints=True))
   c.eval = ml_collections.ConfigDict(dict(every=25, examples=256, batch_size=128,
                                           max_new_tokens=6))
-  c.plan = plan_config()  # only device / device_gib matter here (ref.mode=auto)
+  c.plan = plan_config()  # the device the memory plan checks (and ref.mode=auto reads)
   c.distributed = distributed_section()
   return c
 
@@ -302,7 +306,7 @@ def held_out_rows(r, held_out) -> list[dict]:
     return []
   return list(prefs.prefs_batches(held_out, r.tokenizer, seq_len=d.seq_len,
                                      batch_size=eval_bs, seed=0, shuffle=False, num_epochs=1,
-                                     on_bad_row=d.on_bad_row))
+                                     on_bad_row=d.on_bad_row, data_cfg=d))
 
 
 class PrefEval:
@@ -347,7 +351,7 @@ class PrefEval:
 def run(config, workdir: str, *, out=print) -> dict:
   """Trains (or resumes) the preference run in `workdir`; returns the summary."""
   r = Run(config, workdir, out=out, choices=CHOICES, command="dpo",
-          sections=default_config().keys())
+          sections=default_config().keys(), programs=programs)
   a, d, mesh, cfg = config.algo, config.data, r.mesh, r.cfg
   kto, paired = a.loss == "kto", d.format == "prefs"
   check_algo(a)
@@ -449,3 +453,60 @@ def run(config, workdir: str, *, out=print) -> dict:
              f"{config.train.steps} steps")
   summary["samples"] = exact.samples if exact is not None else []
   return summary
+
+
+def programs(config, *, devices=None):
+  """(Workload, [Program]) of this config's run, abstract (jaxrl.train.programs): the train
+  step over one global batch (pairs [B, 2, S], or KTO rows), and the live reference's forward
+  over it (ref.mode resolved as run() resolves it), as run() builds them."""
+  from jaxrl.models.flops import forward_flops
+  from jaxrl.parallel.plan import Workload, abstract_bytes
+  from jaxrl.train import programs as pg
+  a, d = config.algo, config.data
+  cfg = config_lib.model_config(config)
+  mesh = pg.learner_mesh(config, devices)
+  kto, paired = a.loss == "kto", d.format == "prefs"
+  tx, schedule = make_optimizer(config.optim, config.train.steps)
+  graphdef, state, shardings = pg.abstract_state(cfg, mesh, tx, layout=config.layout)
+  needs_ref = pl.NEEDS_REFERENCE[a.loss]
+  mode = reference_mode(config, cfg, mesh, lambda *_: None) if needs_ref else "none"
+  shd = batch_shardings(config, mesh, needs_ref=needs_ref)
+  B, T = d.batch_size, d.seq_len
+  lead = (B, 2) if paired and not kto else (B * (2 if paired else 1),)
+  batch = {k: pg.spec((*lead, T), "float32" if k == "loss_mask" else "int32", shd[k])
+           for k in ROW_KEYS}
+  if needs_ref:
+    batch["ref_logps"] = pg.spec(lead, "float32", shd["ref_logps"])
+  if kto:
+    batch["label"] = pg.spec(lead, "float32", shd["label"])
+    if a.kto_z0 == "mismatched":
+      batch.update({"kl_" + k: pg.spec((*lead, T), "float32" if k == "loss_mask" else "int32",
+                                       shd["kl_" + k]) for k in ROW_KEYS})
+      batch["kl_ref_logps"] = pg.spec(lead, "float32", shd["kl_ref_logps"])
+  rows = int(np.prod(lead))
+  fwd = forward_flops(cfg, tokens=rows * T, pairs=rows * T * (T + 1) / 2)
+  knobs = pg.model_knobs(config)
+  resident = {"reference params": abstract_bytes(state.params)} if mode == "live" else {}
+  plain = pg.plain_graphdef(cfg)
+  make_loss = kto_loss if kto else pair_loss
+  out = [pg.train_program(
+      make_loss(graphdef, a), tx, schedule, state, shardings, batch, mesh=mesh,
+      accum_steps=config.optim.accum_steps, resident=resident, flops=3 * fwd,
+      tokens=rows * T, seq_len=T, vocab=cfg.vocab_size, logits_chunk=knobs["logits_chunk"],
+      cfg=cfg, plain_loss=make_loss(plain, a))]
+  if mode == "live":
+    seq_logps = make_seq_logps(graphdef)
+    ref_fn = jax.jit(shard_activations(lambda p, r: seq_logps(p, r)[0], mesh),
+                     out_shardings=batch_sharding(mesh, len(lead), config.layout),
+                     compiler_options=compiler_options(mesh.devices.flat))
+    replicas = mesh.shape["data"] * mesh.shape["fsdp"]
+    out.append(pg.forward_program(
+        "reference forward", ref_fn, (state.params, {k: batch[k] for k in ROW_KEYS}),
+        resident={"actor params + optimizer state": abstract_bytes(state)}, flops=fwd,
+        tokens=rows * T, rows=max(1, rows // replicas), seq_len=T, vocab=cfg.vocab_size,
+        logits_chunk=knobs["logits_chunk"], cfg=cfg, mesh=mesh,
+        plain_fn=lambda p, r: make_seq_logps(plain)(p, r)[0]))
+  replicas = mesh.shape["data"] * mesh.shape["fsdp"]
+  work = Workload(rows=max(1, rows // (replicas * config.optim.accum_steps)), seq_len=T,
+                  reference=mode == "live", **knobs)
+  return work, out

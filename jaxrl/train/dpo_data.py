@@ -9,13 +9,12 @@ import hashlib
 import os
 
 import jax
-import ml_collections
 import numpy as np
 
 from jaxrl.data import prefs
 from jaxrl.errors import ConfigError
 from jaxrl.objectives import preference_losses as pl
-from jaxrl.parallel.plan import GIB, memory_plan
+from jaxrl.parallel.plan import GIB, Workload, memory_plan
 from jaxrl.parallel.sync import make_placement
 
 ROW_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
@@ -125,11 +124,10 @@ def to_rows(batch: dict, a, *, paired: bool) -> dict:
 
 def plan_ref_mode(config, cfg, mesh, *, rows_per_step: int) -> tuple[str, str]:
   """(live | cached, why): what ref.mode=auto resolves to, from the memory plan."""
-  section = ml_collections.ConfigDict(config.plan.to_dict())
   replicas = mesh.shape["data"] * mesh.shape["fsdp"]
-  section.update(reference=True, critic=False, reward_model="", seq_len=config.data.seq_len,
-                 micro_batch=max(1, rows_per_step // (config.optim.accum_steps * replicas)))
-  plan = memory_plan(cfg, make_placement(config.mesh), section)
+  work = Workload(reference=True, seq_len=config.data.seq_len,
+                  rows=max(1, rows_per_step // (config.optim.accum_steps * replicas)))
+  plan = memory_plan(cfg, make_placement(config.mesh), config.plan, workload=work)
   need = sum(plan.learner.values())  # actor, gradients, optimizer, reference, activations
   device = plan.device_bytes
   if device is None:
@@ -183,7 +181,7 @@ def cached_reference(r, report, train, eval_rows, score) -> RefCache:
   bs = max(r.replicas, min(config.ref.batch_size, n) // r.replicas * r.replicas)
   padded = [train[i % n] for i in range(-(-n // bs) * bs)]  # whole batches cover every row
   fill = fill_make(padded, r.tokenizer, seq_len=d.seq_len, batch_size=bs, seed=0,
-                   shuffle=False, num_epochs=1, on_bad_row=d.on_bad_row)
+                   shuffle=False, num_epochs=1, on_bad_row=d.on_bad_row, data_cfg=d)
   cache.fill(score, list(fill) + eval_rows)
   if r.main:
     cache.save()

@@ -30,11 +30,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl import config as config_lib
 from jaxrl.data import ON_BAD_ROW, prefs
+from jaxrl.data.prompts import prompt_section
 from jaxrl.errors import ConfigError
 from jaxrl.models import RewardModel, last_index, reward_apply
 from jaxrl.models.flops import packed_flops
 from jaxrl.parallel import batch_sharding, shard_activations
 from jaxrl.parallel.distributed import distributed_section, global_array
+from jaxrl.parallel.plan import plan_config
 from jaxrl.train import optim
 from jaxrl.train.data import check_section as check_data
 from jaxrl.train.optim import make_optimizer, optim_section
@@ -72,6 +74,9 @@ def default_config():
       batch_size=32,       # pairs per global batch (each pair is two rows)
       shards=0,            # data shards (0 = one per process)
       on_bad_row="error",  # or "skip" (counted and reported)
+      # chat (None: chat-templated when the tokenizer has a template), chat_template_kwargs,
+      # system_prompt: how prompts are rendered, as in SFT, GRPO and sampling
+      **prompt_section(),
   ))
   c.head = ml_collections.ConfigDict(dict(
       # Add w * the response's mean log-prob under the backbone's LM head (w learned, from 0)
@@ -87,6 +92,7 @@ def default_config():
       steps=300, log_every=25, save_every=100, keep_checkpoints=2, async_checkpoints=True))
   c.eval = ml_collections.ConfigDict(dict(every=100, examples=512, batch_size=64))
   c.distributed = distributed_section()
+  c.plan = plan_config()  # the device the trainer's memory plan is checked against
   return c
 
 
@@ -231,7 +237,7 @@ def init_reward_state(config, mesh, tx, *, layout: str = "learner"):
 def run(config, workdir: str, *, out=print) -> dict:
   """Trains (or resumes) the reward-model run in `workdir`; returns the summary."""
   r = Run(config, workdir, out=out, choices=CHOICES, command="rm",
-          sections=default_config().keys())
+          sections=default_config().keys(), programs=programs)
   d, mesh = config.data, r.mesh
 
   # Data: pairs, cleaned and fingerprinted; the fingerprint and cleaning report go to
@@ -266,7 +272,7 @@ def run(config, workdir: str, *, out=print) -> dict:
     eval_batches = [{k: global_array(v, shd) for k, v in b.items() if k in PAIR_KEYS}
                     for b in prefs.prefs_batches(
                         rows, r.tokenizer, seq_len=d.seq_len, batch_size=eval_bs, seed=0,
-                        shuffle=False, num_epochs=1, on_bad_row=d.on_bad_row)]
+                        shuffle=False, num_epochs=1, on_bad_row=d.on_bad_row, data_cfg=d)]
   evaluate_pairs = PairEval(graphdef, mesh, eval_batches, len(held_out), margin=margin,
                             center_coef=center_coef)
 
@@ -281,3 +287,37 @@ def run(config, workdir: str, *, out=print) -> dict:
              f"{len(train)} train pairs, global batch {d.batch_size} pairs x 2 x {d.seq_len}, "
              f"{config.train.steps} steps; backbone from "
              f"{config.init.checkpoint or 'the preset init'}")
+
+
+def programs(config, *, devices=None):
+  """(Workload, [Program]) of this config's run, abstract (jaxrl.train.programs): the train
+  step over one global batch of data.batch_size pairs x 2 x data.seq_len, as run() builds it."""
+  from jaxrl.models.flops import forward_flops
+  from jaxrl.parallel.plan import Workload
+  from jaxrl.train import programs as pg
+  cfg, d = config_lib.model_config(config), config.data
+  mesh = pg.learner_mesh(config, devices)
+  tx, schedule = make_optimizer(config.optim, config.train.steps)
+  model = functools.partial(RewardModel, logprob_feature=bool(config.head.logprob_feature))
+  graphdef, state, shardings = pg.abstract_state(cfg, mesh, tx, layout=config.layout,
+                                                 model=model)
+  shd = batch_sharding(mesh, 3, config.layout)
+  B, T = d.batch_size, d.seq_len
+  batch = {k: pg.spec((B, 2, T), "float32" if k == "loss_mask" else "int32", shd)
+           for k in PAIR_KEYS}
+  knobs = pg.model_knobs(config)
+  def loss(g):
+    return rm_loss(g, margin=float(config.loss.margin),
+                   center_coef=float(config.loss.center_coef))
+  step = pg.train_program(
+      loss(graphdef),
+      tx, schedule, state, shardings, batch, mesh=mesh, accum_steps=config.optim.accum_steps,
+      seq_len=T, vocab=cfg.vocab_size if config.head.logprob_feature else 0,
+      logits_chunk=knobs["logits_chunk"], cfg=cfg,
+      plain_loss=loss(pg.plain_graphdef(cfg, model)),
+      flops=3 * forward_flops(cfg, tokens=2 * B * T, pairs=B * T * (T + 1),
+                              lm_head=bool(config.head.logprob_feature)), tokens=2 * B * T)
+  replicas = mesh.shape["data"] * mesh.shape["fsdp"]
+  work = Workload(rows=max(1, 2 * B // (replicas * config.optim.accum_steps)), seq_len=T,
+                  **knobs)
+  return work, [step]

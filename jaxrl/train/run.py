@@ -24,6 +24,7 @@ from jaxrl import config as config_lib
 from jaxrl.data.hf_tokenizer import tokenizer_for
 from jaxrl.data.prompts import Prompts
 from jaxrl.parallel import mesh_from_config
+from jaxrl.parallel import plan as plan_lib
 from jaxrl.parallel.sync import make_placement
 from jaxrl.train.checkpoint import Checkpointer, restore_params
 from jaxrl.train.data import ShardedBatches, check_batch_size, data_shards
@@ -93,6 +94,25 @@ def claim(workdir: str, command: str, cfg, *, steps: int | None = None,
     rundir.write_run(workdir, {"command": command, "model": model, "params": params})
 
 
+def check_plan(config, programs: Callable, *, what: str, say=print) -> None:
+  """Stops with one sentence when the trainer's memory plan (programs(config): its Workload and
+  Programs, jaxrl.parallel.plan) says the run will not fit a device: plan.device /
+  plan.device_gib, else what the runtime reports (TPU, GPU). Nothing to check against (CPU
+  without plan.device) or plan.check=False: no check."""
+  section = config.get("plan")
+  if section is not None and not section.get("check", True):
+    return
+  device = plan_lib.device_bytes_of(section) or plan_lib.runtime_device_bytes(jax.devices())
+  if device is None:
+    return
+  _, progs = programs(config)
+  plan = plan_lib.plan_programs(progs, section)
+  plan_lib.check_fits(plan, device, what=what)
+  worst = max(plan.estimates, key=lambda e: e.peak)
+  say(f"memory plan: the largest program ({worst.name}) peaks at {worst.peak / plan_lib.GIB:.3f}"
+      f" GiB of {device / plan_lib.GIB:.3f} GiB per device")
+
+
 class Run:
   """One training run's shared parts. Built first: it validates the config, opens the run dir
   (process 0 writes config.json and says which keys changed on a resume), builds the mesh and
@@ -103,7 +123,7 @@ class Run:
 
   def __init__(self, config, workdir: str, *, out=print, choices: dict | None = None,
                placement: bool = False, command: str | None = None,
-               sections: Iterable[str] | None = None):
+               sections: Iterable[str] | None = None, programs: Callable | None = None):
     config_lib.validate(config, choices)  # the shared sections, and the trainer's CHOICES
     if command and sections is not None:  # the CLI checked this; a notebook may not have
       config_lib.check_sections(config, command, lambda _: sections, [command])
@@ -114,6 +134,8 @@ class Run:
       adopt_hf_path(config, config.init.checkpoint, key="init.checkpoint", say=self.say)
     self.cfg = config_lib.model_config(config)  # the ModelConfig
     self.command = command or rundir.infer_command(config.to_dict()) or "train"
+    if programs is not None:  # the trainer's own plan, before anything is written or built
+      check_plan(config, programs, what=f"this {self.command} run", say=self.say)
     claim(workdir, self.command, self.cfg, steps=config.train.steps, write=self.main)
     self.run_dir = RunDir(workdir, write=self.main)
     if self.main and rundir.backup_config(workdir, config):
@@ -152,14 +174,15 @@ class Run:
     """The global batch is the concatenation of `data.shards` shard batches, and each process
     reads only its own shards, so the batches do not depend on the process count.
     make(records, tokenizer, seq_len=, batch_size=, seed=, shard_index=, shard_count=,
-    on_bad_row=, **kwargs) is one shard's iterator (sft_batches, prefs_batches, ...)."""
+    on_bad_row=, data_cfg=, **kwargs) is one shard's iterator (sft_batches, prefs_batches, ...);
+    data_cfg (data.chat and the other prompt keys) says how prompts are rendered."""
     c, d = self.config, self.config.data
     shards, mine = data_shards(d.shards)
     check_batch_size(d.batch_size, shards, self.replicas, c.optim.accum_steps)
     return ShardedBatches([
         make(records, self.tokenizer, seq_len=d.seq_len, batch_size=d.batch_size // shards,
              seed=c.seed, shard_index=i, shard_count=shards, on_bad_row=d.on_bad_row,
-             **kwargs) for i in mine])
+             **{"data_cfg": d, **kwargs}) for i in mine])
 
   def init_state(self, tx, *, layout: str | None = None, model=None, into: str | None = None):
     """(graphdef, state, shardings): the starting policy (see starting_state), in config.layout

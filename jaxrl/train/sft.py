@@ -21,6 +21,7 @@ from jaxrl.models import apply_logprobs
 from jaxrl.models.flops import packed_flops
 from jaxrl.parallel import batch_sharding
 from jaxrl.parallel.distributed import distributed_section, global_array
+from jaxrl.parallel.plan import plan_config
 from jaxrl.tasks import ERROR_MODES
 from jaxrl.train import optim
 from jaxrl.train.data import answers, check_section as check_data, load_task, records
@@ -68,6 +69,7 @@ def default_config():
   c.eval = ml_collections.ConfigDict(dict(every=500, examples=256, batch_size=128,
                                           max_new_tokens=6))
   c.distributed = distributed_section()
+  c.plan = plan_config()  # the device the trainer's memory plan is checked against
   return c
 
 
@@ -100,7 +102,7 @@ def _records(config, task):
 def run(config, workdir: str, *, out=print) -> dict:
   """Trains (or resumes) the SFT run in `workdir`; returns the summary."""
   r = Run(config, workdir, out=out, choices=CHOICES, command="sft",
-          sections=default_config().keys())
+          sections=default_config().keys(), programs=programs)
   d, mesh = config.data, r.mesh
   task = load_task(config)
   train, held_out = _records(config, task)
@@ -146,3 +148,28 @@ def run(config, workdir: str, *, out=print) -> dict:
              f"global batch {d.batch_size} x {d.seq_len}, {config.train.steps} steps")
   summary["samples"] = exact.samples if exact is not None else []
   return summary
+
+
+def programs(config, *, devices=None):
+  """(Workload, [Program]) of this config's run, abstract (jaxrl.train.programs): the train
+  step over one global batch of data.batch_size x data.seq_len rows, as run() builds it."""
+  from jaxrl.models.flops import forward_flops
+  from jaxrl.parallel.plan import Workload
+  from jaxrl.train import programs as pg
+  cfg, d = config_lib.model_config(config), config.data
+  mesh = pg.learner_mesh(config, devices)
+  tx, schedule = make_optimizer(config.optim, config.train.steps)
+  graphdef, state, shardings = pg.abstract_state(cfg, mesh, tx, layout=config.layout)
+  shd = batch_sharding(mesh, 2, config.layout)
+  B, T = d.batch_size, d.seq_len
+  batch = {k: pg.spec((B, T), "float32" if k == "loss_mask" else "int32", shd)
+           for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
+  knobs = pg.model_knobs(config)
+  step = pg.train_program(
+      sft_loss(graphdef), tx, schedule, state, shardings, batch, mesh=mesh,
+      accum_steps=config.optim.accum_steps, seq_len=T, vocab=cfg.vocab_size,
+      logits_chunk=knobs["logits_chunk"], cfg=cfg, plain_loss=sft_loss(pg.plain_graphdef(cfg)),
+      flops=3 * forward_flops(cfg, tokens=B * T, pairs=B * T * (T + 1) / 2), tokens=B * T)
+  replicas = mesh.shape["data"] * mesh.shape["fsdp"]
+  work = Workload(rows=max(1, B // (replicas * config.optim.accum_steps)), seq_len=T, **knobs)
+  return work, [step]

@@ -5,6 +5,7 @@ from jaxrl.rl.grpo.config import CHOICES, algo_section, default_config
 from jaxrl.rl.grpo.experience import (Experience, PromptStream, _refill, completion_width,
                                       grouped_learner_batch, learner_batch, make_experience)
 from jaxrl.rl.grpo.monitors import Alarms, KLCoefficient
+from jaxrl.rl.grpo.programs import programs
 from jaxrl.rl.grpo.rewards import reward_specs, task_reward
 from jaxrl.rl.grpo.trainer import Parts, evaluate, run, setup, step, step_metrics
 from jaxrl.rl.grpo.update import (batch_logprobs, grpo_loss, make_batch_logprobs_fn,
@@ -14,6 +15,6 @@ __all__ = [
     "CHOICES", "Alarms", "Experience", "KLCoefficient", "Parts", "PromptStream", "_refill", "algo_section",
     "batch_logprobs", "completion_width", "default_config", "evaluate", "grouped_learner_batch",
     "grpo_loss", "learner_batch", "make_batch_logprobs_fn", "make_experience",
-    "make_logprobs_fn", "old_logp_from_update", "reward_specs", "run", "setup", "step",
+    "make_logprobs_fn", "old_logp_from_update", "programs", "reward_specs", "run", "setup", "step",
     "step_metrics", "task_reward", "update",
 ]

@@ -23,7 +23,7 @@ def check_rollout(config) -> None:
   r = config.rollout
   config_lib.check_at_least(config, 1, "rollout.prompts_per_step", "rollout.group_size",
                             "rollout.max_new_tokens", "rollout.slots", "rollout.steps_per_call")
-  config_lib.check_at_least(config, 0, "rollout.top_k")
+  config_lib.check_at_least(config, 0, "rollout.top_k", "rollout.prompt_len")
   config_lib.check_positive(config, "rollout.temperature", example="1.0")
   config_lib.check_unit(config, "rollout.top_p", off="1.0 turns it off")
   advantage = config.get("algo", {}).get("advantage")
@@ -97,6 +97,7 @@ def algo_section(**overrides) -> ml_collections.ConfigDict:
 def default_config():
   """Every field a GRPO run reads, with the defaults configs/grpo_tiny.py starts from."""
   from jaxrl.parallel.distributed import distributed_section
+  from jaxrl.parallel.plan import plan_config
   from jaxrl.parallel.sync import placement_config
   from jaxrl.train.optim import optim_section
   c = config_lib.base_config()
@@ -112,6 +113,9 @@ def default_config():
   c.rollout = ml_collections.ConfigDict(dict(
       prompts_per_step=16, group_size=8, max_new_tokens=8, temperature=1.0, top_k=0,
       top_p=1.0, slots=64, steps_per_call=8,
+      # Prompt tokens every prompt is padded to (rounded up to a power of two); a longer
+      # prompt stops the run. 0: the data's longest prompt, rounded up the same way.
+      prompt_len=0,
       ignore_eos=False,  # True: every completion runs to max_new_tokens (benchmarks)
       # True: the KV cache's window grows with the longest live sequence (fewer reads per
       # decode step, up to two decode compiles per doubling); False: allocated whole, one
@@ -144,4 +148,35 @@ def default_config():
   c.alarm = ml_collections.ConfigDict(dict(kl_threshold=0.1, window=20, min_accuracy_drop=0.03))
   c.placement = placement_config()
   c.distributed = distributed_section()
+  c.plan = plan_config()  # the device the trainer's memory plan is checked against
   return c
+
+
+def prompt_length(config, longest: int) -> int:
+  """The prompt width of the sampler and the learner batch: rollout.prompt_len (or, when 0, the
+  data's `longest` prompt) rounded up to a power of two; one sentence when a prompt is longer."""
+  from jaxrl.sampler import bucket
+  want = int(config.rollout.get("prompt_len") or 0)
+  if want and longest > want:
+    raise ConfigError(f"a prompt has {longest} tokens, more than rollout.prompt_len={want}: "
+                      "raise it (or set 0 to follow the data), or shorten the prompts.")
+  return bucket(want or longest)
+
+
+def grouped_forward(config, replicas: int, out) -> bool:
+  """Whether the learner runs each group's prompt once (algo.shared_prompt_forward): its
+  micro-batches must hold whole groups (make_train_step's units). Checks the split first."""
+  a, r, accum = config.algo, config.rollout, config.optim.accum_steps
+  N = r.prompts_per_step * r.group_size
+  split = a.minibatches * replicas * accum  # rows of one micro-batch on one device: N / split
+  if accum < 1 or N % split:
+    raise ConfigError(
+        f"rollout.prompts_per_step x rollout.group_size = {N} is not divisible by "
+        f"algo.minibatches x replicas x optim.accum_steps = {a.minibatches} x {replicas} x "
+        f"{accum}: adjust them.")
+  grouped = bool(a.shared_prompt_forward) and r.prompts_per_step % split == 0
+  if a.shared_prompt_forward and not grouped:
+    out(f"shared-prompt forward off: rollout.prompts_per_step={r.prompts_per_step} is not "
+        f"divisible by algo.minibatches x replicas x optim.accum_steps = {split}, so each "
+        f"completion runs with its own copy of its prompt")
+  return grouped

@@ -61,13 +61,14 @@ from jaxrl.parallel.distributed import global_array
 from jaxrl.parallel.sync import Overlap, SamplerCopy, WeightSync, sync
 from jaxrl.rewards import RewardSpec
 from jaxrl.rewards import model as rm_lib
-from jaxrl.rl.grpo.config import CHOICES, default_config
+from jaxrl.rl.grpo.config import CHOICES, default_config, grouped_forward, prompt_length
 from jaxrl.rl.grpo.experience import Experience, PromptStream, make_experience
 from jaxrl.rl.grpo.monitors import Alarms, KLCoefficient
+from jaxrl.rl.grpo.programs import programs
 from jaxrl.rl.grpo.rewards import reward_specs
 from jaxrl.rl.grpo.update import (grpo_loss, make_batch_logprobs_fn, old_logp_from_update,
                                   update)
-from jaxrl.sampler import Engine, SamplingParams, bucket
+from jaxrl.sampler import Engine, SamplingParams
 from jaxrl.train.data import load_task, records
 from jaxrl.train.optim import make_optimizer
 from jaxrl.train.run import Run
@@ -213,7 +214,7 @@ def setup(config, workdir: str, *, out=print) -> tuple[Parts, Any]:
   """(the run's parts, the starting train state: the policy from init.checkpoint or
   model.hf_path, fresh optimizer state). Checks the config first."""
   run = Run(config, workdir, out=out, choices=CHOICES, placement=True,
-            command="grpo", sections=default_config().keys())
+            command="grpo", sections=default_config().keys(), programs=programs)
   mesh, cfg, tokenizer = run.mesh, run.cfg, run.tokenizer
   a, r = config.algo, config.rollout
   task = load_task(config)
@@ -254,8 +255,9 @@ def setup(config, workdir: str, *, out=print) -> tuple[Parts, Any]:
   weight_sync = WeightSync(cfg, run.placement, dtype=config.placement.sync_dtype or None)
   sampler_copy = SamplerCopy(weight_sync)
 
-  prompt_len = bucket(max(len(run.prompts.ids(x)) for x in train_records + held_out))
-  grouped = _grouped(config, run.replicas, out)
+  prompt_len = prompt_length(config, max(len(run.prompts.ids(x))
+                                          for x in train_records + held_out))
+  grouped = grouped_forward(config, run.replicas, out)
   shd = batch_sharding(mesh, 2, "learner")
   loss_fn = grpo_loss(graphdef, a, temperature=r.temperature, norm_len=r.max_new_tokens)
   old_from_update = old_logp_from_update(a)
@@ -335,22 +337,3 @@ def _check(config) -> None:
   if config.rollout.async_generation and config.algo.filter_zero_std:
     raise ConfigError("rollout.async_generation=True cannot refill groups "
                       "(algo.filter_zero_std=True) yet: turn one of them off.")
-
-
-def _grouped(config, replicas: int, out) -> bool:
-  """Whether the learner runs each group's prompt once (algo.shared_prompt_forward): its
-  micro-batches must hold whole groups (make_train_step's units). Checks the split first."""
-  a, r, accum = config.algo, config.rollout, config.optim.accum_steps
-  N = r.prompts_per_step * r.group_size
-  split = a.minibatches * replicas * accum  # rows of one micro-batch on one device: N / split
-  if accum < 1 or N % split:
-    raise ConfigError(
-        f"rollout.prompts_per_step x rollout.group_size = {N} is not divisible by "
-        f"algo.minibatches x replicas x optim.accum_steps = {a.minibatches} x {replicas} x "
-        f"{accum}: adjust them.")
-  grouped = bool(a.shared_prompt_forward) and r.prompts_per_step % split == 0
-  if a.shared_prompt_forward and not grouped:
-    out(f"shared-prompt forward off: rollout.prompts_per_step={r.prompts_per_step} is not "
-        f"divisible by algo.minibatches x replicas x optim.accum_steps = {split}, so each "
-        f"completion runs with its own copy of its prompt")
-  return grouped

@@ -1,0 +1,38 @@
+"""Llama 3.2 1B / 3B and Llama 3.1 8B (Instruct): SFT and GRPO on an 8-chip TPU slice.
+
+arg: "MODEL[,TRAINER][,CHIP]": MODEL 3.2-1b | 3.2-3b | 3.1-8b, TRAINER grpo (default) | sft,
+CHIP v5e (default) | v5p | v6e; or "fixture" (a GRPO pulse on tests/fixtures/hf/llama, CPU).
+
+Fetch a checkpoint once, on a machine with network access (jaxrl itself never downloads):
+    huggingface-cli download meta-llama/Llama-3.2-1B-Instruct \
+        --local-dir checkpoints/Llama-3.2-1B-Instruct
+Until it is there the preset supplies the same shapes, so the plan and the compile work first:
+    jaxrl plan --config configs/llama3.py:3.2-1b,grpo,v5e --compile v5e:2x4
+    jaxrl plan --config configs/llama3.py:3.1-8b,sft,v5p --compile v5p:2x2x1
+    jaxrl sft  --config configs/llama3.py:3.2-1b,sft --workdir runs/sft
+    jaxrl grpo --config configs/llama3.py:3.2-1b --config.init.checkpoint=runs/sft \
+        --workdir runs/grpo
+
+The memory knobs (model.remat, optim.accum_steps) are those the compiler's figures chose:
+docs/guides/scale.md lists the compiled bytes and roofline times of every variant.
+"""
+
+import os
+
+from jaxrl.config import family_config
+from jaxrl.rl import grpo
+from jaxrl.train import sft
+
+MODELS = {"3.2-1b": ("llama-3.2-1b", "checkpoints/Llama-3.2-1B-Instruct"),
+          "3.2-3b": ("llama-3.2-3b", "checkpoints/Llama-3.2-3B-Instruct"),
+          "3.1-8b": ("llama-3.1-8b", "checkpoints/Llama-3.1-8B-Instruct")}
+# (model, trainer, chip) -> memory knobs where the family default (full remat; 1, 4 or 8
+# micro-batches by size: jaxrl.config.family_config) does not fit; none so far.
+SIZING = {}
+FIXTURE = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                        "tests", "fixtures", "hf", "llama"))
+
+
+def get_config(arg=None):
+  return family_config(arg, models=MODELS, default="3.2-1b", sft_config=sft.default_config,
+                       grpo_config=grpo.default_config, fixture=FIXTURE, sizing=SIZING)

@@ -1,0 +1,39 @@
+"""Qwen3 0.6B / 1.7B / 4B / 8B: SFT and GRPO on an 8-chip TPU slice (v5e-8, v5p-8, v6e-8).
+
+arg: "MODEL[,TRAINER][,CHIP]": MODEL 0.6b | 1.7b | 4b | 8b, TRAINER grpo (default) | sft,
+CHIP v5e (default) | v5p | v6e; or "fixture" (a GRPO pulse on tests/fixtures/hf/qwen3, CPU).
+
+Fetch a checkpoint once, on a machine with network access (jaxrl itself never downloads):
+    huggingface-cli download Qwen/Qwen3-0.6B --local-dir checkpoints/Qwen3-0.6B
+Until it is there the preset supplies the same shapes, so the plan and the compile work first:
+    jaxrl plan --config configs/qwen3.py:0.6b,grpo,v5e --compile v5e:2x4
+    jaxrl plan --config configs/qwen3.py:8b,sft,v5p --compile v5p:2x2x1
+    jaxrl sft  --config configs/qwen3.py:0.6b,sft --workdir runs/sft
+    jaxrl grpo --config configs/qwen3.py:0.6b --config.init.checkpoint=runs/sft --workdir runs/grpo
+
+The memory knobs (model.remat, optim.accum_steps) are those the compiler's figures chose:
+docs/guides/scale.md lists the compiled bytes and roofline times of every variant.
+"""
+
+import os
+
+from jaxrl.config import family_config
+from jaxrl.rl import grpo
+from jaxrl.train import sft
+
+MODELS = {"0.6b": ("qwen3-0.6b", "checkpoints/Qwen3-0.6B"),
+          "1.7b": ("qwen3-1.7b", "checkpoints/Qwen3-1.7B"),
+          "4b": ("qwen3-4b", "checkpoints/Qwen3-4B"),
+          "8b": ("qwen3-8b", "checkpoints/Qwen3-8B")}
+# (model, trainer, chip) -> memory knobs where the family default (full remat; 1, 4 or 8
+# micro-batches by size: jaxrl.config.family_config) does not fit. 4B's GRPO update on a v5e
+# needs 16 micro-batches (plan: 15.0 GiB); even so the plan says the run does not fit a v5e-8:
+# the log-prob forward over the step's 128 rows in one call needs 19.5 GiB per chip.
+SIZING = {("4b", "grpo", "v5e"): {"accum_steps": 16}}
+FIXTURE = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                        "tests", "fixtures", "hf", "qwen3"))
+
+
+def get_config(arg=None):
+  return family_config(arg, models=MODELS, default="0.6b", sft_config=sft.default_config,
+                       grpo_config=grpo.default_config, fixture=FIXTURE, sizing=SIZING)

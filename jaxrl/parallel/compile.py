@@ -1,0 +1,174 @@
+"""Compile a trainer's programs ahead of time for a TPU topology on the machine at hand.
+
+    jaxrl plan --config configs/qwen3.py:0.6b-grpo-v5e --compile v5e:2x4
+
+With libtpu installed (`pip install "jax[tpu]"`; it coexists with the CPU backend),
+jax.experimental.topologies gives a TPU slice's devices without the chips, and
+jax.jit(f).lower(abstract args).compile() compiles for them, as MaxText's train_compile.py
+does. Arguments are jax.ShapeDtypeStructs carrying their shardings (jaxrl.train.programs), so
+nothing is allocated and an 8B model compiles on a laptop.
+
+Per program, per chip:
+- bytes: XLA's memory_analysis(), summed as XLA's own peak for one execution: arguments +
+  outputs - aliased (the donated state, counted once) + temporaries. Generated code is
+  reported apart (it lives in the program's own memory, a few MiB).
+- seconds: a roofline from XLA's cost_analysis(): max(flops / peak bf16 FLOP/s, bytes accessed
+  / HBM bandwidth), the flops at least the program's model FLOPs per chip (XLA counts a
+  loop's body once: the micro-batch scan, the chunked log-probs). Its own `optimal_seconds`
+  came out negative for the learner programs on libtpu 0.0.50, so it is not used.
+Chip figures (Google Cloud TPU docs, docs.cloud.google.com/tpu/docs/v5e, /v5p-training, /v6e):
+v5e 197 TFLOP/s bf16, 16 GB HBM at 819 GB/s; v5p 459 TFLOP/s, 95 GB at 2,765 GB/s; v6e 918
+TFLOP/s, 32 GB at 1,638 GB/s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import time
+
+import jax
+
+from jaxrl.errors import ConfigError
+
+GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  name: str
+  hbm_gib: float
+  bf16_flops: float  # peak FLOP/s
+  hbm_bytes_per_s: float
+
+
+CHIPS = {
+    "v5e": Chip("v5e", 16, 197e12, 819e9),
+    "v5p": Chip("v5p", 95, 459e12, 2765e9),
+    "v6e": Chip("v6e", 32, 918e12, 1638e9),
+}
+INSTALL = ('compiling for a TPU needs libtpu on this machine: pip install "jax[tpu]==<your jax '
+           'version>" (or pip install -e ".[test]", which pins it); it coexists with the CPU '
+           'backend.')
+
+
+def chip_of(topology: str) -> Chip:
+  """The Chip of a topology name such as "v5e:2x4" or "v5p:2x2x1"."""
+  kind = topology.split(":")[0].lower().removeprefix("tpu").removeprefix("-")
+  kind = {"v5litepod": "v5e", "v5lite": "v5e"}.get(kind, kind)
+  if kind not in CHIPS:
+    raise ConfigError(f"--compile {topology!r}: unknown chip {kind!r}; name one of "
+                      f"{', '.join(CHIPS)} with a topology, e.g. v5e:2x4, v5p:2x2x1, v6e:2x4.")
+  return CHIPS[kind]
+
+
+def topology_devices(topology: str) -> list:
+  """The abstract TPU devices of a topology ("v5e:2x4"), with no TPU attached."""
+  chip_of(topology)
+  try:
+    import libtpu  # noqa: F401  (only to say how to install it when it is missing)
+  except ImportError:
+    raise ConfigError(INSTALL) from None
+  from jax.experimental import topologies
+  # libtpu takes a lock file per process; a compile-only client needs no chip, so let several
+  # processes (pytest's workers, two `jaxrl plan --compile`) load it at once.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  try:
+    desc = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+  except Exception as e:  # libtpu's error for a bad shape is a long RuntimeError
+    raise ConfigError(f"--compile {topology!r}: libtpu does not know this topology "
+                      f"({str(e).splitlines()[0][:160]}); use e.g. v5e:2x2, v5e:2x4, v5p:2x2x1, "
+                      "v6e:2x4.") from None
+  return list(desc.devices)
+
+
+@dataclasses.dataclass
+class Compiled:
+  """XLA's figures for one program on one chip."""
+  name: str
+  argument: int
+  output: int
+  alias: int
+  temp: int
+  code: int
+  flops: float
+  bytes_accessed: float
+  compile_s: float
+  # The TPU compiler refuses a program whose temporaries exceed the chip's HBM
+  # (CompileTimeHbmOom): then only `temp` (its figure, the arguments not counted) is known.
+  oom: bool = False
+
+  @property
+  def bytes(self) -> int:
+    """XLA's peak for one execution: arguments + outputs - aliased + temporaries."""
+    return self.argument + self.output - self.alias + self.temp
+
+  def seconds(self, chip: Chip, floor_flops: float = 0.0) -> float:
+    """The roofline: whichever of compute and HBM traffic takes longer at the chip's peak.
+    XLA's cost analysis counts a loop's body once (the micro-batch scan of a train step with
+    optim.accum_steps > 1, the chunked log-probs' scan), so `floor_flops`, the model FLOPs per
+    chip the program must do (roofline_flops), bounds the compute from below."""
+    return max(max(self.flops, floor_flops) / chip.bf16_flops,
+               self.bytes_accessed / chip.hbm_bytes_per_s)
+
+
+def roofline_flops(program, chips: int) -> float:
+  """The FLOPs per chip a program cannot do without: its model FLOPs over the chips, and for a
+  train step with full remat one more forward (4 forward-equivalents instead of 3)."""
+  extra = 4 / 3 if program.kind == "train" and program.remat == "full" else 1.0
+  return program.flops * extra / chips
+
+
+def compile_program(program) -> Compiled:
+  """Lowers and compiles a jaxrl.parallel.plan.Program for its (abstract) devices."""
+  t0 = time.perf_counter()
+  try:
+    compiled = program.fn.lower(*program.args).compile()
+  except jax.errors.JaxRuntimeError as e:
+    found = re.search(r"CompileTimeHbmOom.*?temporaries \(([\d.]+)G\)", str(e))
+    if not found:
+      raise
+    return Compiled(program.name, 0, 0, 0, int(float(found.group(1)) * GIB), 0, 0.0, 0.0,
+                    time.perf_counter() - t0, oom=True)
+  dt = time.perf_counter() - t0
+  m = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+  return Compiled(program.name, int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
+                  int(m.alias_size_in_bytes), int(m.temp_size_in_bytes),
+                  int(getattr(m, "generated_code_size_in_bytes", 0) or 0),
+                  float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)), dt)
+
+
+def run_peaks(programs, estimates, compiled) -> tuple[int, int]:
+  """(the plan's, XLA's) peak per device over a run's programs: each program's bytes plus what
+  stays resident beside it, the largest of them."""
+  plan = max(e.peak for e in estimates)
+  xla = max(c.bytes + e.resident for e, c in zip(estimates, compiled))
+  return plan, xla
+
+
+def report(programs, estimates, compiled, chip: Chip | None) -> tuple[str, bool | None]:
+  """The table `jaxrl plan --compile` prints, and whether the run fits the chip's HBM (the
+  largest compiled program plus what stays resident beside it)."""
+  w = max(len(p.name) for p in programs)
+  head = (f"  {'program':<{w}}  {'plan GiB':>9}  {'XLA GiB':>8}  {'plan/XLA':>8}  "
+          f"{'+resident':>9}  {'peak GiB':>8}  {'roofline s':>10}  {'model TFLOP':>11}")
+  lines = ["compiled per chip (XLA: arguments + outputs - aliased + temporaries; peak adds "
+           "what stays resident beside the program):", head]
+  peak = 0
+  for p, e, c in zip(programs, estimates, compiled):
+    total = c.bytes + e.resident
+    peak = max(peak, total)
+    chips = len(jax.tree.leaves(p.args)[0].sharding.device_set)
+    secs = f"{c.seconds(chip, roofline_flops(p, chips)):.4f}" if chip else "-"
+    lines.append(f"  {p.name:<{w}}  {e.program_peak / GIB:>9.3f}  {c.bytes / GIB:>8.3f}  "
+                 f"{e.program_peak / max(c.bytes, 1):>8.2f}  {e.resident / GIB:>9.3f}  "
+                 f"{total / GIB:>8.3f}  {secs:>10}  {p.flops / 1e12:>11.3f}")
+  fits = None
+  if chip is not None:
+    fits = peak <= chip.hbm_gib * GIB
+    lines.append(f"  {chip.name} HBM {chip.hbm_gib:g} GiB per chip: the largest peak "
+                 f"{peak / GIB:.3f} GiB {'fits' if fits else 'does NOT fit'}")
+  return "\n".join(lines), fits

@@ -1,0 +1,181 @@
+"""GRPO's programs, abstract: what `jaxrl plan` estimates and `jaxrl plan --compile` compiles
+(jaxrl.train.programs). Each is the one setup() builds, over the shapes its config implies:
+
+  train step        the policy's update over one minibatch (make_train_step + grpo_loss), in
+                    the shared-prompt form when the run uses it; resident beside it: the
+                    reference (and reward models)
+  logprob forward   the reference's (and, without old_logp_from_update, the old policy's)
+                    log-probs over the whole step's batch at once
+  prefill           the sampler's prefill of one call's prompts
+  decode steps      rollout.steps_per_call decode steps over rollout.slots x the longest
+                    sequence (prompt + max_new_tokens: the cache window's largest width)
+  weight sync       learner params -> sampler layout (and placement.sync_dtype), as one jit
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxrl import config as config_lib
+from jaxrl.data.hf_tokenizer import tokenizer_for
+from jaxrl.models import RewardModel, abstract_model
+from jaxrl.models.flops import forward_flops
+from jaxrl.parallel import batch_sharding
+from jaxrl.parallel.plan import Workload, abstract_bytes
+from jaxrl.parallel.sync import make_placement
+from jaxrl.rl.grpo.config import grouped_forward, prompt_length
+from jaxrl.rl.grpo.update import (batch_logprobs, grpo_loss, make_batch_logprobs_fn,
+                                  old_logp_from_update)
+from jaxrl.rewards import model as rm_lib
+from jaxrl.sampler import Engine, SamplingParams, bucket
+from jaxrl.train import programs as pg
+from jaxrl.train.data import load_task, records
+from jaxrl.train.optim import make_optimizer
+
+
+def data_prompt_len(config) -> int:
+  """The prompt width setup() would use: rollout.prompt_len, else the data's longest prompt
+  (read with the run's tokenizer)."""
+  if config.rollout.get("prompt_len"):
+    return prompt_length(config, 1)
+  task = load_task(config)
+  train, held_out, _ = records(config, task, "rl",
+                               build=lambda split, n, seed: task.records(split, n, seed),
+                               what="{prompt, answer}")
+  tok = tokenizer_for(config)
+  return prompt_length(config, max(len(tok.encode(x["prompt"], bos=True))
+                                   for x in train + held_out))
+
+
+def programs(config, *, devices=None, prompt_len: int | None = None):
+  """(Workload, [Program]) of this GRPO config (see the module docstring)."""
+  cfg = config_lib.model_config(config)
+  a, r = config.algo, config.rollout
+  placement = make_placement(config.mesh, config.placement, devices=devices)
+  mesh, smesh = placement.learner.mesh, placement.sampler.mesh
+  replicas = mesh.shape["data"] * mesh.shape["fsdp"]
+  Tp = data_prompt_len(config) if prompt_len is None else bucket(prompt_len)
+  G, N, Tc = r.group_size, r.prompts_per_step * r.group_size, r.max_new_tokens
+  updates = a.num_iterations * a.minibatches
+  tx, schedule = make_optimizer(config.optim, config.train.steps * updates)
+  graphdef, state, shardings = pg.abstract_state(cfg, mesh, tx, layout="learner")
+  grouped = grouped_forward(config, replicas, lambda *_: None)
+  shd = batch_sharding(mesh, 2, "learner")
+  old_from_update = old_logp_from_update(a)
+  knobs = pg.model_knobs(config)
+
+  def rows(n, with_targets):  # the learner batch of n completions (n / G groups)
+    f32 = ["mask", "sampler_logp"] + (["ref_logp", "adv", "beta"] if with_targets else [])
+    if with_targets and not old_from_update:
+      f32.append("old_logp")
+    if grouped:
+      out = {"prompt": pg.spec((n // G, Tp), "int32", shd),
+             "prompt_len": pg.spec((n // G, 1), "int32", shd),
+             "completion": pg.spec((n, Tc), "int32", shd)}
+      width = Tc
+    else:
+      out = {k: pg.spec((n, Tp + Tc), "int32", shd) for k in ("inputs", "targets", "positions")}
+      width = Tp + Tc
+    out.update({k: pg.spec((n, width), "float32", shd) for k in f32})
+    return out, width
+
+  def flops(n):  # one forward over n completions (their prompts once per group when grouped)
+    prompts = n // G if grouped else n
+    tokens = prompts * Tp + n * Tc
+    pairs = prompts * Tp * (Tp + 1) / 2 + n * (Tc * Tp + Tc * (Tc + 1) / 2)
+    return forward_flops(cfg, tokens=tokens, pairs=pairs)
+
+  # Resident beside the learner's programs: the reference and the reward models' params.
+  ref_bytes = abstract_bytes(state.params)
+  resident = {"reference params": ref_bytes}
+  for label, rm_cfg, feature in rm_lib.plan_roles(config):
+    model = functools.partial(RewardModel, logprob_feature=feature)
+    resident[f"{label} params"] = abstract_bytes(
+        pg.params_of(abstract_model(rm_cfg, model), mesh, "learner"))
+
+  n_mb = N // a.minibatches
+  batch, width = rows(n_mb, True)
+  loss_fn = grpo_loss(graphdef, a, temperature=r.temperature, norm_len=r.max_new_tokens)
+  plain = pg.plain_graphdef(cfg)  # without remat: one block's activations
+  train = pg.train_program(
+      loss_fn, tx, schedule, state, shardings, batch, mesh=mesh,
+      accum_steps=config.optim.accum_steps, resident=resident, flops=3 * flops(n_mb),
+      tokens=n_mb * Tc, seq_len=width, vocab=cfg.vocab_size, logits_chunk=knobs["logits_chunk"],
+      cfg=cfg, plain_loss=grpo_loss(plain, a, temperature=r.temperature,
+                                    norm_len=r.max_new_tokens))
+
+  fwd_batch, _ = rows(N, False)
+  inputs = ("prompt", "prompt_len", "completion") if grouped else ("inputs", "targets",
+                                                                   "positions")
+  fwd_fn = make_batch_logprobs_fn(graphdef, r.temperature, mesh=mesh,
+                                  entropy=not old_from_update)
+  # The policy's own state stays resident beside the reference's forward (and vice versa).
+  fwd = pg.forward_program(
+      "logprob forward" + ("" if old_from_update else " (x2: old policy, reference)"), fwd_fn,
+      (state.params, {k: fwd_batch[k] for k in inputs}),
+      resident={"actor params + optimizer state": abstract_bytes(state)},
+      flops=flops(N), tokens=N * Tc, rows=N // replicas, seq_len=width, vocab=cfg.vocab_size,
+      logits_chunk=knobs["logits_chunk"], cfg=cfg, mesh=mesh,
+      plain_fn=lambda p, b: batch_logprobs(plain, p, b, r.temperature)[0])
+
+  # The sampler: weights in its layout (cast by the sync), prefill, decode steps.
+  sync_dtype = config.placement.sync_dtype or None
+  sparams = pg.params_of(abstract_model(cfg), smesh, "sampler")
+  if sync_dtype:
+    sparams = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, jnp.dtype(sync_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype,
+        sharding=x.sharding), sparams)
+  target = jax.tree.map(lambda x: x.sharding, sparams)
+  dtype = jnp.dtype(sync_dtype) if sync_dtype else None
+
+  def cast(params):
+    return jax.tree.map(lambda x: x.astype(dtype) if dtype is not None and
+                        jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+  # Colocated, the learner's state, the reference and the reward models stay on the chips
+  # while the sampler runs; disaggregated, the sampler's chips hold only its own.
+  colocated = placement.mode == "colocated"
+  learner_resident = {"actor params + optimizer state": abstract_bytes(state), **resident}
+  gen_resident = learner_resident if colocated else {}
+  sync = pg.forward_program(
+      "weight sync", jax.jit(cast, out_shardings=target), (state.params,), kind="sync",
+      resident={"optimizer state": abstract_bytes(state.opt_state), **resident}
+      if colocated else {})
+
+  sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                            max_new_tokens=r.max_new_tokens, eos_id=None)
+  engine = Engine(graphdef, cfg, smesh, sampling=sampling)
+  key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
+                             sharding=NamedSharding(smesh, P()))
+  n_prefill = bucket(max(1, min(r.prompts_per_step, -(-r.slots // G))), minimum=1)
+  vec = batch_sharding(smesh, 1, "sampler")
+  rep = NamedSharding(smesh, P())
+  prefill = pg.forward_program(
+      "prefill", engine._prefill,
+      (sparams, pg.spec((n_prefill, Tp), "int32", rep), pg.spec((n_prefill,), "int32", rep),
+       pg.spec((n_prefill,), "int32", rep), key), kind="prefill",
+      resident=gen_resident, flops=forward_flops(cfg, tokens=n_prefill * Tp,
+                                                     pairs=n_prefill * Tp * (Tp + 1) / 2),
+      tokens=n_prefill * Tp, rows=n_prefill, seq_len=1, vocab=cfg.vocab_size)
+  max_len = Tp + Tc
+  shardings_s = engine._state_shardings(r.slots, max_len)
+  kv = jax.eval_shape(lambda: engine._init_fn(r.slots, max_len)(jnp.int32(max_len)))
+  dstate = jax.tree.map(lambda x, s: pg.spec(x.shape, x.dtype, s), kv, shardings_s)
+  slots_dev = r.slots // (smesh.shape["data"] * smesh.shape["fsdp"])
+  steps = r.steps_per_call
+  decode = pg.forward_program(
+      "decode steps", jax.jit(lambda p, s, k: engine._steps_fn(p, s, k, steps=steps),
+                              donate_argnums=1), (sparams, dstate, key),
+      kind="decode", resident=gen_resident, donated=(1,),
+      flops=steps * forward_flops(cfg, tokens=r.slots, pairs=r.slots * max_len),
+      tokens=steps * r.slots, rows=slots_dev, seq_len=1, vocab=cfg.vocab_size)
+  prefill.resident["kv cache"] = abstract_bytes(dstate)  # allocated before the first prefill
+  if colocated and placement.keep_sampler_copy:
+    train.resident.update({"sampler weights": abstract_bytes(sparams),
+                           "kv cache": abstract_bytes(dstate)})
+  work = Workload(rows=max(1, n_mb // (replicas * config.optim.accum_steps)), seq_len=width,
+                  reference=True, slots=r.slots, max_len=max_len, **knobs)
+  return work, [train, fwd, prefill, decode, sync]

@@ -1,0 +1,123 @@
+"""`jaxrl plan --compile`: the trainers' programs compile for a TPU topology on this CPU machine
+(libtpu, a test dependency), and the memory plan is within 15% of XLA's figures there too."""
+
+import json
+import os
+import sys
+
+import pytest
+
+from jaxrl import config as config_lib
+from jaxrl.errors import ConfigError
+from jaxrl.parallel import compile as aot
+from jaxrl.parallel.plan import estimate
+from jaxrl.rl import grpo
+from jaxrl.train import dpo, rm, sft
+
+pytest.importorskip("libtpu", reason='libtpu is in the test extra: pip install -e ".[test]"')
+
+TRAINERS = {"sft": sft, "rm": rm, "dpo": dpo, "grpo": grpo}
+
+
+@pytest.fixture(scope="module")
+def v5e_2x2():
+  return aot.topology_devices("v5e:2x2")
+
+
+@pytest.mark.parametrize("name", list(TRAINERS))
+def test_tiny_programs_compile_for_v5e_within_15_percent(repo_root, v5e_2x2, name):
+  module = TRAINERS[name]
+  config = config_lib.load_config(os.path.join(repo_root, f"configs/{name}_tiny.py"),
+                                  choices=module.CHOICES)
+  _, programs = module.programs(config, devices=v5e_2x2)
+  estimates = [estimate(p) for p in programs]
+  compiled = [aot.compile_program(p) for p in programs]
+  plan, xla = aot.run_peaks(programs, estimates, compiled)
+  assert abs(plan - xla) / xla < 0.15, (plan, xla)
+  chip = aot.chip_of("v5e:2x2")
+  for p, c in zip(programs, compiled):
+    if p.kind != "sync":  # (a reshard without a cast does no arithmetic)
+      assert c.flops > 0 and c.seconds(chip) > 0, p.name  # the cost model saw the program
+  assert all(x.platform == "tpu" for x in v5e_2x2)
+
+
+def _recorded():
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "benchmarks", "results", "scale.jsonl")
+  with open(path) as f:
+    return {r["row"]: r for r in map(json.loads, filter(str.strip, f))}
+
+
+# Rows where the plan misses XLA by more than 15%, measured and open (strict: a fix shows).
+KNOWN_MISSES = {
+    # Plan 7.9 GiB against XLA's 15.1: with full remat at 8 rows x 2,048 per chip the compiled
+    # SFT step keeps far more than one block's recompute and one log-prob chunk (the chunked
+    # head alone keeps ~4 float32 chunks on v5e, see jaxrl/models/logprobs.py).
+    "qwen3:0.6b,sft,v5e",
+}
+
+
+@pytest.mark.parametrize("row", [pytest.param(r, marks=pytest.mark.xfail(
+    strict=True, reason="the plan misses this compile by more than 15% (KNOWN_MISSES)"))
+    if r in KNOWN_MISSES else r for r in sorted(_recorded())])
+def test_real_size_plan_matches_the_recorded_compile(repo_root, row):
+  """A real-size program takes 10-15 min to compile on the 2-core CI machine, so XLA's figures
+  come from benchmarks/scale.py's runs (benchmarks/results/scale.jsonl, every row there); the
+  plan is recomputed here from today's code (seconds) and must stay within 15% of them, per
+  program for the train step and for the run's peak."""
+  record = _recorded()[row]
+  if any(p.get("oom") for p in record["programs"]):  # the compiler refused it: so must the plan
+    sys.path.insert(0, os.path.join(repo_root, "benchmarks"))
+    import scale
+    config, module, chip = scale.load(row)
+    _, programs = module.programs(config, devices=aot.topology_devices(scale.TOPOLOGY[chip]))
+    assert not record["fits"] and estimate(programs[0]).peak > record["hbm"]
+    return
+  sys.path.insert(0, os.path.join(repo_root, "benchmarks"))
+  import scale
+  config, module, chip = scale.load(row)
+  assert int(config.optim.accum_steps) == record["accum_steps"]  # the config compiled
+  work, programs = module.programs(config, devices=aot.topology_devices(scale.TOPOLOGY[chip]))
+  assert (work.remat, work.logits_chunk) == (record["remat"], record["logits_chunk"])
+  recorded = {p["name"]: p for p in record["programs"]}
+  estimates = [estimate(p) for p in programs if p.name in recorded]
+  train = estimates[0]
+  xla = recorded[train.name]["xla_bytes"]
+  assert abs(train.program_peak - xla) / xla < 0.15, (train, xla)
+  plan = max(e.peak for e in estimates)
+  assert abs(plan - record["xla_peak"]) / record["xla_peak"] < 0.15, (plan, record["xla_peak"])
+  assert record["fits"] == (record["xla_peak"] <= record["hbm"])
+
+
+def test_without_libtpu_one_sentence_says_how_to_install_it(monkeypatch):
+  monkeypatch.setitem(sys.modules, "libtpu", None)  # import libtpu now fails
+  with pytest.raises(ConfigError, match=r'pip install "jax\[tpu\]'):
+    aot.topology_devices("v5e:2x4")
+  with pytest.raises(ConfigError, match="unknown chip 'v9x'"):
+    aot.topology_devices("v9x:2x2")
+
+
+def test_jaxrl_plan_compile_prints_xla_beside_the_plan(repo_root, capsys):
+  from jaxrl import cli
+  cli.main(["plan", "--config", os.path.join(repo_root, "configs/sft_tiny.py"),
+            "--compile", "v5e:2x2"])
+  out = capsys.readouterr().out
+  assert "learner: Mesh(data=1 x fsdp=4 x tensor=1) over 4 tpu devices" in out
+  assert "compiled per chip" in out and "plan/XLA" in out
+  assert "v5e HBM 16 GiB per chip: the largest peak" in out and "fits" in out
+
+
+def test_a_program_the_tpu_compiler_cannot_fit_is_reported_not_raised():
+  """libtpu refuses a program whose temporaries exceed the chip's HBM (CompileTimeHbmOom); the
+  compile reports it, with the compiler's figure, instead of a traceback."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from jaxrl.parallel.plan import Program
+  mesh = Mesh(np.array(aot.topology_devices("v5e:2x2")[:1]), ("x",))
+  x = jax.ShapeDtypeStruct((1 << 20,), jnp.float32, sharding=NamedSharding(mesh, P()))
+  big = jax.jit(lambda x: jnp.cumsum(jnp.outer(x, x[:5000]), axis=0).astype(jnp.bfloat16)
+                @ jnp.ones((5000, 8), jnp.bfloat16))  # ~20 GB of float32 temporaries
+  c = aot.compile_program(Program("big", big, (x,), "forward"))
+  assert c.oom and c.temp > 16 * aot.GIB

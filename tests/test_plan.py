@@ -1,0 +1,86 @@
+"""The memory plan is each trainer's own: derived from its config, checked before step 1, and
+within 15% of what XLA's memory_analysis() says the compiled programs need (CPU backend)."""
+
+import os
+
+import pytest
+
+from jaxrl import config as config_lib
+from jaxrl.errors import ConfigError
+from jaxrl.parallel import compile as aot
+from jaxrl.parallel.plan import estimate, plan_config
+from jaxrl.rl import grpo
+from jaxrl.train import dpo, rm, sft
+from jaxrl.train.run import check_plan
+
+TRAINERS = {"sft": sft, "rm": rm, "dpo": dpo, "grpo": grpo}
+
+
+def _config(repo_root, name, *overrides):
+  module = TRAINERS[name]
+  return config_lib.load_config(os.path.join(repo_root, f"configs/{name}_tiny.py"),
+                                list(overrides), module.CHOICES)
+
+
+def test_the_plan_section_has_no_knob_a_trainer_does_not_read():
+  # Rows, lengths, remat, the reference and the KV cache come from the trainer's sections.
+  assert set(plan_config().keys()) == {"device", "device_gib", "check"}
+
+
+@pytest.mark.parametrize("name", list(TRAINERS))
+def test_plan_is_within_15_percent_of_xla_on_cpu(repo_root, devices, name):
+  """Every program the tiny config's trainer compiles, on 8 CPU devices: the plan's peak per
+  device (arguments + outputs - donated + temporaries, plus what stays resident) against the
+  same sum from XLA's memory_analysis() of the compiled program; and the train step alone."""
+  work, programs = TRAINERS[name].programs(_config(repo_root, name))
+  estimates = [estimate(p) for p in programs]
+  compiled = [aot.compile_program(p) for p in programs]
+  plan, xla = aot.run_peaks(programs, estimates, compiled)
+  assert abs(plan - xla) / xla < 0.15, (plan, xla)
+  step = programs[0]
+  assert step.kind == "train" and step.name == "train step"
+  assert abs(estimates[0].program_peak - compiled[0].bytes) / compiled[0].bytes < 0.15, (
+      estimates[0], compiled[0])
+  # The workload is read from the trainer's own sections.
+  if name == "grpo":
+    c = _config(repo_root, name)
+    assert work.reference and work.slots == c.rollout.slots
+    assert [p.name for p in programs] == ["train step", "logprob forward", "prefill",
+                                         "decode steps", "weight sync"]
+
+
+def test_the_plan_follows_the_trainers_config(repo_root, devices):
+  """Twice the rows per device: more temporaries; accumulation over 2 micro-batches: fewer."""
+  base = estimate(sft.programs(_config(repo_root, "sft"))[1][0])
+  more = estimate(sft.programs(_config(repo_root, "sft", "data.batch_size=128"))[1][0])
+  accum = estimate(sft.programs(_config(repo_root, "sft", "data.batch_size=128",
+                                        "optim.accum_steps=2"))[1][0])
+  assert more.temp > 1.5 * base.temp - base.argument
+  assert accum.temp < more.temp
+
+
+def test_a_run_stops_before_step_1_when_the_plan_does_not_fit(repo_root, devices):
+  config = _config(repo_root, "sft", "plan.device_gib=0.001")
+  with pytest.raises(ConfigError, match=r"this sft run will not fit: its train step needs "
+                                        r".* per device by the memory plan"):
+    check_plan(config, sft.programs, what="this sft run")
+  said = []
+  check_plan(_config(repo_root, "sft", "plan.device_gib=0.001", "plan.check=False"),
+             sft.programs, what="this sft run", say=said.append)
+  assert said == []  # skipped
+  # On CPU with no device named there is nothing to check against: the tiny configs start.
+  check_plan(_config(repo_root, "grpo"), grpo.programs, what="this grpo run", say=said.append)
+  check_plan(_config(repo_root, "grpo", "plan.device=tpu-v5e"), grpo.programs,
+             what="this grpo run", say=said.append)
+  assert len(said) == 1 and "of 16.000 GiB per device" in said[0]
+
+
+def test_jaxrl_plan_prints_the_trainers_programs(repo_root, devices, capsys):
+  from jaxrl import cli
+  cli.main(["plan", "--config", os.path.join(repo_root, "configs/dpo_tiny.py")])
+  out = capsys.readouterr().out
+  assert "memory plan by program" in out and "train step" in out
+  assert "reference forward" in out  # dpo_tiny's ref.mode=auto resolves to live here
+  with pytest.raises(SystemExit):
+    cli.main(["plan", "--config", os.path.join(repo_root, "configs/sync_tiny.py")])
+  assert "jaxrl plan reads a trainer's config" in capsys.readouterr().err
