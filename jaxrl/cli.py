@@ -490,16 +490,21 @@ def cmd_launch(args, overrides) -> None:
     table, names = compare_table(done)
     print(table)
     if args.seeds and names:
-      from jaxrl.plot import aggregate, aggregate_table
-      print("\nover seeds (final values):")
-      print(aggregate_table(aggregate(done, names), names))
+      _print_spread(done, names)
   if failed or len(results) < len(runs):
     raise SystemExit(1)
 
 
+def _print_spread(dirs: list[str], names: list[str]) -> None:
+  """The runs' spread over seeds: per group of runs that differ only in seed, each metric's
+  n, mean, std, median, min and max (jaxrl.plot.aggregate)."""
+  from jaxrl.plot import aggregate, aggregate_table
+  print("\nover seeds (final values):")
+  print(aggregate_table(aggregate(dirs, names), names))
+
+
 def cmd_compare(args, overrides) -> None:
-  from jaxrl.plot import (aggregate, aggregate_table, compare_table, group_runs, plot_bands,
-                          plot_compare, run_dirs)
+  from jaxrl.plot import compare_table, group_runs, plot_bands, plot_compare, run_dirs
   if overrides:
     raise ConfigError(f"jaxrl compare takes no --config overrides, got {overrides[0]!r}.")
   dirs = run_dirs(args.dirs)
@@ -509,8 +514,7 @@ def cmd_compare(args, overrides) -> None:
   # Runs that differ only in their seed are aggregated: their spread, and a band plot.
   seeded = any(len(members) > 1 for members in group_runs(dirs).values())
   if seeded and names:
-    print("\nover seeds (final values):")
-    print(aggregate_table(aggregate(dirs, names), names))
+    _print_spread(dirs, names)
   if names:
     plot = plot_bands if seeded else plot_compare
     print(f"plot: {plot(dirs, names, args.out)}")

@@ -178,6 +178,17 @@ def _labels(dirs):
   return {d: os.path.relpath(os.path.abspath(d), common) for d in dirs}
 
 
+def _save_panels(plt, fig, axes, out_png: str) -> str:
+  """The legend on the first panel, then the PNG written (its folder made) and the figure
+  closed: the end of every multi-run plot."""
+  axes[0][0].legend(fontsize=7)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
+  fig.savefig(out_png, dpi=100)
+  plt.close(fig)
+  return out_png
+
+
 def plot_compare(dirs: list[str], metrics, out_png: str) -> str:
   """One panel per metric, a line per run over steps."""
   plt = _plt()
@@ -193,12 +204,7 @@ def plot_compare(dirs: list[str], metrics, out_png: str) -> str:
     ax.set_title(key)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
-  axes[0][0].legend(fontsize=7)
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
-  fig.savefig(out_png, dpi=100)
-  plt.close(fig)
-  return out_png
+  return _save_panels(plt, fig, axes, out_png)
 
 
 # ----------------------------------------------------------------------------- seeds
@@ -312,9 +318,4 @@ def plot_bands(dirs: list[str], metrics, out_png: str) -> str:
     ax.set_title(f"{key} (mean, min-max)")
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
-  axes[0][0].legend(fontsize=7)
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
-  fig.savefig(out_png, dpi=100)
-  plt.close(fig)
-  return out_png
+  return _save_panels(plt, fig, axes, out_png)
