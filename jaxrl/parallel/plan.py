@@ -474,8 +474,11 @@ def plan_programs(programs: list[Program], section=None) -> ProgramPlan:
 
 
 def runtime_device_bytes(devices) -> int | None:
-  """What the runtime reports as one device's memory (TPU/GPU), or None (CPU)."""
-  stats = next(iter(devices)).memory_stats() or {}
+  """What the runtime reports as one device's memory (TPU/GPU), or None (CPU). Only this
+  process's devices can answer (a multi-process run's other devices raise), so the first
+  addressable one is asked."""
+  local = [d for d in devices if d.process_index == jax.process_index()]
+  stats = (local[0].memory_stats() if local else None) or {}
   return stats.get("bytes_limit")
 
 
