@@ -5,7 +5,8 @@
                     the shared-prompt form when the run uses it; resident beside it: the
                     reference (and reward models)
   logprob forward   the reference's (and, without old_logp_from_update, the old policy's)
-                    log-probs over the whole step's batch at once
+                    log-probs of the whole step's batch, in a scan over the update's
+                    micro-batches (algo.minibatches x optim.accum_steps of them)
   prefill           the sampler's prefill of one call's prompts
   decode steps      rollout.steps_per_call decode steps over rollout.slots x the longest
                     sequence (prompt + max_new_tokens: the cache window's largest width)
@@ -25,11 +26,11 @@ from jaxrl.data.hf_tokenizer import tokenizer_for
 from jaxrl.models import RewardModel, abstract_model
 from jaxrl.models.flops import forward_flops
 from jaxrl.parallel import batch_sharding
-from jaxrl.parallel.plan import Workload, abstract_bytes
+from jaxrl.parallel.plan import Program, Workload, abstract_bytes
 from jaxrl.parallel.sync import make_placement
 from jaxrl.rl.grpo.config import grouped_forward, prompt_length
-from jaxrl.rl.grpo.update import (batch_logprobs, grpo_loss, make_batch_logprobs_fn,
-                                  old_logp_from_update)
+from jaxrl.rl.grpo.update import (batch_logprobs, grpo_loss, logprob_micro_batches,
+                                  make_batch_logprobs_fn, old_logp_from_update)
 from jaxrl.rewards import model as rm_lib
 from jaxrl.sampler import Engine, SamplingParams, bucket
 from jaxrl.train import programs as pg
@@ -111,16 +112,22 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
   fwd_batch, _ = rows(N, False)
   inputs = ("prompt", "prompt_len", "completion") if grouped else ("inputs", "targets",
                                                                    "positions")
+  fwd_batch = {k: fwd_batch[k] for k in inputs}
+  # The forward runs in the update's micro-batches (a scan over them, as setup() builds it):
+  # its rows, the activations of one block and the logits are one micro-batch's.
+  micro = logprob_micro_batches(config)
   fwd_fn = make_batch_logprobs_fn(graphdef, r.temperature, mesh=mesh,
-                                  entropy=not old_from_update)
+                                  entropy=not old_from_update, micro_batches=micro)
   # The policy's own state stays resident beside the reference's forward (and vice versa).
-  fwd = pg.forward_program(
+  fwd = Program(
       "logprob forward" + ("" if old_from_update else " (x2: old policy, reference)"), fwd_fn,
-      (state.params, {k: fwd_batch[k] for k in inputs}),
+      (state.params, fwd_batch), "forward",
       resident={"actor params + optimizer state": abstract_bytes(state)},
-      flops=flops(N), tokens=N * Tc, rows=N // replicas, seq_len=width, vocab=cfg.vocab_size,
-      logits_chunk=knobs["logits_chunk"], cfg=cfg, mesh=mesh,
-      plain_fn=lambda p, b: batch_logprobs(plain, p, b, r.temperature)[0])
+      flops=flops(N), tokens=N * Tc, rows=N // (replicas * micro), seq_len=width,
+      vocab=cfg.vocab_size, logits_chunk=knobs["logits_chunk"],
+      layer_bytes=pg.layer_bytes(lambda p, b: batch_logprobs(plain, p, b, r.temperature)[0],
+                                 state.params, pg.micro_batch(fwd_batch, micro),
+                                 layers=cfg.num_layers, mesh=mesh))
 
   # The sampler: weights in its layout (cast by the sync), prefill, decode steps.
   sync_dtype = config.placement.sync_dtype or None

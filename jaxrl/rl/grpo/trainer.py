@@ -66,8 +66,8 @@ from jaxrl.rl.grpo.experience import Experience, PromptStream, make_experience
 from jaxrl.rl.grpo.monitors import Alarms, KLCoefficient
 from jaxrl.rl.grpo.programs import programs
 from jaxrl.rl.grpo.rewards import reward_specs
-from jaxrl.rl.grpo.update import (grpo_loss, make_batch_logprobs_fn, old_logp_from_update,
-                                  update)
+from jaxrl.rl.grpo.update import (grpo_loss, logprob_micro_batches, make_batch_logprobs_fn,
+                                  old_logp_from_update, update)
 from jaxrl.sampler import Engine, SamplingParams
 from jaxrl.train.data import load_task, records
 from jaxrl.train.optim import make_optimizer
@@ -264,7 +264,8 @@ def setup(config, workdir: str, *, out=print) -> tuple[Parts, Any]:
   # The reference's forward and, without old_from_update, the policy's (whose entropy is
   # logged).
   logprobs_fn = make_batch_logprobs_fn(graphdef, r.temperature, mesh=mesh,
-                                       entropy=not old_from_update)
+                                       entropy=not old_from_update,
+                                       micro_batches=logprob_micro_batches(config))
   train_step = make_train_step(loss_fn, tx, schedule, shardings, shd, mesh=mesh,
                                accum_steps=config.optim.accum_steps)
   beta = KLCoefficient(a.beta)

@@ -116,14 +116,61 @@ def batch_logprobs(graphdef, params, batch, temperature: float, *, entropy: bool
                         temperature=temperature, entropy=entropy)
 
 
+def logprob_micro_batches(config) -> int:
+  """Micro-batches of the reference / old-policy log-prob forward over a step's batch: the
+  update's own, algo.minibatches x optim.accum_steps, so each holds the rows of one of the
+  update's micro-batches (grouped_forward checks that they divide the batch). The forward has
+  no backward, so what fits the update fits it; one call over the whole step (the old way)
+  held minibatches x accum_steps times the update's activations (Qwen3-4B GRPO on a v5e-8:
+  19.5 GiB by the plan, over the chip's 16)."""
+  return int(config.algo.minibatches) * int(config.optim.accum_steps)
+
+
+def split_micro(batch, parts: int):
+  """A batch -> `parts` micro-batches stacked on a new leading axis, as make_train_step splits
+  its accum_steps: the shortest leading dimension counts the units (a row, or in the grouped
+  form one prompt row with its G completion rows) and unit b * parts + i goes to micro-batch i,
+  so every device keeps its own rows (no data moves) and a group is never split."""
+  units = min(x.shape[0] for x in jax.tree.leaves(batch))
+
+  def split(x):  # [B, ...] -> [parts, B / parts, ...]
+    u = x.shape[0] // units
+    x = x.reshape(units // parts, parts, u, *x.shape[1:])
+    return jnp.moveaxis(x, 1, 0).reshape(parts, x.shape[0] * u, *x.shape[3:])
+  return jax.tree.map(split, batch), units
+
+
+def join_micro(stacked, units: int):
+  """split_micro's inverse for per-row outputs [parts, B / parts, ...] -> [B, ...]."""
+  def join(x):
+    parts = x.shape[0]
+    u = x.shape[1] * parts // units  # output rows per unit (the grouped form: G)
+    x = x.reshape(parts, units // parts, u, *x.shape[2:])
+    return jnp.moveaxis(x, 0, 1).reshape(units * u, *x.shape[3:])
+  return jax.tree.map(join, stacked)
+
+
 def make_batch_logprobs_fn(graphdef, temperature: float, *, mesh: Mesh | None = None,
-                           entropy: bool = True):
+                           entropy: bool = True, micro_batches: int = 1):
   """Jitted (params, learner batch of either form) -> (log-probs, entropy), compiled with the
   learner's CPU dot kernels for `mesh`'s devices (jaxrl.backends.compiler_options). entropy=False
   returns (log-probs, None) and skips the entropy's pass over the vocabulary (the reference
-  forward's case: nothing reads the reference's entropy)."""
-  def logprobs(params, batch):
+  forward's case: nothing reads the reference's entropy).
+
+  micro_batches > 1 runs the forward in a lax.scan over that many micro-batches of the batch's
+  rows (split_micro: whole groups, each device its own rows), so the program holds one
+  micro-batch's activations at a time, as the update does (the trainer passes the update's
+  minibatches x optim.accum_steps). Each row's log-probs depend on that row alone, so the
+  values are the unsplit ones (tests/test_grpo_micro.py)."""
+  def forward(params, batch):
     return batch_logprobs(graphdef, params, batch, temperature, entropy=entropy)
+
+  def logprobs(params, batch):
+    if micro_batches == 1:
+      return forward(params, batch)
+    micro, units = split_micro(batch, micro_batches)
+    _, out = jax.lax.scan(lambda carry, mb: (carry, forward(params, mb)), None, micro)
+    return join_micro(out, units)
 
   if mesh is None:
     return jax.jit(logprobs, compiler_options=compiler_options(jax.devices()))
