@@ -1,8 +1,10 @@
 """The memory plan is each trainer's own: derived from its config, checked before step 1, and
 within 15% of what XLA's memory_analysis() says the compiled programs need (CPU backend)."""
 
+import dataclasses
 import os
 
+import jax
 import pytest
 
 from jaxrl import config as config_lib
@@ -84,3 +86,50 @@ def test_jaxrl_plan_prints_the_trainers_programs(repo_root, devices, capsys):
   with pytest.raises(SystemExit):
     cli.main(["plan", "--config", os.path.join(repo_root, "configs/sync_tiny.py")])
   assert "jaxrl plan reads a trainer's config" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overrides", [["optim.accum_steps=2"],
+                                       ["algo.minibatches=2", "optim.accum_steps=2"]])
+def test_grpo_logprob_forward_is_planned_per_micro_batch(repo_root, devices, overrides):
+  """The reference / old-policy forward runs in the update's micro-batches (minibatches x
+  accum_steps): the plan counts one micro-batch's rows, stays within 15% of XLA, and XLA's
+  own temporaries shrink against the forward over the whole step in one call."""
+  from jaxrl.models import abstract_model
+  from jaxrl.rl.grpo.update import make_batch_logprobs_fn, old_logp_from_update
+  config = _config(repo_root, "grpo", *overrides)
+  _, programs = grpo.programs(config)
+  fwd = programs[1]
+  assert fwd.name.startswith("logprob forward")
+  N = config.rollout.prompts_per_step * config.rollout.group_size
+  assert fwd.rows == N // (8 * config.algo.minibatches * config.optim.accum_steps)
+  e, x = estimate(fwd), aot.compile_program(fwd)
+  assert abs(e.program_peak - x.bytes) / x.bytes < 0.15, (e, x)
+  # The same forward in one call over the step (as before): more temporaries by XLA's count.
+  graphdef = abstract_model(config_lib.model_config(config))[0]
+  mesh = jax.tree.leaves(fwd.args[1])[0].sharding.mesh
+  whole = dataclasses.replace(fwd, fn=make_batch_logprobs_fn(
+      graphdef, config.rollout.temperature, mesh=mesh,
+      entropy=not old_logp_from_update(config.algo)))
+  assert aot.compile_program(whole).temp > x.temp
+
+
+def test_grpo_reward_forward_is_a_program(repo_root, devices, tmp_path):
+  """With reward models configured, their forward is one of GRPO's programs (the jit
+  RewardModels.score runs; an RM not trained yet is planned with the policy's shapes), its
+  estimate within 15% of XLA on CPU, with the policy, the reference and (colocated) the
+  sampler's weights resident beside it."""
+  rms = f"{tmp_path}/rm_a,{tmp_path}/rm_b"
+  config = _config(repo_root, "grpo", f"reward_model.checkpoints={rms}")
+  _, programs = grpo.programs(config)
+  assert [p.name for p in programs] == ["train step", "logprob forward", "reward forward",
+                                       "prefill", "decode steps", "weight sync"]
+  rm = programs[2]
+  assert len(rm.args[0]) == 2 and rm.kind == "forward"
+  assert set(rm.resident) == {"actor params + optimizer state", "reference params",
+                              "sampler weights"}
+  e, x = estimate(rm), aot.compile_program(rm)
+  assert abs(e.program_peak - x.bytes) / x.bytes < 0.15, (e, x)
+  # The RMs' params are the program's arguments, not resident beside it (as they are beside
+  # the update).
+  assert not any(k.startswith("reward model") for k in rm.resident)
+  assert any(k.startswith("reward model") for k in programs[0].resident)

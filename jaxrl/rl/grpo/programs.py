@@ -7,6 +7,10 @@
   logprob forward   the reference's (and, without old_logp_from_update, the old policy's)
                     log-probs of the whole step's batch, in a scan over the update's
                     micro-batches (algo.minibatches x optim.accum_steps of them)
+  reward forward    the reward models' scores of the step's rows (only when
+                    reward_model.checkpoints names any): every RM in one jit, over the whole
+                    step at once, as RewardModels.score runs it; resident beside it: the
+                    policy's state, the reference and (colocated) the sampler's weights
   prefill           the sampler's prefill of one call's prompts
   decode steps      rollout.steps_per_call decode steps over rollout.slots x the longest
                     sequence (prompt + max_new_tokens: the cache window's largest width)
@@ -23,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl import config as config_lib
 from jaxrl.data.hf_tokenizer import tokenizer_for
-from jaxrl.models import RewardModel, abstract_model
+from jaxrl.models import RewardModel, abstract_model, reward_apply
 from jaxrl.models.flops import forward_flops
 from jaxrl.parallel import batch_sharding
 from jaxrl.parallel.plan import Program, Workload, abstract_bytes
@@ -129,6 +133,40 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
                                  state.params, pg.micro_batch(fwd_batch, micro),
                                  layers=cfg.num_layers, mesh=mesh))
 
+  progs = [train, fwd]
+  # The reward models' forward (rm_lib.RewardModels.score, as setup() loads it): every RM over
+  # the step's N rows of prompt + completion in one jit, after generation (colocated: the
+  # sampler's weights are still on the chips; they are released before the update).
+  roles = rm_lib.plan_roles(config)
+  if roles:
+    rm_graphdefs, rm_plain, rm_params, layers, vocab = [], [], [], 0, 0
+    for _, rm_cfg, feature in roles:
+      model = functools.partial(RewardModel, logprob_feature=feature)
+      abstract = abstract_model(rm_cfg, model)
+      rm_graphdefs.append(abstract[0])
+      rm_plain.append(pg.plain_graphdef(rm_cfg, model))
+      rm_params.append(pg.params_of(abstract, mesh, "learner"))
+      layers += rm_cfg.num_layers
+      vocab = max(vocab, rm_cfg.vocab_size if feature else 0)  # the log-prob feature's head
+    rms = rm_lib.RewardModels(rm_graphdefs, rm_params, [label for label, *_ in roles], mesh)
+    L = Tp + Tc
+    rm_batch = {"tokens": pg.spec((N, L), "int32", shd), "positions": pg.spec((N, L), "int32", shd),
+                "last": pg.spec((N,), "int32", batch_sharding(mesh, 1, "learner")),
+                "logp_mask": pg.spec((N, L), "float32", shd)}
+
+    def plain_score(params_m, b):  # without remat: one block's activations
+      return jnp.stack([reward_apply(g, q, b["tokens"], b["positions"], b["last"],
+                                     logp_mask_bt=b["logp_mask"])
+                        for g, q in zip(rm_plain, params_m)])
+    progs.append(Program(
+        "reward forward", rms._score, (rm_params, *rm_batch.values()), "forward",
+        resident={"actor params + optimizer state": abstract_bytes(state),
+                  "reference params": ref_bytes},
+        flops=len(roles) * forward_flops(cfg, tokens=N * L, pairs=N * L * (L + 1) / 2),
+        tokens=N * L, rows=N // replicas, seq_len=L, vocab=vocab,
+        logits_chunk=knobs["logits_chunk"],
+        layer_bytes=pg.layer_bytes(plain_score, rm_params, rm_batch, layers=layers, mesh=mesh)))
+
   # The sampler: weights in its layout (cast by the sync), prefill, decode steps.
   sync_dtype = config.placement.sync_dtype or None
   sparams = pg.params_of(abstract_model(cfg), smesh, "sampler")
@@ -180,9 +218,11 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
       flops=steps * forward_flops(cfg, tokens=r.slots, pairs=r.slots * max_len),
       tokens=steps * r.slots, rows=slots_dev, seq_len=1, vocab=cfg.vocab_size)
   prefill.resident["kv cache"] = abstract_bytes(dstate)  # allocated before the first prefill
+  if colocated and roles:  # the sampler copy is released after scoring, before the update
+    progs[-1].resident["sampler weights"] = abstract_bytes(sparams)
   if colocated and placement.keep_sampler_copy:
     train.resident.update({"sampler weights": abstract_bytes(sparams),
                            "kv cache": abstract_bytes(dstate)})
   work = Workload(rows=max(1, n_mb // (replicas * config.optim.accum_steps)), seq_len=width,
                   reference=True, slots=r.slots, max_len=max_len, **knobs)
-  return work, [train, fwd, prefill, decode, sync]
+  return work, [*progs, prefill, decode, sync]
