@@ -1,8 +1,6 @@
 """GRPO's reference / old-policy log-prob forward in micro-batches (one lax.scan in one jit):
 the values are the unsplit ones, in both batch forms, and the plan counts one micro-batch."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 
@@ -76,3 +74,25 @@ def test_micro_batched_logprobs_equal_the_unsplit_ones(devices, form):
       np.testing.assert_allclose(np.asarray(l1), np.asarray(l0), rtol=1e-6, atol=1e-6)
       if entropy:
         np.testing.assert_allclose(np.asarray(e1), np.asarray(e0), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_the_trainer_runs_its_logprob_forward_in_the_updates_micro_batches(
+    repo_root, devices, tmp_path, accum):
+  """setup() builds the forward that make_experience calls with the update's micro-batches:
+  a loop over them in the lowered program when optim.accum_steps = 2, none at 1."""
+  import os
+  from jaxrl import config as config_lib
+  from jaxrl.rl.grpo.trainer import setup
+  config = config_lib.load_config(os.path.join(repo_root, "configs/grpo_tiny.py:runlocal"),
+                                  [f"optim.accum_steps={accum}"], grpo.CHOICES)
+  p, state = setup(config, str(tmp_path / "run"), out=lambda *a, **k: None)
+  try:
+    rollout = _rollout(np.random.default_rng(1), 4, 4, 8)
+    b = grpo.learner_batch(rollout, length=p.length, pad_id=0)
+    dev = p.put({k: b[k] for k in ("inputs", "targets", "positions")})
+    hlo = p.logprobs_fn.lower(state.params, dev).as_text()
+    assert ("stablehlo.while" in hlo) == (accum > 1)
+    assert np.isfinite(np.asarray(p.logprobs_fn(state.params, dev)[0])).all()
+  finally:
+    p.close()
