@@ -288,6 +288,10 @@ class Program:
   # block's recompute holds in the backward.
   layer_bytes: int = 0
   remat: str = "none"
+  # Bytes per device of the float32 scores [rows, heads, queries, keys] of the program's
+  # largest full-sequence attention call, where XLA's attention runs it (no fused kernel takes
+  # the call: TPU and GPU today; attention_score_bytes); 0 where a kernel does (the CPU's).
+  attention_bytes: int = 0
 
 
 def _nbytes(shape, itemsize: int) -> int:
@@ -369,6 +373,16 @@ def _row_ways(args) -> int:
   return ways
 
 
+def attention_score_bytes(cfg: ModelConfig, mesh, *, rows: int, queries: int, keys: int,
+                          fused: bool) -> int:
+  """Bytes per device of one attention call's float32 scores [rows, heads, queries, keys], the
+  heads split over the mesh's tensor axis; 0 when a fused kernel takes the call (`fused`: the
+  backend's attention kernel, jaxrl.backends.attention_kernel, is not None)."""
+  if fused:
+    return 0
+  return 4 * rows * (cfg.num_heads // mesh.shape["tensor"]) * queries * keys
+
+
 def residual_bytes(loss_fn, params, batch, *, ways: int) -> int:
   """Bytes per device the backward of loss_fn(params, batch, key) keeps from its forward: the
   residuals of jax.vjp, traced under eval_shape (nothing runs), the batch's rows split `ways`
@@ -427,8 +441,14 @@ def estimate(program: Program) -> ProgramEstimate:
       temp += program.layer_bytes
   elif program.kind == "forward":  # the learner's: its weights gathered as in the train step
     # A forward holds only part of a block's residuals at once: a third, as XLA counted Qwen3-
-    # 0.6B's GRPO log-prob forward on v5e (attention's scores dominate both).
-    temp = 2 * logits + gathered_bytes(program.args[0]) + program.layer_bytes // 3
+    # 0.6B's GRPO log-prob forward on v5e, beside the head's logits. Where XLA's attention
+    # runs, a block's peak is its softmax instead, about 2.25 float32 score arrays (the
+    # scores, their exponentials and the bf16 probabilities, partly fused), whichever is the
+    # larger: calibrated on two v5e compiles of Qwen3-0.6B at 16 rows per chip, the log-prob
+    # forward (1,536 queries x 2,048 keys; XLA 7.20 GiB of temporaries, this 7.45) and the
+    # reward models' (2,048 x 2,048; XLA 10.09, this 9.70).
+    temp = gathered_bytes(program.args[0]) + max(2 * logits + program.layer_bytes // 3,
+                                                 9 * program.attention_bytes // 4)
   elif program.kind == "prefill":
     temp = 2 * logits
   elif program.kind == "decode":

@@ -25,12 +25,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxrl import config as config_lib
+from jaxrl import backends, config as config_lib
 from jaxrl.data.hf_tokenizer import tokenizer_for
 from jaxrl.models import RewardModel, abstract_model, reward_apply
 from jaxrl.models.flops import forward_flops
-from jaxrl.parallel import batch_sharding
-from jaxrl.parallel.plan import Program, Workload, abstract_bytes
+from jaxrl.parallel import batch_sharding, get_rules
+from jaxrl.parallel.plan import Program, Workload, abstract_bytes, attention_score_bytes
 from jaxrl.parallel.sync import make_placement
 from jaxrl.rl.grpo.config import grouped_forward, prompt_length
 from jaxrl.rl.grpo.update import (batch_logprobs, grpo_loss, logprob_micro_batches,
@@ -102,6 +102,13 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
     resident[f"{label} params"] = abstract_bytes(
         pg.params_of(abstract_model(rm_cfg, model), mesh, "learner"))
 
+  fused = backends.attention_kernel(mesh, batch=get_rules("learner")["batch"],
+                                   kv_heads=get_rules("learner")["kv_heads"]) is not None
+
+  def scores(n_rows, queries, keys):  # float32 attention scores per device (plan.Program)
+    return attention_score_bytes(cfg, mesh, rows=n_rows, queries=queries, keys=keys,
+                                 fused=fused)
+
   n_mb = N // a.minibatches
   batch, width = rows(n_mb, True)
   loss_fn = grpo_loss(graphdef, a, temperature=r.temperature, norm_len=r.max_new_tokens)
@@ -131,7 +138,9 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
       vocab=cfg.vocab_size, logits_chunk=knobs["logits_chunk"],
       layer_bytes=pg.layer_bytes(lambda p, b: batch_logprobs(plain, p, b, r.temperature)[0],
                                  state.params, pg.micro_batch(fwd_batch, micro),
-                                 layers=cfg.num_layers, mesh=mesh))
+                                 layers=cfg.num_layers, mesh=mesh),
+      # the largest attention call: the completions' against prompt + completion
+      attention_bytes=scores(N // (replicas * micro), Tc if grouped else Tp + Tc, Tp + Tc))
 
   progs = [train, fwd]
   # The reward models' forward (rm_lib.RewardModels.score, as setup() loads it): every RM over
@@ -165,7 +174,8 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
         flops=len(roles) * forward_flops(cfg, tokens=N * L, pairs=N * L * (L + 1) / 2),
         tokens=N * L, rows=N // replicas, seq_len=L, vocab=vocab,
         logits_chunk=knobs["logits_chunk"],
-        layer_bytes=pg.layer_bytes(plain_score, rm_params, rm_batch, layers=layers, mesh=mesh)))
+        layer_bytes=pg.layer_bytes(plain_score, rm_params, rm_batch, layers=layers, mesh=mesh),
+        attention_bytes=scores(N // replicas, L, L)))
 
   # The sampler: weights in its layout (cast by the sync), prefill, decode steps.
   sync_dtype = config.placement.sync_dtype or None
