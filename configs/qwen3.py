@@ -26,9 +26,9 @@ MODELS = {"0.6b": ("qwen3-0.6b", "checkpoints/Qwen3-0.6B"),
           "4b": ("qwen3-4b", "checkpoints/Qwen3-4B"),
           "8b": ("qwen3-8b", "checkpoints/Qwen3-8B")}
 # (model, trainer, chip) -> memory knobs where the family default (full remat; 1, 4 or 8
-# micro-batches by size: jaxrl.config.family_config) does not fit. 4B's GRPO update on a v5e
-# needs 16 micro-batches (plan: 15.0 GiB); even so the plan says the run does not fit a v5e-8:
-# the log-prob forward over the step's 128 rows in one call needs 19.5 GiB per chip.
+# micro-batches by size: jaxrl.config.family_config) does not fit. 4B's GRPO on a v5e: even at
+# 16 micro-batches (which the log-prob forward now also runs in) the compiled train step needs
+# 19.1 GiB per chip with the reference beside it: it does not fit (docs/guides/scale.md).
 SIZING = {("4b", "grpo", "v5e"): {"accum_steps": 16}}
 FIXTURE = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
                                         "tests", "fixtures", "hf", "qwen3"))
