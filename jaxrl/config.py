@@ -65,6 +65,10 @@ def base_config() -> ml_collections.ConfigDict:
   # A Hugging Face checkpoint directory: its config.json replaces the preset and its weights
   # replace the random init (jaxrl.io.hf.params_from_config).
   c.model.hf_path = ""
+  # LoRA (docs/guides/lora.md): rank 0 is off; scale = alpha / rank; targets "attn" (q,k,v,o),
+  # "all-linear" (and gate,up,down) or a comma list of those names.
+  c.model.lora = ml_collections.ConfigDict(dict(rank=0, alpha=16.0, dropout=0.0,
+                                                targets="attn"))
   return c
 
 

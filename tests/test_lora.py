@@ -1,0 +1,258 @@
+"""LoRA (model.lora; jaxrl.models.lora): the adapters in the model, the tree helpers, and
+every trainer taking them with the base frozen."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl import config as config_lib
+from jaxrl.errors import ConfigError
+from jaxrl.models import Transformer, abstract_model, apply, apply_logprobs, get_preset
+from jaxrl.models import lora
+from jaxrl.models.config import LORA_WEIGHTS, lora_fields
+from jaxrl.rl.grpo.update import batch_logprobs
+
+ALL = LORA_WEIGHTS
+
+
+def _lora_cfg(preset="tiny-qwen3", rank=4, alpha=8.0, targets=ALL, **kw):
+  return get_preset(preset).replace(lora_rank=rank, lora_alpha=alpha, lora_targets=targets,
+                                    **kw)
+
+
+def _split(cfg, seed=3):
+  graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(params=jax.random.key(seed))))
+  return graphdef, nnx.to_pure_dict(state)
+
+
+def _tokens(cfg, B=3, T=12):
+  return jax.random.randint(jax.random.key(1), (B, T), 0, cfg.vocab_size)
+
+
+def _randomise_b(params, seed=7, scale=0.05):
+  """The params with every lora_b drawn at random (at init they are zeros, which would hide
+  any mistake in the adapter's term)."""
+  keys = iter(jax.random.split(jax.random.key(seed), 64))
+
+  def walk(node, inside):
+    return {k: walk(v, inside or str(k).endswith("_lora")) if isinstance(v, dict) else
+            (scale * jax.random.normal(next(keys), v.shape, v.dtype)
+             if inside and k == "lora_b" else v) for k, v in node.items()}
+  return walk(params, False)
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_lora_section_to_model_config():
+  c = config_lib.base_config()
+  assert config_lib.model_config(c).lora_rank == 0  # off by default
+  assert config_lib.model_config(c).lora_targets == ()
+  c.model.lora.rank = 8
+  cfg = config_lib.model_config(c)
+  assert (cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets) == (8, 16.0, ("q", "k", "v", "o"))
+  c.model.lora.targets = "all-linear"
+  assert config_lib.model_config(c).lora_targets == ALL
+  c.model.lora.targets = "v, q ,down"  # a comma list, kept in the model's order
+  assert config_lib.model_config(c).lora_targets == ("q", "v", "down")
+  assert lora_fields({"rank": "4", "alpha": 32})["lora_alpha"] == 32.0  # sweep text, an int
+
+
+@pytest.mark.parametrize("section,words", [
+    ({"rank": 4, "targets": "mlp"}, "model.lora.targets names 'mlp'"),
+    ({"rank": -1}, "model.lora.rank must be 0"),
+    ({"rank": 4, "dropout": 1.0}, "model.lora.dropout must be in [0, 1)"),
+    ({"rank": 4, "alpha": 0.0}, "model.lora.alpha must be positive"),
+    ({"rank": 2.5}, "model.lora.rank=2.5 has the wrong type"),
+    ({"rank": 4, "scale": 2.0}, "model.lora.scale is not a LoRA key"),
+])
+def test_bad_lora_section_is_one_sentence(section, words):
+  c = config_lib.base_config()
+  c.model.lora = ml_collections.ConfigDict(section)
+  with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("(", r"\(")
+                     .replace(")", r"\)")):
+    config_lib.model_config(c)
+
+
+def test_lora_param_count_and_paths():
+  cfg = _lora_cfg()
+  _, shapes, axes = abstract_model(cfg)
+  n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+  assert n == cfg.num_params  # the count from the shapes alone includes the adapters
+  _, adapters = lora.split_lora(shapes)
+  assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(adapters)) == cfg.num_lora_params
+  attn, mlp = shapes["layers"][1]["attn"], shapes["layers"][1]["mlp"]
+  d, n_h, k_h, h, f, r = 128, 4, 2, 32, 384, 4
+  assert attn["q_lora"]["lora_a"].shape == (d, r) and attn["q_lora"]["lora_b"].shape == (r, n_h * h)
+  assert attn["k_lora"]["lora_b"].shape == (r, k_h * h)
+  assert attn["o_lora"]["lora_a"].shape == (n_h * h, r)
+  assert mlp["down_lora"]["lora_a"].shape == (f, r) and mlp["down_lora"]["lora_b"].shape == (r, d)
+  # Logical axes of the weight they adapt, so the layouts shard them alike.
+  assert axes["layers"][0]["attn"]["q_lora"]["lora_b"] == (None, "heads")
+  assert axes["layers"][0]["mlp"]["down_lora"]["lora_a"] == ("mlp", None)
+  assert lora.is_lora_path(("layers", 0, "attn", "q_lora", "lora_a"))
+  assert lora.is_lora_path("layers/0/attn/q_lora/lora_a")
+  assert not lora.is_lora_path(("layers", 0, "attn", "q"))
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen2", "tiny-llama3"])
+def test_adapters_at_init_leave_logits_bitwise_equal(preset):
+  """B = 0 at init: the adapted model's logits are the base model's, bit for bit, and the
+  base weights are the ones a plain model of the same seed gets."""
+  cfg0 = get_preset(preset)
+  cfg = _lora_cfg(preset)
+  g0, p0 = _split(cfg0)
+  g, p = _split(cfg)
+  base, adapters = lora.split_lora(p)
+  for x, y in zip(jax.tree.leaves(base), jax.tree.leaves(p0), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  bs = [x for path, x in jax.tree_util.tree_flatten_with_path(adapters)[0]
+        if path[-1].key == "lora_b"]
+  assert len(bs) == cfg.num_layers * len(ALL) and not any(np.any(np.asarray(b)) for b in bs)
+  toks = _tokens(cfg)
+  np.testing.assert_array_equal(np.asarray(apply(g, p, toks)[0]),
+                                np.asarray(apply(g0, p0, toks)[0]))
+
+
+def test_merge_lora_is_base_plus_scaled_ba():
+  cfg = _lora_cfg(alpha=12.0)
+  g, p = _split(cfg)
+  p = _randomise_b(p)
+  merged = lora.merge_lora(cfg, p)
+  layer, merged_layer = p["layers"][1], merged["layers"][1]
+  scale = 12.0 / 4
+  for mod, name in (("attn", "q"), ("attn", "k"), ("attn", "o"), ("mlp", "down")):
+    w, ad = layer[mod][name], layer[mod][f"{name}_lora"]
+    want = np.asarray(w) + scale * (np.asarray(ad["lora_a"]) @ np.asarray(ad["lora_b"])).reshape(
+        w.shape)
+    np.testing.assert_allclose(np.asarray(merged_layer[mod][name]), want, rtol=1e-6, atol=1e-7)
+    assert merged_layer[mod][name].dtype == w.dtype
+  assert not lora.has_lora(merged)
+  # Untouched weights are the params' own arrays.
+  assert merged["embed"] is p["embed"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_merged_model_logits_equal_adapted(dtype):
+  cfg = _lora_cfg(param_dtype=dtype)
+  g, p = _split(cfg)
+  p = _randomise_b(p)
+  toks = _tokens(cfg)
+  adapted = np.asarray(apply(g, p, toks)[0])
+  base_cfg = lora.base_config(cfg)
+  gm, _ = _split(base_cfg)
+  merged = lora.merge_lora(cfg, p)
+  assert merged["layers"][0]["attn"]["q"].dtype == jnp.dtype(dtype)
+  got = np.asarray(apply(gm, merged, toks)[0])
+  if dtype == "float32":
+    np.testing.assert_allclose(got, adapted, atol=2e-5, rtol=1e-5)
+  # The adapters really change the function (so the equality above says something).
+  plain = np.asarray(apply(gm, lora.split_lora(p)[0], toks)[0])
+  assert np.abs(plain - adapted).max() > 100 * np.abs(got - adapted).max() or dtype != "float32"
+  if dtype == "bfloat16":  # rounding of bf16 weights: merged and adapted agree to it
+    assert np.abs(got - adapted).max() < 0.1 * np.abs(plain - adapted).max()
+
+
+def test_adapters_off_is_the_base():
+  cfg = _lora_cfg()
+  g, p = _split(cfg)
+  p = _randomise_b(p)
+  off = lora.adapters_off(p)
+  # The same base arrays (no copy), zero lora_b.
+  assert off["layers"][0]["attn"]["q"] is p["layers"][0]["attn"]["q"]
+  assert not np.any(np.asarray(off["layers"][0]["attn"]["q_lora"]["lora_b"]))
+  toks = _tokens(cfg)
+  gb, _ = _split(lora.base_config(cfg))
+  np.testing.assert_array_equal(np.asarray(apply(g, off, toks)[0]),
+                                np.asarray(apply(gb, lora.split_lora(p)[0], toks)[0]))
+
+
+def test_decode_with_adapters_equals_full_forward():
+  """The sampler's paths (prefill, then one-token decode steps over several slots, which fuse
+  q/k/v and gate/up) add the adapters' terms as the full forward does."""
+  from jaxrl.models import init_cache
+  cfg = _lora_cfg()
+  g, p = _split(cfg)
+  p = _randomise_b(p)
+  B, T = 3, 8
+  toks = _tokens(cfg, B, T)
+  full = np.asarray(apply(g, p, toks)[0])
+  cache = init_cache(cfg, B, T)
+  pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+  _, cache = apply(g, p, toks[:, :5], pos[:, :5], cache=cache)
+  for t in range(5, T):
+    logits, cache = apply(g, p, toks[:, t:t + 1], pos[:, t:t + 1], cache=cache)
+    np.testing.assert_allclose(np.asarray(logits[:, 0]), full[:, t], atol=1e-4, rtol=1e-4)
+
+
+def _rows(cfg, B=4, T=10):
+  toks = _tokens(cfg, B, T)
+  return {"inputs": toks, "targets": jnp.roll(toks, -1, 1),
+          "positions": jnp.broadcast_to(jnp.arange(T), (B, T))}
+
+
+def _adapter_grads(cfg, p, batch):
+  g, _ = _split(cfg)
+  w = jax.random.normal(jax.random.key(5), batch["targets"].shape)
+  base, adapters = lora.split_lora(p)
+
+  def loss(ad):
+    logp, ent = batch_logprobs(g, lora.combine(base, ad), batch, 0.9)
+    return jnp.sum(w * logp) + 0.1 * jnp.sum(w * ent)
+  return jax.jit(jax.value_and_grad(loss))(adapters)
+
+
+def _close(a, b, tol=1e-5):
+  (va, ga), (vb, gb) = a, b
+  np.testing.assert_allclose(float(va), float(vb), rtol=1e-6)
+  scale = max(float(np.abs(np.asarray(y)).max()) for y in jax.tree.leaves(gb))
+  for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=tol * scale)
+
+
+@pytest.mark.parametrize("remat", ["full", "dots_with_no_batch_dims_saveable"])
+def test_remat_with_adapters_gives_the_same_gradients(remat):
+  cfg = _lora_cfg()
+  _, p = _split(cfg)
+  p = _randomise_b(p)
+  batch = _rows(cfg)
+  want = _adapter_grads(cfg, p, batch)
+  assert max(float(np.abs(np.asarray(x)).max()) for x in jax.tree.leaves(want[1])) > 0
+  _close(_adapter_grads(cfg.replace(remat=remat), p, batch), want)
+
+
+def test_chunked_logprobs_with_adapters():
+  """Above chunk_min_vocab the LM head runs in chunks: the adapters' gradients are those of
+  the unchunked head (tiny vocabulary forced over the threshold, 10 positions in chunks of 4)."""
+  cfg = _lora_cfg(vocab_size=700)
+  _, p = _split(cfg)
+  p = _randomise_b(p)
+  batch = _rows(cfg)
+  chunked = cfg.replace(chunk_min_vocab=700, logits_chunk=4)
+  assert chunked.chunked_logits and not cfg.chunked_logits
+  _close(_adapter_grads(chunked, p, batch), _adapter_grads(cfg, p, batch))
+
+
+def test_dropout_drops_only_with_a_key():
+  """model.lora.dropout acts in a train step's forward (a dropout key given) and never at eval
+  (no key): the log-probs with no key are the plain ones, with a key they differ, and the same
+  key gives the same values (a resumed step replays)."""
+  cfg = _lora_cfg(lora_dropout=0.5)
+  g, p = _split(cfg)
+  p = _randomise_b(p, scale=0.5)
+  b = _rows(cfg)
+  g_off, _ = _split(cfg.replace(lora_dropout=0.0))
+  plain = apply_logprobs(g_off, p, b["inputs"], b["targets"], b["positions"])[0]
+  no_key = apply_logprobs(g, p, b["inputs"], b["targets"], b["positions"])[0]
+  np.testing.assert_array_equal(np.asarray(no_key), np.asarray(plain))
+  k = jax.random.key(11)
+  one = apply_logprobs(g, p, b["inputs"], b["targets"], b["positions"], dropout_key=k)[0]
+  two = apply_logprobs(g, p, b["inputs"], b["targets"], b["positions"], dropout_key=k)[0]
+  np.testing.assert_array_equal(np.asarray(one), np.asarray(two))
+  assert float(jnp.abs(one - plain).max()) > 1e-3
