@@ -256,3 +256,153 @@ def test_dropout_drops_only_with_a_key():
   two = apply_logprobs(g, p, b["inputs"], b["targets"], b["positions"], dropout_key=k)[0]
   np.testing.assert_array_equal(np.asarray(one), np.asarray(two))
   assert float(jnp.abs(one - plain).max()) > 1e-3
+
+
+# ----------------------------------------------------------------------------- trainers
+
+
+def _cli(command, config, workdir, overrides):
+  from jaxrl import cli
+  cli.main([command, "--config", config, "--workdir", str(workdir),
+            *[f"--config.{k}={v}" for k, v in overrides.items()]])
+
+
+def _state(workdir, config_file, overrides, *, model=None):
+  """(fresh init state, the run's latest checkpointed state) of a run of config_file with
+  overrides (its ModelConfig's LoRA included)."""
+  from jaxrl.parallel import mesh_from_config
+  from jaxrl.train import Checkpointer, init_train_state, make_optimizer
+  from jaxrl.train.checkpoint import abstract_state
+  config = config_lib.load_config(config_file, [f"{k}={v}" for k, v in overrides.items()])
+  cfg = config_lib.model_config(config)
+  mesh = mesh_from_config(config.mesh)
+  tx, _ = make_optimizer(config.optim, config.train.steps)
+  _, fresh, shardings = init_train_state(cfg, mesh, tx, seed=config.seed, model=model)
+  ckpt = Checkpointer(str(workdir / "checkpoints"))
+  state, _ = ckpt.restore(abstract_state(jax.eval_shape(lambda: fresh), shardings))
+  ckpt.close()
+  return jax.device_get(fresh), jax.device_get(state)
+
+
+def _assert_only_adapters_moved(before, after, *, also=()):
+  """The frozen base is bitwise the starting one; every adapter's lora_b (and each sub-tree
+  named in `also`) moved."""
+  base0, ad0 = lora.split_lora(before)
+  base1, ad1 = lora.split_lora(after)
+  extra = {k: base1.pop(k) for k in also}
+  for k in also:
+    base0.pop(k)
+  for x, y in zip(jax.tree.leaves(base0), jax.tree.leaves(base1), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  moved = [float(np.abs(np.asarray(y) - np.asarray(x)).max()) for (p, x), y in zip(
+      jax.tree_util.tree_flatten_with_path(ad0)[0], jax.tree.leaves(ad1)) if p[-1].key == "lora_b"]
+  assert moved and min(moved) > 0
+  for k in also:
+    assert float(np.abs(np.asarray(extra[k]) - np.asarray(before[k])).max()) > 0
+
+
+def _opt_paths(state):
+  return {tuple(str(getattr(k, "key", k)) for k in p)
+          for p, _ in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]}
+
+
+SFT = "configs/sft_tiny.py:runlocal"
+SFT_LORA = {"model.lora.rank": 4, "model.lora.targets": "all-linear", "model.lora.alpha": 8.0,
+            "model.lora.dropout": 0.1, "optim.lr": 1e-2, "train.steps": 12,
+            "train.save_every": 4, "train.log_every": 1, "eval.every": 12}
+
+
+@pytest.mark.slow
+def test_lora_sft_trains_only_adapters_and_resumes_exactly(repo_root, tmp_path, devices,
+                                                           monkeypatch):
+  """A LoRA SFT run: the base stays bitwise as it started, the optimizer state holds the
+  adapters' moments only; a run stopped by SIGTERM at step 4-8 and resumed ends bitwise equal
+  to an uninterrupted one (dropout's key included: fold_in(key, step))."""
+  import os
+  import signal
+
+  from jaxrl.train import read_metrics
+  import jaxrl.train.sft as sft
+  monkeypatch.chdir(repo_root)
+  full, cut = tmp_path / "full", tmp_path / "cut"
+  _cli("sft", SFT, full, SFT_LORA)
+  fresh, a = _state(full, SFT, SFT_LORA)
+  assert a.train_only == () and int(a.step) == 12
+  _assert_only_adapters_moved(fresh.params, a.params)
+  # Adam's moments (and nothing else param-shaped) only for the adapters.
+  n_adapters, n_all = lora.count(a.params)
+  n_opt = sum(int(np.size(x)) for x in jax.tree.leaves(a.opt_state))
+  assert 2 * n_adapters <= n_opt < 2 * n_adapters + 16 and n_adapters < n_all // 10
+
+  real = sft.sft_batches
+
+  def stopping(*args, **kw):  # SIGTERM to this process while the 6th batch is read
+    it = real(*args, **kw)
+
+    class Stop:
+      n = 0
+
+      def __iter__(self):
+        return self
+
+      def __next__(self):
+        Stop.n += 1
+        if Stop.n == 6:
+          os.kill(os.getpid(), signal.SIGTERM)
+        return next(it)
+
+      def get_state(self):
+        return it.get_state()
+
+      def set_state(self, s):
+        it.set_state(s)
+    return Stop()
+  monkeypatch.setattr(sft, "sft_batches", stopping)
+  _cli("sft", SFT, cut, SFT_LORA)
+  monkeypatch.setattr(sft, "sft_batches", real)
+  import json
+  stopped = json.load(open(cut / "summary.json"))
+  assert stopped["status"] == "interrupted" and 4 <= stopped["step"] < 12
+  _cli("sft", SFT, cut, SFT_LORA)
+  _, b = _state(cut, SFT, SFT_LORA)
+  for x, y in zip(jax.tree.leaves((a.params, a.opt_state)), jax.tree.leaves((b.params,
+                                                                             b.opt_state))):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  la = [m["loss"] for m in read_metrics(str(full)) if "loss" in m]
+  lb = [m["loss"] for m in read_metrics(str(cut)) if "loss" in m]
+  assert la == lb and la[-1] < la[0]
+
+
+@pytest.mark.slow
+def test_lora_reward_model_trains_adapters_and_head(repo_root, tmp_path, devices, monkeypatch):
+  import functools
+
+  from jaxrl.models import RewardModel
+  monkeypatch.chdir(repo_root)
+  over = {"model.lora.rank": 4, "train.steps": 4, "train.save_every": 4, "eval.every": 4,
+          "optim.lr": 1e-2, "optim.warmup_steps": 1}
+  _cli("rm", "configs/rm_tiny.py:runlocal", tmp_path, over)
+  fresh, state = _state(tmp_path, "configs/rm_tiny.py:runlocal", over,
+                        model=functools.partial(RewardModel, logprob_feature=False))
+  assert state.train_only == ("head",)
+  _assert_only_adapters_moved(fresh.params, state.params, also=("head",))
+  # Adam's moments: the adapters' and the head's, none of the backbone's base.
+  backbone = [p for p in _opt_paths(state) if "backbone" in p]
+  assert backbone and all(lora.is_lora_path(p) for p in backbone)
+  assert any("head" in p for p in _opt_paths(state))
+
+
+def test_dropout_is_refused_where_no_key_reaches_the_model(repo_root, tmp_path, monkeypatch):
+  monkeypatch.chdir(repo_root)
+  for command, config in (("rm", "configs/rm_tiny.py:runlocal"),
+                          ("grpo", "configs/grpo_tiny.py:runlocal")):
+    with pytest.raises(ConfigError, match=r"model.lora.dropout=0.1 is not supported by .*set "
+                       r"model.lora.dropout=0\."):
+      from jaxrl import rl, train  # noqa: F401
+      config_ = config_lib.load_config(config, ["model.lora.rank=4", "model.lora.dropout=0.1"])
+      if command == "rm":
+        from jaxrl.train import rm
+        rm.run(config_, str(tmp_path / command), out=lambda *_: None)
+      else:
+        from jaxrl.rl.grpo import trainer
+        trainer._check(config_)

@@ -45,7 +45,7 @@ def is_lora_path(path) -> bool:
   return any(p.endswith(SUFFIX) for p in parts)
 
 
-def _partition(tree, keep) -> dict:
+def partition(tree, keep) -> dict:
   """The sub-tree of a nested dict whose leaf paths satisfy keep(path); empty dicts pruned."""
   def walk(node, path):
     if not isinstance(node, dict):
@@ -62,8 +62,8 @@ def _partition(tree, keep) -> dict:
 def split_lora(params) -> tuple[dict, dict]:
   """(base, adapters): the params without the adapters, and the adapters alone, both nested
   dicts in the params' own structure. The arrays are the params' own (nothing is copied)."""
-  return (_partition(params, lambda p: not is_lora_path(p)),
-          _partition(params, is_lora_path))
+  return (partition(params, lambda p: not is_lora_path(p)),
+          partition(params, is_lora_path))
 
 
 def combine(base, adapters) -> dict:
@@ -133,14 +133,10 @@ def base_config(cfg: ModelConfig) -> ModelConfig:
   return cfg.replace(lora_rank=0, lora_targets=(), lora_dropout=0.0)
 
 
-def trainable_mask(params, extra: tuple[str, ...] = ()) -> Any:
-  """A tree of bools in the params' structure: True on adapters and on the top-level sub-trees
-  named in `extra` (a reward model's "head"), False on the frozen base."""
-  def walk(node, path):
-    if isinstance(node, dict):
-      return {k: walk(v, path + (k,)) for k, v in node.items()}
-    return is_lora_path(path) or (bool(path) and path[0] in extra)
-  return walk(params, ())
+def trainable(path, extra: tuple[str, ...] = ()) -> bool:
+  """Whether a LoRA run trains the parameter at `path`: an adapter, or anything under the
+  top-level sub-trees named in `extra` (a reward model's head). The base decoder is frozen."""
+  return is_lora_path(path) or (len(path) > 0 and _key_name(path[0]) in extra)
 
 
 def count(params) -> tuple[int, int]:

@@ -235,7 +235,13 @@ def init_reward_state(config, mesh, tx, *, layout: str = "learner"):
 
 
 def run(config, workdir: str, *, out=print) -> dict:
-  """Trains (or resumes) the reward-model run in `workdir`; returns the summary."""
+  """Trains (or resumes) the reward-model run in `workdir`; returns the summary. With LoRA
+  (model.lora.rank > 0) the backbone's base is frozen: its adapters and the head train."""
+  cfg = config_lib.model_config(config)
+  if cfg.lora_rank and cfg.lora_dropout:
+    raise ConfigError(f"model.lora.dropout={cfg.lora_dropout} is not supported by `jaxrl rm` "
+                      "(the reward model's forward takes no dropout key): set "
+                      "model.lora.dropout=0.")
   r = Run(config, workdir, out=out, choices=CHOICES, command="rm",
           sections=default_config().keys(), programs=programs)
   d, mesh = config.data, r.mesh

@@ -75,12 +75,12 @@ def default_config():
 
 def sft_loss(graphdef):
   """loss_fn(params, batch, key) -> (sum of -log p(target) over masked tokens, (token count,
-  {})); the train step divides by the count over the whole batch."""
+  {})); the train step divides by the count over the whole batch. `key` drives LoRA's
+  dropout (model.lora.dropout; None at eval drops nothing)."""
   def loss_fn(params, batch, key):
-    del key  # no dropout in these models
     logp, _ = apply_logprobs(graphdef, params, batch["inputs"], batch["targets"],
                              batch["positions"], segment_ids_bt=batch["segment_ids"],
-                             entropy=False)
+                             entropy=False, dropout_key=key)
     mask = batch["loss_mask"]
     return -(logp * mask).sum(), (mask.sum(), {})
   return loss_fn

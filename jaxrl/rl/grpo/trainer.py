@@ -55,6 +55,7 @@ from jaxrl.data import prefs
 from jaxrl.data.hf_tokenizer import eos_ids
 from jaxrl.errors import ConfigError
 from jaxrl.evals.evaluator import Evaluator, checker_for
+from jaxrl.models import lora
 from jaxrl.models.flops import rollout_flops
 from jaxrl.parallel import batch_sharding
 from jaxrl.parallel.distributed import global_array
@@ -239,7 +240,9 @@ def setup(config, workdir: str, *, out=print) -> tuple[Parts, Any]:
   tx, schedule = make_optimizer(config.optim, config.train.steps * updates_per_step)
   graphdef, state, shardings = run.init_state(tx, layout="learner")
   # The reference is the starting policy, rebuilt from the same source on resume (never saved).
-  reference = jax.tree.map(jnp.copy, state.params)
+  # With LoRA it is the base with adapters off: the policy's own frozen base, not a copy.
+  reference = (lora.adapters_off(state.params) if cfg.lora_rank else
+               jax.tree.map(jnp.copy, state.params))
   # Reward models: frozen `jaxrl rm` runs in the learner layout, beside the reference.
   rms = rm_lib.RewardModels.load(rm_paths, mesh, tokenizer) if rm_paths else None
   rm_norm = (rm_lib.RunningNorm(len(rm_paths)) if rms is not None and rm_cfg.normalize
@@ -330,6 +333,11 @@ def _evaluator(run: Run, graphdef, held_out: list[dict], task, weight_sync: Weig
 
 def _check(config) -> None:
   """One sentence for rollout settings that cannot go together."""
+  lora_section = config.model.get("lora") or {}
+  if lora_section.get("rank") and lora_section.get("dropout"):
+    raise ConfigError(f"model.lora.dropout={lora_section['dropout']} is not supported by "
+                      "GRPO (dropout in the update would bias its ratio to the sampler's "
+                      "log-probs, which run without it): set model.lora.dropout=0.")
   if config.rollout.async_generation and config.placement.mode != "disaggregated":
     raise ConfigError("rollout.async_generation=True needs placement.mode=disaggregated (the "
                       "sampler overlaps the update on its own devices): set both, or turn "
