@@ -164,9 +164,12 @@ def test_adapters_off_is_the_base():
   g, p = _split(cfg)
   p = _randomise_b(p)
   off = lora.adapters_off(p)
-  # The same base arrays (no copy), zero lora_b.
+  # The same base arrays (no copy), new zero adapters (never the policy's own, which a train
+  # step donates).
   assert off["layers"][0]["attn"]["q"] is p["layers"][0]["attn"]["q"]
-  assert not np.any(np.asarray(off["layers"][0]["attn"]["q_lora"]["lora_b"]))
+  for name in ("lora_a", "lora_b"):
+    x = off["layers"][0]["attn"]["q_lora"][name]
+    assert x is not p["layers"][0]["attn"]["q_lora"][name] and not np.any(np.asarray(x))
   toks = _tokens(cfg)
   gb, _ = _split(lora.base_config(cfg))
   np.testing.assert_array_equal(np.asarray(apply(g, off, toks)[0]),
@@ -406,3 +409,62 @@ def test_dropout_is_refused_where_no_key_reaches_the_model(repo_root, tmp_path, 
       else:
         from jaxrl.rl.grpo import trainer
         trainer._check(config_)
+
+
+@pytest.mark.slow
+def test_lora_dpo_live_reference_is_the_base(repo_root, tmp_path, devices, monkeypatch):
+  """DPO with LoRA and a live reference: the reference is the base with adapters off, which
+  shares the policy's frozen base (the step never donates it, or this run would fail reading
+  a deleted array); only the adapters move."""
+  monkeypatch.chdir(repo_root)
+  over = {"model.lora.rank": 4, "model.lora.dropout": 0.1, "ref.mode": "live",
+          "train.steps": 4, "train.save_every": 4, "eval.every": 4, "optim.lr": 1e-2}
+  _cli("dpo", "configs/dpo_tiny.py:runlocal", tmp_path, over)
+  fresh, state = _state(tmp_path, "configs/dpo_tiny.py:runlocal", over)
+  _assert_only_adapters_moved(fresh.params, state.params)
+
+
+@pytest.mark.slow
+def test_lora_grpo_from_a_lora_sft_run(repo_root, tmp_path, devices, monkeypatch):
+  """GRPO with LoRA from a LoRA SFT run: the SFT adapters are merged into the base, the
+  reference is that base with adapters off (the same arrays, not a copy), and two GRPO steps
+  move only the new adapters."""
+  from jaxrl.parallel import mesh_from_config
+  from jaxrl.rl.grpo import trainer
+  from jaxrl.train.checkpoint import restore_params
+  monkeypatch.chdir(repo_root)
+  sft_dir = tmp_path / "sft"
+  sft_over = {**SFT_LORA, "train.steps": 4, "train.save_every": 4, "eval.every": 4}
+  _cli("sft", SFT, sft_dir, sft_over)
+  sft_config = config_lib.load_config(SFT, [f"{k}={v}" for k, v in sft_over.items()])
+  sft_cfg = config_lib.model_config(sft_config)
+  _, sft_state = _state(sft_dir, SFT, sft_over)
+  want_base = lora.merge_lora(sft_cfg, sft_state.params)
+
+  grpo = "configs/grpo_tiny.py:runlocal"
+  over = {"model.lora.rank": 8, "model.lora.alpha": 16.0, "init.checkpoint": str(sft_dir),
+          "optim.lr": 1e-2}
+  config = config_lib.load_config(grpo, [f"{k}={v}" for k, v in over.items()])
+  parts, state = trainer.setup(config, str(tmp_path / "setup"), out=lambda *_: None)
+  try:
+    ref, params = parts.reference, state.params
+    assert ref["layers"][1]["mlp"]["down"] is params["layers"][1]["mlp"]["down"]  # shared
+    assert not np.any(np.asarray(ref["layers"][1]["attn"]["q_lora"]["lora_b"]))
+    base, adapters = lora.split_lora(jax.device_get(params))
+    for x, y in zip(jax.tree.leaves(base), jax.tree.leaves(want_base), strict=True):
+      np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+    assert adapters["layers"][0]["attn"]["q_lora"]["lora_a"].shape == (128, 8)
+  finally:
+    parts.close()
+
+  run_dir = tmp_path / "grpo"
+  _cli("grpo", grpo, run_dir, over)
+  cfg = config_lib.model_config(config)
+  mesh = mesh_from_config(config.mesh)
+  from jaxrl.models import abstract_model
+  from jaxrl.parallel import tree_shardings
+  _, shapes, axes = abstract_model(cfg)
+  shd = tree_shardings(shapes, axes, mesh, "learner")
+  final = jax.device_get(restore_params(str(run_dir), jax.tree.map(
+      lambda s, d: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=d), shapes, shd)))
+  _assert_only_adapters_moved(jax.device_get(params), final)

@@ -111,19 +111,18 @@ def merge_lora(cfg: ModelConfig, params) -> dict:
 
 
 def adapters_off(params) -> dict:
-  """The params with every adapter's lora_b at zero: the base model's function in the adapted
-  model's structure (one graphdef serves policy and reference). The base weights are the
-  params' own arrays, not copies; only the (small) zero lora_b are new. This is the frozen
-  reference of a LoRA run: the base with adapters off."""
+  """The params with every adapter zeroed (lora_a and lora_b): the base model's function in
+  the adapted model's structure, so one graphdef serves policy and reference. The base
+  weights are the params' own arrays, not copies; the adapters are new (small) zero arrays,
+  never the policy's, which a train step donates. This is the frozen reference of a LoRA run:
+  the base with adapters off."""
   def walk(node, inside):
     out = {}
     for k, v in node.items():
       if isinstance(v, dict):
         out[k] = walk(v, inside or str(k).endswith(SUFFIX))
-      elif inside and k == "lora_b":
-        out[k] = jnp.zeros_like(v)
       else:
-        out[k] = v
+        out[k] = jnp.zeros_like(v) if inside else v
     return out
   return walk(params, False)
 
