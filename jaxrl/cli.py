@@ -97,6 +97,8 @@ def _parser() -> argparse.ArgumentParser:
                  help="hf-to-jaxrl: parameter dtype (default: the checkpoint's own)")
   s.add_argument("--max-shard-mb", type=float, default=2048.0,
                  help="jaxrl-to-hf: largest safetensors file (default 2048 MiB)")
+  s.add_argument("--merge", action="store_true", help="jaxrl-to-hf of a LoRA checkpoint: full "
+                 "weights with the adapters merged (default: the PEFT adapter, docs/guides/peft.md)")
   _common(s, config_required=False)
   s = sub.add_parser("sample", help="completions for a JSONL file of prompts, printed and "
                      "written to DIR/completions.jsonl")
@@ -374,11 +376,14 @@ def cmd_convert(args, overrides) -> None:
   else:
     if not args.checkpoint:
       raise ConfigError("convert jaxrl-to-hf needs --checkpoint DIR (a jaxrl checkpoint).")
-    files = hf.jaxrl_to_hf(args.checkpoint, args.out, mesh,
+    files = hf.jaxrl_to_hf(args.checkpoint, args.out, mesh, merge=args.merge,
                            max_shard_bytes=int(args.max_shard_mb * 2**20))
-    cfg = hf.read_hf_config(args.out)
     print(f"wrote {len(files)} files: {', '.join(files)}")
-    cfg = hf.config_from_hf(cfg)
+    if "adapter_config.json" in files:  # a LoRA checkpoint, exported as a PEFT adapter
+      from jaxrl.io import peft
+      peft.describe(args.out, out=print)
+      return
+    cfg = hf.config_from_hf(hf.read_hf_config(args.out))
   print(f"{args.direction}: {cfg.num_params:,} parameters ({cfg.param_dtype}, "
         f"{cfg.num_layers} layers, family {hf.family_for(cfg)}) -> {args.out}  [{describe(mesh)}]")
 
