@@ -267,3 +267,110 @@ def test_merge_of_a_plain_checkpoint_is_refused(mesh, base, tmp_path):
   save_params(str(tmp_path / "plain"), *base)
   with pytest.raises(ConfigError, match=r"--merge: .* has no LoRA adapters .*drop --merge"):
     hf.jaxrl_to_hf(str(tmp_path / "plain"), str(tmp_path / "out"), mesh, merge=True)
+
+
+# ----------------------------------------------------------------------------- adapter-only sync
+
+
+def _placement(mode):
+  from jaxrl.parallel.sync import make_placement, placement_config
+  section = placement_config()
+  section.mode = mode
+  section.sampler_mesh.tensor = 4  # colocated: data=2 x tensor=4; disaggregated: tensor=4
+  if mode == "disaggregated":
+    section.learner_devices = 4
+  return make_placement(dict(data=1, fsdp=-1, tensor=1), section)
+
+
+@pytest.mark.parametrize("mode,lora_sampler", [("colocated", "merge"), ("disaggregated", "merge"),
+                                               ("colocated", "apply")])
+def test_adapter_only_sync_moves_adapter_bytes_and_sampler_logits_equal(devices, monkeypatch,
+                                                                         mode, lora_sampler):
+  """With LoRA, the first sync moves the base and the adapters, every later one the adapters
+  alone (counted at the transfer itself); the sampler's logits then equal the learner's,
+  whether it merges the adapters into its base copy or applies them at decode time."""
+  from jaxrl.models import get_preset
+  from jaxrl.parallel import init_params
+  from jaxrl.parallel import sync as sync_lib
+  placement = _placement(mode)
+  cfg = get_preset("tiny-qwen3").replace(lora_rank=4, lora_alpha=8.0, lora_targets=LORA_WEIGHTS)
+  graphdef, params = init_params(cfg, placement.learner.mesh, "learner", seed=3)
+  moved = []
+  real_sync = sync_lib.sync
+  monkeypatch.setattr(sync_lib, "sync", lambda tree, *a, **k: (
+      moved.append(sync_lib.tree_bytes(tree)), real_sync(tree, *a, **k))[1])
+  ws = sync_lib.WeightSync(cfg, placement, lora_sampler=lora_sampler)
+  assert ws.adapters_only
+  merge = lora_sampler == "merge"
+  assert ws.sampler_cfg == (lora.base_config(cfg) if merge else cfg)
+  sampler_graphdef = abstract_model(ws.sampler_cfg)[0]
+  copy = sync_lib.SamplerCopy(ws, keep=False)
+  copy.refresh(params)
+  assert sum(moved) == ws.last.bytes == cfg.num_params * 4  # base + adapters, once
+  base_s = ws.base
+  copy.before_update()  # releases what the sync made, never the base copy
+  assert not any(x.is_deleted() for x in jax.tree.leaves(base_s))
+  adapter_bytes = cfg.num_lora_params * 4
+  tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, cfg.vocab_size)
+  on_sampler = jax.device_put(tokens, jax.sharding.NamedSharding(
+      placement.sampler.mesh, jax.sharding.PartitionSpec()))
+  for step in range(2):  # the learner's adapters change; its base does not
+    base, adapters = lora.split_lora(params)
+    params = lora.combine(base, random_adapters(cfg, placement.learner.mesh, seed=10 + step))
+    moved.clear()
+    out = copy.refresh(params)
+    assert moved == [adapter_bytes] and ws.last.bytes == adapter_bytes
+    assert ws.last.bytes < cfg.num_params * 4 / 4  # a small share of the model
+    assert ws.base is base_s  # the base copy, kept
+    target = lora.split_lora(ws.target)[0] if merge else ws.target
+    assert jax.tree.structure(out) == jax.tree.structure(target)
+    for x, t in zip(jax.tree.leaves(out), jax.tree.leaves(target)):
+      assert x.sharding.is_equivalent_to(t, x.ndim)
+    if not merge:  # bitwise what a full sync of the same params gives
+      full = real_sync(params, ws.target)
+      assert leaves_equal(out, full)
+      sync_lib.release(full)
+    got = np.asarray(FWD(sampler_graphdef, out, on_sampler))
+    # The learner's logits, up to the layouts' summation order (and the merge's rounding).
+    want = np.asarray(FWD(graphdef, params, tokens))
+    assert np.abs(want - np.asarray(FWD(graphdef, lora.adapters_off(params), tokens))).max() > 1e-2
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    copy.before_update()
+    assert not any(x.is_deleted() for x in jax.tree.leaves(base_s))
+
+
+def test_adapter_only_sync_resyncs_a_new_base(colocated_lora):
+  """If the learner's base arrays are ever other ones, the base moves again (never a stale
+  base on the sampler)."""
+  cfg, placement, params = colocated_lora
+  from jaxrl.parallel.sync import WeightSync
+  ws = WeightSync(cfg, placement)
+  ws(params)
+  ws(params)
+  assert ws.last.bytes == cfg.num_lora_params * 4
+  base, adapters = lora.split_lora(params)
+  moved_base = lora.combine(jax.tree.map(lambda x: x + 1, base), adapters)
+  out = ws(moved_base)
+  assert ws.last.bytes == cfg.num_params * 4
+  np.testing.assert_array_equal(np.asarray(out["embed"]), np.asarray(base["embed"]) + 1)
+
+
+@pytest.fixture
+def colocated_lora(devices):
+  from jaxrl.models import get_preset
+  from jaxrl.parallel import init_params
+  placement = _placement("colocated")
+  cfg = get_preset("tiny").replace(lora_rank=2, lora_alpha=4.0, lora_targets=("q", "v"))
+  _, params = init_params(cfg, placement.learner.mesh, "learner")
+  return cfg, placement, params
+
+
+def test_full_sync_is_kept_without_lora_and_refused_when_asked_for_adapters(colocated_lora):
+  from jaxrl.models import get_preset
+  from jaxrl.parallel.sync import WeightSync
+  cfg, placement, params = colocated_lora
+  ws = WeightSync(cfg, placement, adapters_only=False)
+  ws(params)
+  assert ws.last.bytes == cfg.num_params * 4
+  with pytest.raises(ConfigError, match="adapter-only weight sync needs LoRA adapters"):
+    WeightSync(get_preset("tiny"), placement, adapters_only=True)

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl import config as config_lib
 from jaxrl.data.hf_tokenizer import tokenizer_for
-from jaxrl.models import RewardModel, abstract_model
+from jaxrl.models import RewardModel, abstract_model, lora
 from jaxrl.models.flops import forward_flops
 from jaxrl.parallel import batch_sharding
 from jaxrl.parallel.plan import Workload, abstract_bytes
@@ -147,7 +147,13 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
 
   sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                             max_new_tokens=r.max_new_tokens, eos_id=None)
-  engine = Engine(graphdef, cfg, smesh, sampling=sampling)
+  # LoRA: the sampler runs the plain model on weights merged from its own copy of the frozen
+  # base, which stays on its chips the whole step (jaxrl.parallel.sync.WeightSync).
+  scfg, sbase = cfg, {}
+  if cfg.lora_rank:
+    scfg, sparams = lora.base_config(cfg), lora.split_lora(sparams)[0]
+    sbase = {"sampler base (LoRA)": abstract_bytes(sparams)}
+  engine = Engine(abstract_model(scfg)[0], scfg, smesh, sampling=sampling)
   key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
                              sharding=NamedSharding(smesh, P()))
   n_prefill = bucket(max(1, min(r.prompts_per_step, -(-r.slots // G))), minimum=1)
@@ -157,7 +163,7 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
       "prefill", engine._prefill,
       (sparams, pg.spec((n_prefill, Tp), "int32", rep), pg.spec((n_prefill,), "int32", rep),
        pg.spec((n_prefill,), "int32", rep), key), kind="prefill",
-      resident=gen_resident, flops=forward_flops(cfg, tokens=n_prefill * Tp,
+      resident={**gen_resident, **sbase}, flops=forward_flops(cfg, tokens=n_prefill * Tp,
                                                      pairs=n_prefill * Tp * (Tp + 1) / 2),
       tokens=n_prefill * Tp, rows=n_prefill, seq_len=1, vocab=cfg.vocab_size)
   max_len = Tp + Tc
@@ -169,13 +175,15 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
   decode = pg.forward_program(
       "decode steps", jax.jit(lambda p, s, k: engine._steps_fn(p, s, k, steps=steps),
                               donate_argnums=1), (sparams, dstate, key),
-      kind="decode", resident=gen_resident, donated=(1,),
+      kind="decode", resident={**gen_resident, **sbase}, donated=(1,),
       flops=steps * forward_flops(cfg, tokens=r.slots, pairs=r.slots * max_len),
       tokens=steps * r.slots, rows=slots_dev, seq_len=1, vocab=cfg.vocab_size)
   prefill.resident["kv cache"] = abstract_bytes(dstate)  # allocated before the first prefill
   if colocated and placement.keep_sampler_copy:
     train.resident.update({"sampler weights": abstract_bytes(sparams),
                            "kv cache": abstract_bytes(dstate)})
+  if colocated:
+    train.resident.update(sbase)  # LoRA: the sampler's base copy stays over the update
   work = Workload(rows=max(1, n_mb // (replicas * config.optim.accum_steps)), seq_len=width,
                   reference=True, slots=r.slots, max_len=max_len, **knobs)
   return work, [train, fwd, prefill, decode, sync]

@@ -55,7 +55,7 @@ from jaxrl.data import prefs
 from jaxrl.data.hf_tokenizer import eos_ids
 from jaxrl.errors import ConfigError
 from jaxrl.evals.evaluator import Evaluator, checker_for
-from jaxrl.models import lora
+from jaxrl.models import abstract_model, lora
 from jaxrl.models.flops import rollout_flops
 from jaxrl.parallel import batch_sharding
 from jaxrl.parallel.distributed import global_array
@@ -254,9 +254,13 @@ def setup(config, workdir: str, *, out=print) -> tuple[Parts, Any]:
                             eos_id=None if r.ignore_eos else tokenizer.eos_id,
                             # generation_config.json's other eos ids (none for the bytes)
                             stop_ids=() if r.ignore_eos else eos_ids(tokenizer)[1:])
-  engine = Engine(graphdef, cfg, run.placement.sampler.mesh, sampling=sampling)
+  # With LoRA only the adapters move each step, merged on the sampler into its own copy of the
+  # frozen base: the engine then runs the plain model (WeightSync.sampler_cfg).
   weight_sync = WeightSync(cfg, run.placement, dtype=config.placement.sync_dtype or None)
   sampler_copy = SamplerCopy(weight_sync)
+  scfg = weight_sync.sampler_cfg
+  engine = Engine(graphdef if scfg == cfg else abstract_model(scfg)[0], scfg,
+                  run.placement.sampler.mesh, sampling=sampling)
 
   prompt_len = prompt_length(config, max(len(run.prompts.ids(x))
                                           for x in train_records + held_out))
