@@ -6,14 +6,15 @@ merging them into the sampler's base copy, in one run.
 For each preset (LoRA rank 16 on all linear layers, fp32), colocated (learner fsdp=8 -> sampler
 data=2 x tensor=4 on the same devices):
   full sync      every parameter moves (what a run without adapter-only sync does)
-  adapter sync   only the adapters move; the sampler keeps its base copy (WeightSync with LoRA,
-                 its transfer alone)
-  merge          a jitted W + (alpha/r) A B of every adapted weight on the sampler mesh, into a
-                 second base copy: the cost per RL step of the merging alternative
+  adapter sync   only the adapters move; the sampler keeps its base copy and applies them at
+                 decode time (WeightSync, lora_sampler="apply": the transfer alone)
+  sync + merge   only the adapters move, merged on the sampler into a plain model beside its base
+                 copy (WeightSync's default, lora_sampler="merge"; colocated, one jitted program
+                 takes the learner's adapters and writes the merged weights)
   decode step    one decode step of `--slots` slots (Engine.generate_steps, --steps per call),
                  with the adapters applied (the LoRA graph) against the merged plain graph
 Per RL step of --new-tokens decode steps: apply = adapter sync + new_tokens x adapted step;
-merge = adapter sync + merge + new_tokens x plain step. Medians of --repeats after a warm-up.
+merge = sync + merge + new_tokens x plain step. Medians of --repeats after a warm-up.
 """
 
 from __future__ import annotations
@@ -23,23 +24,12 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 
 from jaxrl.models import abstract_model, get_preset, lora
 from jaxrl.models.config import LORA_WEIGHTS
 from jaxrl.parallel import describe, init_params
 from jaxrl.parallel.sync import bench_sync, make_placement, placement_config, release
 from jaxrl.sampler import Engine, SamplingParams
-
-
-def median_ms(fn, repeats):
-  jax.block_until_ready(fn())  # warm-up (and compile)
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times) * 1e3
 
 
 def decode_ms(cfg, params, mesh, slots, max_len, steps, repeats):
@@ -74,7 +64,7 @@ def main():
   print(f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} devices; learner "
         f"{describe(pl.learner.mesh)} -> sampler {describe(pl.sampler.mesh)}")
   print(f"{'preset':7s} {'full MiB':>9s} {'full ms':>8s} {'adapt MiB':>10s} {'adapt ms':>9s} "
-        f"{'merge ms':>9s} {'step+LoRA':>10s} {'step plain':>11s} {'apply/RL step':>14s} "
+        f"{'sync+merge ms':>14s} {'step+LoRA':>10s} {'step plain':>11s} {'apply/RL step':>14s} "
         f"{'merge/RL step':>14s}")
   for preset in args.presets.split(","):
     cfg = get_preset(preset).replace(lora_rank=args.rank, lora_alpha=2.0 * args.rank,
@@ -84,30 +74,28 @@ def main():
     # The transfer alone ("apply" leaves the adapters as they arrive); the merge is timed below.
     adapt = bench_sync(cfg, pl, params, repeats=args.repeats, adapters_only=True,
                        lora_sampler="apply")
-    # The sampler side: its copy of the adapted model, and the merge into a plain one.
-    target = pl.sampler.model_shardings(cfg)
-    sampled = jax.device_put(params, target)
+    merged_sync = bench_sync(cfg, pl, params, repeats=args.repeats, adapters_only=True)
+    # The sampler side: its copy of the adapted model, and the merged plain one.
+    sampled = jax.device_put(params, pl.sampler.model_shardings(cfg))
     base_cfg = lora.base_config(cfg)
-    merge = jax.jit(lambda p: lora.merge_lora(cfg, p),
-                    out_shardings=pl.sampler.model_shardings(base_cfg))
-    merge_ms = median_ms(lambda: merge(sampled), args.repeats)
-    merged = merge(sampled)
+    merged = jax.jit(lambda p: lora.merge_lora(cfg, p),
+                     out_shardings=pl.sampler.model_shardings(base_cfg))(sampled)
     max_len = args.new_tokens + 32
     step_lora = decode_ms(cfg, sampled, pl.sampler.mesh, args.slots, max_len, args.steps,
                           args.repeats)
     step_plain = decode_ms(base_cfg, merged, pl.sampler.mesh, args.slots, max_len, args.steps,
                            args.repeats)
     apply_rl = adapt.ms + args.new_tokens * step_lora
-    merge_rl = adapt.ms + merge_ms + args.new_tokens * step_plain
+    merge_rl = merged_sync.ms + args.new_tokens * step_plain
     print(f"{preset:7s} {full.bytes / 2**20:9.2f} {full.ms:8.1f} {adapt.bytes / 2**20:10.3f} "
-          f"{adapt.ms:9.1f} {merge_ms:9.1f} {step_lora:10.2f} {step_plain:11.2f} "
+          f"{adapt.ms:9.1f} {merged_sync.ms:14.1f} {step_lora:10.2f} {step_plain:11.2f} "
           f"{apply_rl:12.0f}ms {merge_rl:12.0f}ms", flush=True)
     release(sampled)
     release(merged)
     release(params)
   print(f"(rank {args.rank}, all-linear; {args.slots} slots; an RL step = {args.new_tokens} "
-        "decode steps; apply = adapter sync + steps with LoRA; merge = adapter sync + merge + "
-        "plain steps)")
+        "decode steps; apply = adapter sync + steps with LoRA; merge = sync + merge + plain "
+        "steps)")
 
 
 if __name__ == "__main__":
