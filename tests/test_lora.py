@@ -522,3 +522,48 @@ def test_lora_roles_count_the_base_once(devices):
   assert adapters < plain["actor gradients"] // 2  # (lora_b is replicated over fsdp)
   assert roles["actor optimizer state"] == 2 * roles["actor gradients"]
   assert roles["actor params"] - plain["actor params"] == roles["actor gradients"]
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+@pytest.mark.parametrize("spec,lr_full", [("qwen3.py:8b,grpo,v5e", None),
+                                          ("llama3.py:3.1-8b,sft,v5p", None)])
+def test_ready_made_lora_variants(repo_root, spec, lr_full):
+  full = config_lib.load_config(f"{repo_root}/configs/{spec}")
+  c = config_lib.load_config(f"{repo_root}/configs/{spec},lora")
+  cfg = config_lib.model_config(c)
+  assert (cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets) == (16, 32.0, ALL)
+  assert cfg.param_dtype == "bfloat16" and cfg.dtype == "bfloat16"  # the frozen base in bf16
+  assert c.optim.lr == pytest.approx(10 * full.optim.lr)
+  assert cfg.num_lora_params < 0.01 * cfg.num_params
+
+
+@pytest.mark.slow
+def test_lora_grpo_pulse_on_the_hf_fixture(repo_root, tmp_path, devices, monkeypatch):
+  """configs/qwen3.py:fixture,lora: GRPO from a Hugging Face checkpoint with LoRA; the
+  checkpoint fills the base (its adapters start at B = 0) and stays bitwise as read. (The
+  fixture's random policy scores no reward in two steps, so nothing moves; the learning test
+  below is the one that trains.)"""
+  from jaxrl.io.hf import load_hf
+  from jaxrl.parallel import mesh_from_config
+  from jaxrl.train.checkpoint import restore_params
+  monkeypatch.chdir(repo_root)
+  spec = "configs/qwen3.py:fixture,lora"
+  _cli("grpo", spec, tmp_path, {})
+  config = config_lib.load_config(spec)
+  cfg = config_lib.model_config(config)
+  assert cfg.lora_rank == 16 and cfg.param_dtype == "float32"
+  mesh = mesh_from_config(config.mesh)
+  _, _, hf = load_hf(config.model.hf_path, mesh, cfg=lora.base_config(cfg))
+  _, shapes, axes = abstract_model(cfg)
+  from jaxrl.parallel import tree_shardings
+  shd = tree_shardings(shapes, axes, mesh, "learner")
+  final = restore_params(str(tmp_path), jax.tree.map(
+      lambda s, d: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=d), shapes, shd))
+  base, adapters = lora.split_lora(jax.device_get(final))
+  for x, y in zip(jax.tree.leaves(base), jax.tree.leaves(jax.device_get(hf)), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert adapters["layers"][0]["mlp"]["down_lora"]["lora_a"].shape == (cfg.mlp_dim, 16)
+  import json
+  assert json.load(open(tmp_path / "summary.json"))["status"] == "completed"
