@@ -567,3 +567,37 @@ def test_lora_grpo_pulse_on_the_hf_fixture(repo_root, tmp_path, devices, monkeyp
   assert adapters["layers"][0]["mlp"]["down_lora"]["lora_a"].shape == (cfg.mlp_dim, 16)
   import json
   assert json.load(open(tmp_path / "summary.json"))["status"] == "completed"
+
+
+# ----------------------------------------------------------------------------- learning
+
+
+@pytest.mark.slow
+def test_lora_grpo_raises_heldout_accuracy_above_sft(tmp_path, sft_slip):
+  """GRPO with LoRA (rank 8, alpha 16, every linear weight: 36,864 trained parameters, 7.9%
+  of the model's 466,560) from the demo's SFT policy, 40 steps at lr 1.5e-4 with the task's
+  verifier, one CPU device as a user's run: held-out greedy accuracy rises clearly above the
+  SFT starting point with KL below the alarm (0.1) and the base untouched.
+
+  Measured (2026-12-03, the 2-core AMD EPYC, this SFT fixture; the held-out prompts follow
+  the seed): seed 0 0.586 -> 0.758 (+0.172, KL max 0.066), seed 1 0.606 -> 0.773 (+0.168,
+  0.022), seed 2 0.641 -> 0.719 (+0.078, 0.022); 45-75 s each. The bar, +0.05, sits below the
+  worst. At lr 2.5e-4 and 5e-4 the gain was larger (+0.20, +0.21 at seed 0) but KL reached
+  0.106 and 0.116 and raised the alarm."""
+  import json
+  from conftest import jaxrl_cli
+  workdir = tmp_path / "grpo_lora"
+  over = {"model.lora.rank": 8, "model.lora.alpha": 16.0, "model.lora.targets": "all-linear",
+          "optim.lr": 1.5e-4, "train.steps": 40, "train.log_every": 10,
+          "train.save_every": 40, "eval.every": 40, "init.checkpoint": sft_slip}
+  jaxrl_cli(["grpo", "--config", "configs/grpo_tiny.py", "--workdir", str(workdir),
+             *[f"--config.{k}={v}" for k, v in over.items()]], devices=1)
+  rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  start = next(r["eval/accuracy"] for r in rows if r["step"] == 0)
+  summary = json.load(open(workdir / "summary.json"))
+  end = summary["eval"]["eval/accuracy"]
+  assert summary["step"] == 40 and end >= start + 0.05, (start, end)
+  assert summary["kl/max"] < 0.1 and summary["alarms"]["kl"] == 0
+  cfg = config_lib.model_config(config_lib.load_config(
+      "configs/grpo_tiny.py", [f"{k}={v}" for k, v in over.items() if k != "init.checkpoint"]))
+  assert cfg.num_lora_params <= 0.1 * (cfg.num_params - cfg.num_lora_params)
