@@ -469,6 +469,19 @@ def test_lora_grpo_from_a_lora_sft_run(repo_root, tmp_path, devices, monkeypatch
       lambda s, d: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=d), shapes, shd)))
   _assert_only_adapters_moved(jax.device_get(params), final)
 
+  # Resumed (one more step), the reference shares the restored base, not the starting one.
+  from jaxrl.train.run import Run
+  real_train, seen = Run.train, {}
+
+  def train(self, state, step_fn, *a, **kw):
+    seen["shared"] = (step_fn.args[0].reference["layers"][0]["attn"]["q"] is
+                      state.params["layers"][0]["attn"]["q"])
+    seen["start"] = self.start
+    return real_train(self, state, step_fn, *a, **kw)
+  monkeypatch.setattr(Run, "train", train)
+  _cli("grpo", grpo, run_dir, {**over, "train.steps": 3})
+  assert seen == {"shared": True, "start": 2}
+
 
 # ----------------------------------------------------------------------------- memory plan
 

@@ -441,6 +441,8 @@ def run(config, workdir: str, *, out=print) -> dict:
     return total
 
   state = r.resume(state, shardings, batches)
+  if reference is not None and cfg.lora_rank:  # share the resumed base, not the starting one
+    reference = lora.adapters_off(state.params)
 
   eval_dev = [(global_rows(rows), global_array(ref, batch_sharding(mesh, 2, config.layout))
                if needs_ref else None)

@@ -81,6 +81,8 @@ def run(config, workdir: str, *, out=print) -> dict:
   p, state = setup(config, workdir, out=out)
   r = config.rollout
   state = p.run.resume(state, p.shardings, p.stream, updates_per_step=p.updates_per_step)
+  if p.cfg.lora_rank:  # share the resumed base, or the starting one would stay live beside it
+    p.reference = lora.adapters_off(state.params)
   return p.run.train(
       state, functools.partial(step, p), p.stream, put=lambda b: b,
       eval_fn=functools.partial(evaluate, p), updates_per_step=p.updates_per_step,
