@@ -454,8 +454,8 @@ def run(config, workdir: str, *, out=print) -> dict:
   summary = r.train(
       state, step_fn, batches, put=put, eval_fn=evaluate, tokens_fn=count_tokens,
       flops_fn=step_flops, summary_extra=lambda: {"data": report, "ref_mode": mode},
-      banner=f"{a.loss}: {cfg.num_params:,} parameters, {len(train)} train "
-             f"{'pairs' if paired else 'rows'}, global batch {d.batch_size} x {d.seq_len}, "
+      banner=f"{a.loss}: {cfg.num_params:,} parameters{lora.describe(cfg)}, {len(train)} "
+             f"train {'pairs' if paired else 'rows'}, global batch {d.batch_size} x {d.seq_len}, "
              f"{config.train.steps} steps")
   summary["samples"] = exact.samples if exact is not None else []
   return summary

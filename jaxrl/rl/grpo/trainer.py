@@ -88,9 +88,9 @@ def run(config, workdir: str, *, out=print) -> dict:
       eval_fn=functools.partial(evaluate, p), updates_per_step=p.updates_per_step,
       summary_extra=lambda: {"alarms": dict(p.alarms.raised), "kl/max": p.alarms.kl_max,
                              "reward_hacking_alarm": p.alarms.watching or "off"},
-      banner=f"grpo: {p.cfg.num_params:,} parameters, {len(p.stream.records)} prompts, "
-             f"{r.prompts_per_step} x {r.group_size} samples per step, {config.train.steps} "
-             f"steps; placement {p.run.placement.mode}")
+      banner=f"grpo: {p.cfg.num_params:,} parameters{lora.describe(p.cfg)}, "
+             f"{len(p.stream.records)} prompts, {r.prompts_per_step} x {r.group_size} samples "
+             f"per step, {config.train.steps} steps; placement {p.run.placement.mode}")
 
 
 def step(p: Parts, state, prompts: list[dict]):
