@@ -311,15 +311,15 @@ def _opt_paths(state):
 
 SFT = "configs/sft_tiny.py:runlocal"
 SFT_LORA = {"model.lora.rank": 4, "model.lora.targets": "all-linear", "model.lora.alpha": 8.0,
-            "model.lora.dropout": 0.1, "optim.lr": 1e-2, "train.steps": 12,
-            "train.save_every": 4, "train.log_every": 1, "eval.every": 12}
+            "model.lora.dropout": 0.1, "optim.lr": 1e-2, "train.steps": 8,
+            "train.save_every": 2, "train.log_every": 1, "eval.every": 8}
 
 
 @pytest.mark.slow
 def test_lora_sft_trains_only_adapters_and_resumes_exactly(repo_root, tmp_path, devices,
                                                            monkeypatch):
   """A LoRA SFT run: the base stays bitwise as it started, the optimizer state holds the
-  adapters' moments only; a run stopped by SIGTERM at step 4-8 and resumed ends bitwise equal
+  adapters' moments only; a run stopped by SIGTERM mid-run and resumed ends bitwise equal
   to an uninterrupted one (dropout's key included: fold_in(key, step))."""
   import os
   import signal
@@ -330,7 +330,7 @@ def test_lora_sft_trains_only_adapters_and_resumes_exactly(repo_root, tmp_path, 
   full, cut = tmp_path / "full", tmp_path / "cut"
   _cli("sft", SFT, full, SFT_LORA)
   fresh, a = _state(full, SFT, SFT_LORA)
-  assert a.train_only == () and int(a.step) == 12
+  assert a.train_only == () and int(a.step) == 8
   _assert_only_adapters_moved(fresh.params, a.params)
   # Adam's moments (and nothing else param-shaped) only for the adapters.
   n_adapters, n_all = lora.count(a.params)
@@ -350,7 +350,7 @@ def test_lora_sft_trains_only_adapters_and_resumes_exactly(repo_root, tmp_path, 
 
       def __next__(self):
         Stop.n += 1
-        if Stop.n == 6:
+        if Stop.n == 4:
           os.kill(os.getpid(), signal.SIGTERM)
         return next(it)
 
@@ -365,7 +365,7 @@ def test_lora_sft_trains_only_adapters_and_resumes_exactly(repo_root, tmp_path, 
   monkeypatch.setattr(sft, "sft_batches", real)
   import json
   stopped = json.load(open(cut / "summary.json"))
-  assert stopped["status"] == "interrupted" and 4 <= stopped["step"] < 12
+  assert stopped["status"] == "interrupted" and 2 <= stopped["step"] < 8
   _cli("sft", SFT, cut, SFT_LORA)
   _, b = _state(cut, SFT, SFT_LORA)
   for x, y in zip(jax.tree.leaves((a.params, a.opt_state)), jax.tree.leaves((b.params,
@@ -418,7 +418,7 @@ def test_lora_dpo_live_reference_is_the_base(repo_root, tmp_path, devices, monke
   a deleted array); only the adapters move."""
   monkeypatch.chdir(repo_root)
   over = {"model.lora.rank": 4, "model.lora.dropout": 0.1, "ref.mode": "live",
-          "train.steps": 4, "train.save_every": 4, "eval.every": 4, "optim.lr": 1e-2}
+          "train.steps": 2, "train.save_every": 2, "eval.every": 0, "optim.lr": 1e-2}
   _cli("dpo", "configs/dpo_tiny.py:runlocal", tmp_path, over)
   fresh, state = _state(tmp_path, "configs/dpo_tiny.py:runlocal", over)
   _assert_only_adapters_moved(fresh.params, state.params)
@@ -427,44 +427,175 @@ def test_lora_dpo_live_reference_is_the_base(repo_root, tmp_path, devices, monke
 @pytest.mark.slow
 def test_lora_grpo_from_a_lora_sft_run(repo_root, tmp_path, devices, monkeypatch):
   """GRPO with LoRA from a LoRA SFT run: the SFT adapters are merged into the base, the
-  reference is that base with adapters off (the same arrays, not a copy), and two GRPO steps
-  move only the new adapters."""
-  from jaxrl.parallel import mesh_from_config
-  from jaxrl.rl.grpo import trainer
-  from jaxrl.train.checkpoint import restore_params
+  reference is that base with adapters off (the same arrays, not a copy), two GRPO steps
+  leave the base as it was, and resumed for a third the reference shares the restored base."""
+  from jaxrl.train.run import Run
   monkeypatch.chdir(repo_root)
   sft_dir = tmp_path / "sft"
-  sft_over = {**SFT_LORA, "train.steps": 4, "train.save_every": 4, "eval.every": 4}
+  sft_over = {**SFT_LORA, "train.steps": 2, "train.save_every": 2, "eval.every": 0}
   _cli("sft", SFT, sft_dir, sft_over)
-  sft_config = config_lib.load_config(SFT, [f"{k}={v}" for k, v in sft_over.items()])
-  sft_cfg = config_lib.model_config(sft_config)
+  sft_cfg = config_lib.model_config(config_lib.load_config(
+      SFT, [f"{k}={v}" for k, v in sft_over.items()]))
   _, sft_state = _state(sft_dir, SFT, sft_over)
   want_base = lora.merge_lora(sft_cfg, sft_state.params)
 
-  grpo = "configs/grpo_tiny.py:runlocal"
-  over = {"model.lora.rank": 8, "model.lora.alpha": 16.0, "init.checkpoint": str(sft_dir),
-          "optim.lr": 1e-2}
-  config = config_lib.load_config(grpo, [f"{k}={v}" for k, v in over.items()])
-  parts, state = trainer.setup(config, str(tmp_path / "setup"), out=lambda *_: None)
-  try:
-    ref, params = parts.reference, state.params
-    assert ref["layers"][1]["mlp"]["down"] is params["layers"][1]["mlp"]["down"]  # shared
-    assert not np.any(np.asarray(ref["layers"][1]["attn"]["q_lora"]["lora_b"]))
-    base, adapters = lora.split_lora(jax.device_get(params))
-    for x, y in zip(jax.tree.leaves(base), jax.tree.leaves(want_base), strict=True):
-      np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
-    assert adapters["layers"][0]["attn"]["q_lora"]["lora_a"].shape == (128, 8)
-  finally:
-    parts.close()
+  # What the GRPO loop starts from: its state and its step's parts (the reference).
+  real_train, seen = Run.train, []
 
-  run_dir = tmp_path / "grpo"
+  def train(self, state, step_fn, *a, **kw):
+    ref = step_fn.args[0].reference
+    seen.append({"start": self.start, "params": jax.device_get(state.params),
+                 "shared": ref["layers"][1]["mlp"]["down"] is state.params["layers"][1][
+                     "mlp"]["down"],
+                 "ref_adapters": jax.device_get(lora.split_lora(ref)[1])})
+    return real_train(self, state, step_fn, *a, **kw)
+  monkeypatch.setattr(Run, "train", train)
+
+  grpo, run_dir = "configs/grpo_tiny.py:runlocal", tmp_path / "grpo"
+  over = {"model.lora.rank": 8, "model.lora.alpha": 16.0, "init.checkpoint": str(sft_dir),
+          "optim.lr": 1e-2, "eval.every": 0}
   _cli("grpo", grpo, run_dir, over)
-  cfg = config_lib.model_config(config)
-  mesh = mesh_from_config(config.mesh)
-  from jaxrl.models import abstract_model
-  from jaxrl.parallel import tree_shardings
+  first = seen[0]
+  assert first["start"] == 0 and first["shared"]
+  assert not any(np.any(x) for x in jax.tree.leaves(first["ref_adapters"]))
+  base, adapters = lora.split_lora(first["params"])
+  for x, y in zip(jax.tree.leaves(base), jax.tree.leaves(want_base), strict=True):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+  assert adapters["layers"][0]["attn"]["q_lora"]["lora_a"].shape == (128, 8)
+
+  _cli("grpo", grpo, run_dir, {**over, "train.steps": 3})  # resumes at step 2
+  second = seen[1]
+  assert second["start"] == 2 and second["shared"]
+  # The base is as it started (whether the adapters moved depends on the rewards of two
+  # steps of a barely trained policy; the learning test below is the one that trains them).
+  for x, y in zip(jax.tree.leaves(base), jax.tree.leaves(lora.split_lora(second["params"])[0]),
+                  strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# ----------------------------------------------------------------------------- memory plan
+
+
+@pytest.mark.parametrize("name", ["sft", "grpo"])
+def test_lora_plan_is_within_15_percent_of_xla_on_cpu(repo_root, devices, name):
+  """The tiny LoRA programs (rank 8 on every linear weight), planned and compiled on 8 CPU
+  devices: the run's peak and the train step's within 15% of XLA's memory_analysis()
+  (measured: SFT -2.4%, RM +3.8%, DPO -4.6%, GRPO -1.4% for the run's peak), and the LoRA
+  train step holds the base once, with gradients and Adam moments for the adapters alone."""
+  from jaxrl.parallel import compile as aot
+  from jaxrl.parallel.plan import abstract_bytes, estimate
+  from jaxrl.rl import grpo
+  from jaxrl.train import sft
+  module = {"sft": sft, "grpo": grpo}[name]
+  over = ["model.lora.rank=8", "model.lora.targets=all-linear"]
+  config = config_lib.load_config(f"{repo_root}/configs/{name}_tiny.py", over, module.CHOICES)
+  _, programs = module.programs(config)
+  estimates = [estimate(p) for p in programs]
+  compiled = [aot.compile_program(p) for p in programs]
+  plan, xla = aot.run_peaks(programs, estimates, compiled)
+  assert abs(plan - xla) / xla < 0.15, (plan, xla)
+  assert abs(estimates[0].program_peak - compiled[0].bytes) / compiled[0].bytes < 0.15
+  trained_state, frozen, _ = programs[0].args
+  adapters = abstract_bytes(trained_state.params)
+  assert not lora.split_lora(frozen)[1] and lora.split_lora(trained_state.params)[0] == {}
+  assert abstract_bytes(trained_state.opt_state) < 2 * adapters + 64  # Adam's two moments
+  if name == "sft":  # XLA's own count: the LoRA step's temporaries are below the full one's
+    _, full = module.programs(config_lib.load_config(f"{repo_root}/configs/{name}_tiny.py", [],
+                                                     module.CHOICES))
+    assert compiled[0].temp < aot.compile_program(full[0]).temp
+  else:  # the reference's own bytes: its zero adapters, the base is shared
+    ref = programs[0].resident["reference params"]
+    assert ref == abstract_bytes(lora.split_lora(trained_state.params)[1])
+
+
+def test_lora_roles_count_the_base_once(devices):
+  """The roles table (jaxrl plan): gradients, moments and the reference's own params are the
+  adapters' bytes; the actor's params are base + adapters."""
+  from jaxrl.parallel.plan import Workload, memory_plan
+  from jaxrl.parallel.sync import make_placement
+  cfg = _lora_cfg("tiny", rank=8)
+  placement = make_placement(ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1)))
+  roles = memory_plan(cfg, placement, workload=Workload(reference=True)).learner
+  plain = memory_plan(lora.base_config(cfg), placement, workload=Workload(reference=True)).learner
+  from jaxrl.parallel.plan import tree_bytes_per_device
   _, shapes, axes = abstract_model(cfg)
-  shd = tree_shardings(shapes, axes, mesh, "learner")
-  final = jax.device_get(restore_params(str(run_dir), jax.tree.map(
-      lambda s, d: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=d), shapes, shd)))
-  _assert_only_adapters_moved(jax.device_get(params), final)
+  adapters = tree_bytes_per_device(lora.split_lora(shapes)[1], lora.split_lora(axes)[1],
+                                   placement.learner)
+  assert roles["actor gradients"] == roles["reference params"] == adapters
+  assert adapters < plain["actor gradients"] // 2  # (lora_b is replicated over fsdp)
+  assert roles["actor optimizer state"] == 2 * roles["actor gradients"]
+  assert roles["actor params"] - plain["actor params"] == roles["actor gradients"]
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+@pytest.mark.parametrize("spec,lr_full", [("qwen3.py:8b,grpo,v5e", None),
+                                          ("llama3.py:3.1-8b,sft,v5p", None)])
+def test_ready_made_lora_variants(repo_root, spec, lr_full):
+  full = config_lib.load_config(f"{repo_root}/configs/{spec}")
+  c = config_lib.load_config(f"{repo_root}/configs/{spec},lora")
+  cfg = config_lib.model_config(c)
+  assert (cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets) == (16, 32.0, ALL)
+  assert cfg.param_dtype == "bfloat16" and cfg.dtype == "bfloat16"  # the frozen base in bf16
+  assert c.optim.lr == pytest.approx(10 * full.optim.lr)
+  assert cfg.num_lora_params < 0.01 * cfg.num_params
+
+
+def test_lora_starts_from_a_hf_checkpoint(repo_root, devices):
+  """configs/qwen3.py:fixture,lora's starting state: the Hugging Face checkpoint fills the base
+  (bitwise as read without LoRA), the adapters keep their init (B = 0), and the optimizer
+  state covers the adapters alone."""
+  from jaxrl.io.hf import load_hf
+  from jaxrl.parallel import mesh_from_config
+  from jaxrl.train import init_train_state, make_optimizer
+  from jaxrl.train.state import start_from_hf
+  config = config_lib.load_config(f"{repo_root}/configs/qwen3.py:fixture,lora")
+  cfg = config_lib.model_config(config)
+  assert cfg.lora_rank == 16 and cfg.param_dtype == "float32"  # the fixture keeps float32
+  mesh = mesh_from_config(config.mesh)
+  tx, _ = make_optimizer(config.optim, config.train.steps)
+  _, state, _ = init_train_state(cfg, mesh, tx, seed=config.seed)
+  state = start_from_hf(config, state, mesh)
+  _, _, hf = load_hf(config.model.hf_path, mesh)  # the checkpoint as a plain model reads it
+  base, adapters = lora.split_lora(jax.device_get(state.params))
+  for x, y in zip(jax.tree.leaves(base), jax.tree.leaves(jax.device_get(hf)), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  bs = [x for p, x in jax.tree_util.tree_flatten_with_path(adapters)[0] if p[-1].key == "lora_b"]
+  assert bs and not any(np.any(np.asarray(b)) for b in bs)
+  assert adapters["layers"][0]["mlp"]["down_lora"]["lora_a"].shape == (cfg.mlp_dim, 16)
+  assert all(lora.is_lora_path(p) for p in _opt_paths(state) if "layers" in p)
+
+
+# ----------------------------------------------------------------------------- learning
+
+
+@pytest.mark.slow
+def test_lora_grpo_raises_heldout_accuracy_above_sft(tmp_path, sft_slip):
+  """GRPO with LoRA (rank 8, alpha 16, every linear weight: 36,864 trained parameters, 7.9%
+  of the model's 466,560) from the demo's SFT policy, 40 steps at lr 1.5e-4 with the task's
+  verifier, one CPU device as a user's run: held-out greedy accuracy rises clearly above the
+  SFT starting point with KL below the alarm (0.1) and the base untouched.
+
+  Measured (2026-12-03, the 2-core AMD EPYC, this SFT fixture; the held-out prompts follow
+  the seed): seed 0 0.586 -> 0.758 (+0.172, KL max 0.066), seed 1 0.606 -> 0.773 (+0.168,
+  0.022), seed 2 0.641 -> 0.719 (+0.078, 0.022); 45-75 s each. The bar, +0.05, sits below the
+  worst. At lr 2.5e-4 and 5e-4 the gain was larger (+0.20, +0.21 at seed 0) but KL reached
+  0.106 and 0.116 and raised the alarm."""
+  import json
+  from conftest import jaxrl_cli
+  workdir = tmp_path / "grpo_lora"
+  over = {"model.lora.rank": 8, "model.lora.alpha": 16.0, "model.lora.targets": "all-linear",
+          "optim.lr": 1.5e-4, "train.steps": 40, "train.log_every": 10,
+          "train.save_every": 40, "eval.every": 40, "init.checkpoint": sft_slip}
+  jaxrl_cli(["grpo", "--config", "configs/grpo_tiny.py", "--workdir", str(workdir),
+             *[f"--config.{k}={v}" for k, v in over.items()]], devices=1)
+  rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  start = next(r["eval/accuracy"] for r in rows if r["step"] == 0)
+  summary = json.load(open(workdir / "summary.json"))
+  end = summary["eval"]["eval/accuracy"]
+  assert summary["step"] == 40 and end >= start + 0.05, (start, end)
+  assert summary["kl/max"] < 0.1 and summary["alarms"]["kl"] == 0
+  cfg = config_lib.model_config(config_lib.load_config(
+      "configs/grpo_tiny.py", [f"{k}={v}" for k, v in over.items() if k != "init.checkpoint"]))
+  assert cfg.num_lora_params <= 0.1 * (cfg.num_params - cfg.num_lora_params)

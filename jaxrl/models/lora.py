@@ -138,6 +138,14 @@ def trainable(path, extra: tuple[str, ...] = ()) -> bool:
   return is_lora_path(path) or (len(path) > 0 and _key_name(path[0]) in extra)
 
 
+def describe(cfg: ModelConfig) -> str:
+  """What a run's banner says of its LoRA: "" when off."""
+  if not cfg.lora_rank:
+    return ""
+  return (f" (LoRA rank {cfg.lora_rank} on {','.join(cfg.lora_targets)}: "
+          f"{cfg.num_lora_params:,} trained, the base frozen)")
+
+
 def count(params) -> tuple[int, int]:
   """(adapter parameters, all parameters) of a params tree."""
   _, adapters = split_lora(params)

@@ -441,6 +441,8 @@ def run(config, workdir: str, *, out=print) -> dict:
     return total
 
   state = r.resume(state, shardings, batches)
+  if reference is not None and cfg.lora_rank:  # share the resumed base, not the starting one
+    reference = lora.adapters_off(state.params)
 
   eval_dev = [(global_rows(rows), global_array(ref, batch_sharding(mesh, 2, config.layout))
                if needs_ref else None)
@@ -452,8 +454,8 @@ def run(config, workdir: str, *, out=print) -> dict:
   summary = r.train(
       state, step_fn, batches, put=put, eval_fn=evaluate, tokens_fn=count_tokens,
       flops_fn=step_flops, summary_extra=lambda: {"data": report, "ref_mode": mode},
-      banner=f"{a.loss}: {cfg.num_params:,} parameters, {len(train)} train "
-             f"{'pairs' if paired else 'rows'}, global batch {d.batch_size} x {d.seq_len}, "
+      banner=f"{a.loss}: {cfg.num_params:,} parameters{lora.describe(cfg)}, {len(train)} "
+             f"train {'pairs' if paired else 'rows'}, global batch {d.batch_size} x {d.seq_len}, "
              f"{config.train.steps} steps")
   summary["samples"] = exact.samples if exact is not None else []
   return summary

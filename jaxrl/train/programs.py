@@ -12,12 +12,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl import config as config_lib
-from jaxrl.models import abstract_model
+from jaxrl.models import abstract_model, lora
 from jaxrl.parallel import shard_activations, tree_shardings
 from jaxrl.parallel.mesh import make_mesh
 from jaxrl.parallel.plan import Program, residual_bytes
-from jaxrl.train.state import (LoraStep, make_train_step, new_state, state_shardings,
-                               train_only_of)
+from jaxrl.train.state import (LoraStep, make_train_step, new_state, split_trainable,
+                               state_shardings, train_only_of)
 
 
 def spec(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
@@ -89,6 +89,15 @@ def micro_batch(batch, accum_steps: int):
   return jax.tree.map(cut, batch)
 
 
+def frozen_base_loss(loss_fn, train_only):
+  """loss_fn over the whole params with the frozen base behind stop_gradient: its vjp keeps
+  only what the trained parameters' gradients need, as the LoRA step's does."""
+  def loss(params, batch, key):
+    trained, frozen = split_trainable(params, train_only)
+    return loss_fn(lora.combine(jax.lax.stop_gradient(frozen), trained), batch, key)
+  return loss
+
+
 def train_program(loss_fn, tx, schedule, state, shardings, batch, *, mesh, accum_steps: int,
                   resident: dict | None = None, flops: float = 0.0, tokens: int = 0,
                   seq_len: int = 0, vocab: int = 0, logits_chunk: int = 0,
@@ -100,9 +109,10 @@ def train_program(loss_fn, tx, schedule, state, shardings, batch, *, mesh, accum
   batch_shd = jax.tree.map(lambda x: x.sharding, batch)
   step = make_train_step(loss_fn, tx, schedule, shardings, batch_shd, mesh=mesh,
                          accum_steps=accum_steps)
-  args = (state, batch)
+  args, loss = (state, batch), loss_fn
   if isinstance(step, LoraStep):
     step, args = step.jitted, step.args(state, batch)
+    loss = frozen_base_loss(loss_fn, state.train_only)
   micro = micro_batch(batch, accum_steps)
   rows = max(x.sharding.shard_shape(x.shape)[0] for x in jax.tree.leaves(micro)
              if len(x.shape) >= 2)
@@ -112,7 +122,7 @@ def train_program(loss_fn, tx, schedule, state, shardings, batch, *, mesh, accum
     per_layer = layer_bytes(lambda p, b: plain_loss(p, b, None)[0], state.params, micro,
                             layers=cfg.num_layers, mesh=mesh)
   return Program(name, step, args, "train", resident=dict(resident or {}),
-                 loss=(shard_activations(loss_fn, mesh), state.params, micro), donated=(0,),
+                 loss=(shard_activations(loss, mesh), state.params, micro), donated=(0,),
                  flops=flops, tokens=tokens, rows=rows, seq_len=seq_len, vocab=vocab,
                  logits_chunk=logits_chunk, layer_bytes=per_layer, remat=remat)
 

@@ -89,8 +89,11 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
     pairs = prompts * Tp * (Tp + 1) / 2 + n * (Tc * Tp + Tc * (Tc + 1) / 2)
     return forward_flops(cfg, tokens=tokens, pairs=pairs)
 
-  # Resident beside the learner's programs: the reference and the reward models' params.
-  ref_bytes = abstract_bytes(state.params)
+  # Resident beside the learner's programs: the reference and the reward models' params. With
+  # LoRA the reference is the actor's own frozen base with zero adapters: only those count,
+  # and a forward over either holds the base once, as its argument.
+  base_bytes = abstract_bytes(lora.split_lora(state.params)[0]) if cfg.lora_rank else 0
+  ref_bytes = abstract_bytes(state.params) - base_bytes
   resident = {"reference params": ref_bytes}
   for label, rm_cfg, feature in rm_lib.plan_roles(config):
     model = functools.partial(RewardModel, logprob_feature=feature)
@@ -117,7 +120,7 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
   fwd = pg.forward_program(
       "logprob forward" + ("" if old_from_update else " (x2: old policy, reference)"), fwd_fn,
       (state.params, {k: fwd_batch[k] for k in inputs}),
-      resident={"actor params + optimizer state": abstract_bytes(state)},
+      resident={"actor params + optimizer state": abstract_bytes(state) - base_bytes},
       flops=flops(N), tokens=N * Tc, rows=N // replicas, seq_len=width, vocab=cfg.vocab_size,
       logits_chunk=knobs["logits_chunk"], cfg=cfg, mesh=mesh,
       plain_fn=lambda p, b: batch_logprobs(plain, p, b, r.temperature)[0])

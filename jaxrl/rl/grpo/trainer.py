@@ -81,14 +81,16 @@ def run(config, workdir: str, *, out=print) -> dict:
   p, state = setup(config, workdir, out=out)
   r = config.rollout
   state = p.run.resume(state, p.shardings, p.stream, updates_per_step=p.updates_per_step)
+  if p.cfg.lora_rank:  # share the resumed base, or the starting one would stay live beside it
+    p.reference = lora.adapters_off(state.params)
   return p.run.train(
       state, functools.partial(step, p), p.stream, put=lambda b: b,
       eval_fn=functools.partial(evaluate, p), updates_per_step=p.updates_per_step,
       summary_extra=lambda: {"alarms": dict(p.alarms.raised), "kl/max": p.alarms.kl_max,
                              "reward_hacking_alarm": p.alarms.watching or "off"},
-      banner=f"grpo: {p.cfg.num_params:,} parameters, {len(p.stream.records)} prompts, "
-             f"{r.prompts_per_step} x {r.group_size} samples per step, {config.train.steps} "
-             f"steps; placement {p.run.placement.mode}")
+      banner=f"grpo: {p.cfg.num_params:,} parameters{lora.describe(p.cfg)}, "
+             f"{len(p.stream.records)} prompts, {r.prompts_per_step} x {r.group_size} samples "
+             f"per step, {config.train.steps} steps; placement {p.run.placement.mode}")
 
 
 def step(p: Parts, state, prompts: list[dict]):
