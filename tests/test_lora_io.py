@@ -388,3 +388,16 @@ def test_full_sync_is_kept_without_lora_and_refused_when_asked_for_adapters(colo
   assert ws.last.bytes == cfg.num_params * 4
   with pytest.raises(ConfigError, match="adapter-only weight sync needs LoRA adapters"):
     WeightSync(get_preset("tiny"), placement, adapters_only=True)
+
+
+def test_convert_cli_says_what_it_wrote(lora_checkpoint, tmp_path, capsys):
+  from jaxrl import cli
+  out = str(tmp_path / "cli")
+  cli.main(["convert", "jaxrl-to-hf", "--checkpoint", lora_checkpoint, "--out", out])
+  said = capsys.readouterr().out
+  assert "PEFT LoRA adapter: r=4, lora_alpha=8.0" in said and "rerun with --merge" in said
+  assert os.path.isfile(os.path.join(out, "adapter_model.safetensors"))
+  cli.main(["convert", "jaxrl-to-hf", "--checkpoint", lora_checkpoint, "--out", out + "-m",
+            "--merge"])
+  assert "family qwen3" in capsys.readouterr().out
+  assert os.path.isfile(os.path.join(out + "-m", "model.safetensors"))
