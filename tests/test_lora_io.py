@@ -401,3 +401,13 @@ def test_convert_cli_says_what_it_wrote(lora_checkpoint, tmp_path, capsys):
             "--merge"])
   assert "family qwen3" in capsys.readouterr().out
   assert os.path.isfile(os.path.join(out + "-m", "model.safetensors"))
+
+
+def test_a_run_names_its_hf_base_only_when_unchanged():
+  """What a LoRA run's PEFT export names as its base (jaxrl_to_hf on a run directory)."""
+  import ml_collections
+  run = lambda **kw: ml_collections.ConfigDict(  # noqa: E731
+      {"model": {"hf_path": kw.get("hf", "")}, "init": {"checkpoint": kw.get("init", "")}})
+  assert hf.frozen_base_path(run(hf="ckpt/qwen3")) == os.path.abspath("ckpt/qwen3")
+  assert hf.frozen_base_path(run(hf="ckpt/qwen3", init="runs/sft")) == ""  # adapters merged in
+  assert hf.frozen_base_path(run()) == ""  # a preset's random base: written to OUT/base

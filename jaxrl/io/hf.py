@@ -450,10 +450,16 @@ def _run_params(run_dir: str, mesh: Mesh):
   target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, tree_shardings(shapes, axes, mesh, "learner"))
   params = restore_params(run_dir, target, key="--checkpoint")
+  return cfg, params, config.model.get("hf_path") or "", frozen_base_path(config)
+
+
+def frozen_base_path(config) -> str:
+  """The HF directory whose weights are a LoRA run's frozen base, unchanged (absolute): its
+  model.hf_path when no init.checkpoint replaced them; "" when the base is not on disk as an
+  HF checkpoint (a preset's random init, or an init.checkpoint whose adapters were merged in)."""
   hf_path = config.model.get("hf_path") or ""
   init = config.get("init") or {}
-  base_path = os.path.abspath(hf_path) if hf_path and not init.get("checkpoint") else ""
-  return cfg, params, hf_path, base_path
+  return os.path.abspath(hf_path) if hf_path and not init.get("checkpoint") else ""
 
 
 def params_from_config(config, mesh: Mesh, layout: str = "learner"):
