@@ -98,7 +98,8 @@ def _parser() -> argparse.ArgumentParser:
   s.add_argument("--max-shard-mb", type=float, default=2048.0,
                  help="jaxrl-to-hf: largest safetensors file (default 2048 MiB)")
   s.add_argument("--merge", action="store_true", help="jaxrl-to-hf of a LoRA checkpoint: full "
-                 "weights with the adapters merged (default: the PEFT adapter, docs/guides/peft.md)")
+                 "weights with the adapters merged (default: the PEFT adapter; "
+                 "docs/guides/peft.md)")
   _common(s, config_required=False)
   s = sub.add_parser("sample", help="completions for a JSONL file of prompts, printed and "
                      "written to DIR/completions.jsonl")

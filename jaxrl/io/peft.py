@@ -25,7 +25,8 @@ folding sqrt(r) into alpha).
 
 Why write the safetensors and JSON ourselves rather than import peft: peft needs torch, which
 jaxrl never imports at run time; the format is two files, and the round trip is checked against
-real PEFT by a committed fixture (tests/fixtures/peft/, made by tests/fixtures/make_peft_fixture.py).
+real PEFT by a committed fixture (tests/fixtures/peft/, made by
+tests/fixtures/make_peft_fixture.py).
 """
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ def adapter_config(cfg: ModelConfig, *, base_model_name_or_path: str = "") -> di
   }
 
 
-def save_peft(out: str, cfg: ModelConfig, params, *, base_model_name_or_path: str = "") -> list[str]:
+def save_peft(out: str, cfg: ModelConfig, params, *,
+              base_model_name_or_path: str = "") -> list[str]:
   """Writes OUT/adapter_model.safetensors and OUT/adapter_config.json from the adapters in
   `params` (whole params or the adapters alone). Only process 0 writes. Returns the files."""
   from safetensors.numpy import save_file
