@@ -13,7 +13,7 @@ Your own pairs (no code changes): --config.data.task= --config.data.train_file=p
 The reference: --config.ref.mode=live|cached|auto (auto: cached when the memory plan says a
 reference copy does not fit).
 
-arg: "" (DPO, beta 0.1), "ipo", "kto", "orpo", "simpo", "runlocal" (a few DPO steps from a
+arg: "" (DPO, beta 0.1, plus the chosen answer's NLL at coefficient 1: RPO), "ipo", "kto", "orpo", "simpo", "runlocal" (a few DPO steps from a
 random policy). Every field, with what it means: jaxrl/train/dpo.py:default_config().
 """
 
@@ -24,7 +24,12 @@ def get_config(arg=None):
   c = default_config()
   c.model.preset = "tiny"
   if arg in (None, ""):
-    c.algo.update(loss="dpo", beta=0.1)
+    # nll_coef=1 (RPO, the chosen answer's NLL added, as Llama 3's DPO does): over seeds 0-4
+    # from the 600-step SFT policy it lifted held-out preference accuracy from 0.727
+    # (0.668-0.777) to 0.762 (0.750-0.785) on 1 device and 0.789 (0.758-0.809) on 8, and
+    # held greedy accuracy at 0.645 (0.633-0.699) where plain DPO let it fall to 0.570
+    # (0.492-0.633): docs/guides/recipes.md.
+    c.algo.update(loss="dpo", beta=0.1, nll_coef=1.0)
   elif arg == "ipo":
     c.algo.update(loss="ipo", beta=0.1)
   elif arg == "kto":

@@ -1,7 +1,9 @@
 """Llama 3.2 1B / 3B and Llama 3.1 8B (Instruct): SFT and GRPO on an 8-chip TPU slice.
 
-arg: "MODEL[,TRAINER][,CHIP]": MODEL 3.2-1b | 3.2-3b | 3.1-8b, TRAINER grpo (default) | sft,
-CHIP v5e (default) | v5p | v6e; or "fixture" (a GRPO pulse on tests/fixtures/hf/llama, CPU).
+arg: "MODEL[,TRAINER][,CHIP][,lora]": MODEL 3.2-1b | 3.2-3b | 3.1-8b, TRAINER grpo (default) |
+sft, CHIP v5e (default) | v5p | v6e, lora: LoRA rank 16 on every linear weight, the frozen base
+in bf16, lr x10 (jaxrl.config.with_lora, docs/guides/lora.md); or "fixture" (a GRPO pulse on
+tests/fixtures/hf/llama, CPU; "fixture,lora" with LoRA).
 
 Fetch a checkpoint once, on a machine with network access (jaxrl itself never downloads):
     huggingface-cli download meta-llama/Llama-3.2-1B-Instruct \
@@ -9,6 +11,7 @@ Fetch a checkpoint once, on a machine with network access (jaxrl itself never do
 Until it is there the preset supplies the same shapes, so the plan and the compile work first:
     jaxrl plan --config configs/llama3.py:3.2-1b,grpo,v5e --compile v5e:2x4
     jaxrl plan --config configs/llama3.py:3.1-8b,sft,v5p --compile v5p:2x2x1
+    jaxrl plan --config configs/llama3.py:3.1-8b,grpo,v5e,lora
     jaxrl sft  --config configs/llama3.py:3.2-1b,sft --workdir runs/sft
     jaxrl grpo --config configs/llama3.py:3.2-1b --config.init.checkpoint=runs/sft \
         --workdir runs/grpo
@@ -19,7 +22,7 @@ docs/guides/scale.md lists the compiled bytes and roofline times of every varian
 
 import os
 
-from jaxrl.config import family_config
+from jaxrl.config import family_config, lora_arg, with_lora
 from jaxrl.rl import grpo
 from jaxrl.train import sft
 
@@ -34,5 +37,7 @@ FIXTURE = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__
 
 
 def get_config(arg=None):
-  return family_config(arg, models=MODELS, default="3.2-1b", sft_config=sft.default_config,
-                       grpo_config=grpo.default_config, fixture=FIXTURE, sizing=SIZING)
+  arg, lora = lora_arg(arg)
+  c = family_config(arg, models=MODELS, default="3.2-1b", sft_config=sft.default_config,
+                    grpo_config=grpo.default_config, fixture=FIXTURE, sizing=SIZING)
+  return with_lora(c) if lora else c

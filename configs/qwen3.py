@@ -1,13 +1,16 @@
 """Qwen3 0.6B / 1.7B / 4B / 8B: SFT and GRPO on an 8-chip TPU slice (v5e-8, v5p-8, v6e-8).
 
-arg: "MODEL[,TRAINER][,CHIP]": MODEL 0.6b | 1.7b | 4b | 8b, TRAINER grpo (default) | sft,
-CHIP v5e (default) | v5p | v6e; or "fixture" (a GRPO pulse on tests/fixtures/hf/qwen3, CPU).
+arg: "MODEL[,TRAINER][,CHIP][,lora]": MODEL 0.6b | 1.7b | 4b | 8b, TRAINER grpo (default) |
+sft, CHIP v5e (default) | v5p | v6e, lora: LoRA rank 16 on every linear weight, the frozen base
+in bf16, lr x10 (jaxrl.config.with_lora, docs/guides/lora.md); or "fixture" (a GRPO pulse on
+tests/fixtures/hf/qwen3, CPU; "fixture,lora" with LoRA).
 
 Fetch a checkpoint once, on a machine with network access (jaxrl itself never downloads):
     huggingface-cli download Qwen/Qwen3-0.6B --local-dir checkpoints/Qwen3-0.6B
 Until it is there the preset supplies the same shapes, so the plan and the compile work first:
     jaxrl plan --config configs/qwen3.py:0.6b,grpo,v5e --compile v5e:2x4
     jaxrl plan --config configs/qwen3.py:8b,sft,v5p --compile v5p:2x2x1
+    jaxrl plan --config configs/qwen3.py:8b,grpo,v5e,lora --compile v5e:2x4
     jaxrl sft  --config configs/qwen3.py:0.6b,sft --workdir runs/sft
     jaxrl grpo --config configs/qwen3.py:0.6b --config.init.checkpoint=runs/sft --workdir runs/grpo
 
@@ -17,7 +20,7 @@ docs/guides/scale.md lists the compiled bytes and roofline times of every varian
 
 import os
 
-from jaxrl.config import family_config
+from jaxrl.config import family_config, lora_arg, with_lora
 from jaxrl.rl import grpo
 from jaxrl.train import sft
 
@@ -35,5 +38,7 @@ FIXTURE = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__
 
 
 def get_config(arg=None):
-  return family_config(arg, models=MODELS, default="0.6b", sft_config=sft.default_config,
-                       grpo_config=grpo.default_config, fixture=FIXTURE, sizing=SIZING)
+  arg, lora = lora_arg(arg)
+  c = family_config(arg, models=MODELS, default="0.6b", sft_config=sft.default_config,
+                    grpo_config=grpo.default_config, fixture=FIXTURE, sizing=SIZING)
+  return with_lora(c) if lora else c

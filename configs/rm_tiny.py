@@ -14,9 +14,10 @@ Re-running on the same workdir resumes from its latest checkpoint. Every field, 
 means, is in jaxrl/train/rm.py:default_config().
 arg: "" (honest pairs: chosen = the correct sum), "biased" (a labeller that prefers the longer
 answer, right or wrong: the reward-hacking demonstration), "logprob" (honest pairs, and the
-score adds the response's mean log-prob under the backbone's LM head: 0.85-0.98 held-out pairwise
-accuracy from an SFT policy, against 0.58-0.66 for the last-token head alone), "runlocal" (10
-steps).
+score adds the response's mean log-prob under the backbone's LM head: held-out pairwise accuracy
+0.971 (0.963-0.973) on 1 device and 0.977 (0.961-0.984) on 8, median (min-max) over seeds 0-4
+from the sft_tiny policy, against 0.795 (0.777-0.855) and 0.801 (0.783-0.842) for the last-token
+head alone: docs/guides/recipes.md), "runlocal" (10 steps).
 """
 
 from jaxrl.train.rm import default_config

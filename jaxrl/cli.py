@@ -18,7 +18,7 @@ from jaxrl import config as config_lib
 from jaxrl.errors import ConfigError
 from jaxrl.parallel import describe, init_params, mesh_from_config, param_table
 from jaxrl.parallel.plan import memory_plan, plan_programs, suggest
-from jaxrl.parallel.sync import WeightSync, make_placement, memcpy_gb_per_s
+from jaxrl.parallel.sync import bench_sync, make_placement, memcpy_gb_per_s
 from jaxrl.tasks import ERROR_MODES, get_task
 
 _LIBS = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "ml-collections",
@@ -97,6 +97,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="hf-to-jaxrl: parameter dtype (default: the checkpoint's own)")
   s.add_argument("--max-shard-mb", type=float, default=2048.0,
                  help="jaxrl-to-hf: largest safetensors file (default 2048 MiB)")
+  s.add_argument("--merge", action="store_true", help="jaxrl-to-hf of a LoRA checkpoint: full "
+                 "weights with the adapters merged (default: the PEFT adapter; "
+                 "docs/guides/peft.md)")
   _common(s, config_required=False)
   s = sub.add_parser("sample", help="completions for a JSONL file of prompts, printed and "
                      "written to DIR/completions.jsonl")
@@ -339,20 +342,12 @@ def cmd_plan(args, overrides) -> None:
 
 
 def cmd_bench(args, overrides) -> None:
-  import jax
-
   config = _load(args, overrides)
   cfg = config_lib.model_config(config)
   placement = _placement(config)
   _, params = init_params(cfg, placement.learner.mesh, "learner", seed=config.seed)
   sync_dtype = config.placement.sync_dtype if "placement" in config else ""
-  ws = WeightSync(cfg, placement, dtype=sync_dtype or None)
-  out = ws(params)  # compile and warm up
-  for _ in range(args.repeats):
-    jax.tree.map(lambda x: x.delete(), out)
-    out = ws(params)
-  ws.history.pop(0)
-  med = ws.median()
+  med = bench_sync(cfg, placement, params, repeats=args.repeats, dtype=sync_dtype or None)
   mem = memcpy_gb_per_s(med.bytes)
   print(f"{placement.mode}: learner {describe(placement.learner.mesh)} -> sampler "
         f"{describe(placement.sampler.mesh)}")
@@ -361,6 +356,13 @@ def cmd_bench(args, overrides) -> None:
   print(f"sync   median {med.ms:9.2f} ms  {med.gb_per_s:7.2f} GB/s")
   print(f"memcpy same bytes          {mem:7.2f} GB/s  (numpy, one host thread)")
   print(f"sync / memcpy: {med.gb_per_s / mem:.2f}x")
+  if cfg.lora_rank:  # LoRA: each RL step moves only the adapters (WeightSync)
+    ad = bench_sync(cfg, placement, params, repeats=args.repeats, dtype=sync_dtype or None,
+                    adapters_only=True)
+    print(f"LoRA r={cfg.lora_rank} ({','.join(cfg.lora_targets)}): adapters only "
+          f"{ad.bytes / 2**20:.2f} MiB, median {ad.ms:9.2f} ms with the merge on the sampler, "
+          f"against the full sync's {med.bytes / 2**20:.1f} MiB, {med.ms:.2f} ms "
+          f"({med.ms / max(ad.ms, 1e-9):.1f}x faster)")
 
 
 def cmd_convert(args, overrides) -> None:
@@ -374,11 +376,14 @@ def cmd_convert(args, overrides) -> None:
   else:
     if not args.checkpoint:
       raise ConfigError("convert jaxrl-to-hf needs --checkpoint DIR (a jaxrl checkpoint).")
-    files = hf.jaxrl_to_hf(args.checkpoint, args.out, mesh,
+    files = hf.jaxrl_to_hf(args.checkpoint, args.out, mesh, merge=args.merge,
                            max_shard_bytes=int(args.max_shard_mb * 2**20))
-    cfg = hf.read_hf_config(args.out)
     print(f"wrote {len(files)} files: {', '.join(files)}")
-    cfg = hf.config_from_hf(cfg)
+    if "adapter_config.json" in files:  # a LoRA checkpoint, exported as a PEFT adapter
+      from jaxrl.io import peft
+      peft.describe(args.out, out=print)
+      return
+    cfg = hf.config_from_hf(hf.read_hf_config(args.out))
   print(f"{args.direction}: {cfg.num_params:,} parameters ({cfg.param_dtype}, "
         f"{cfg.num_layers} layers, family {hf.family_for(cfg)}) -> {args.out}  [{describe(mesh)}]")
 

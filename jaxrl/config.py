@@ -65,6 +65,10 @@ def base_config() -> ml_collections.ConfigDict:
   # A Hugging Face checkpoint directory: its config.json replaces the preset and its weights
   # replace the random init (jaxrl.io.hf.params_from_config).
   c.model.hf_path = ""
+  # LoRA (docs/guides/lora.md): rank 0 is off; scale = alpha / rank; targets "attn" (q,k,v,o),
+  # "all-linear" (and gate,up,down) or a comma list of those names.
+  c.model.lora = ml_collections.ConfigDict(dict(rank=0, alpha=16.0, dropout=0.0,
+                                                targets="attn"))
   return c
 
 
@@ -480,6 +484,30 @@ def hf_model_config(arg, *, preset: str, checkpoint: str, fixture: str, sft_conf
     c.train.update(steps=2, log_every=1, save_every=2)
     c.eval.update(every=2, examples=8, batch_size=8)
     c.plan.device = ""
+  return c
+
+
+def lora_arg(arg) -> tuple[str | None, bool]:
+  """(arg without a "lora" part, whether it had one): "8b,grpo,v5e,lora" -> ("8b,grpo,v5e",
+  True), for the ready-made configs' LoRA variants (with_lora)."""
+  parts = [x.strip() for x in (arg or "").split(",") if x.strip()]
+  if "lora" not in parts:
+    return arg, False
+  rest = [x for x in parts if x != "lora"]
+  return ",".join(rest) or None, True
+
+
+def with_lora(c: ml_collections.ConfigDict, *, rank: int = 16, alpha: float = 32.0,
+              targets: str = "all-linear", lr_scale: float = 10.0) -> ml_collections.ConfigDict:
+  """A ready-made config's LoRA variant (docs/guides/lora.md): adapters of `rank` on every
+  linear weight, the learning rate `lr_scale` times the full fine-tune's (LoRA's usual
+  ratio), and the frozen base in bfloat16 (only the float32 adapters and their Adam moments
+  need master precision), which halves the base's bytes on every chip. The fixture keeps
+  float32 (its logits are checked against transformers' in float32)."""
+  c.model.lora.update(rank=rank, alpha=alpha, targets=targets, dropout=0.0)
+  c.optim.lr = c.optim.lr * lr_scale
+  if c.model.get("param_dtype") == "float32" and c.model.get("dtype") == "bfloat16":
+    c.model.param_dtype = "bfloat16"
   return c
 
 

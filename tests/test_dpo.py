@@ -186,11 +186,15 @@ def test_bad_configs_name_the_key(tmp_path, devices, overrides, pattern):
 
 @pytest.mark.slow
 def test_dpo_raises_heldout_preference_accuracy_from_sft(sft_addition, tmp_path):
-  """`jaxrl dpo` (the default config: beta 0.1, lr 5e-5, 100 steps; one device, as conftest's
-  jaxrl_cli runs it) from the shared SFT policy on
-  addition pairs: held-out preference accuracy (implied reward margin > 0) rises from 0 (the
-  policy is the reference: every margin is 0) to well above chance, and the held-out loss falls
-  below ln 2.
+  """`jaxrl dpo` (the default config: DPO at beta 0.1 plus the chosen answer's NLL at
+  coefficient 1 (RPO), lr 5e-5, 100 steps; one device, as conftest's jaxrl_cli runs it) from the
+  shared SFT policy on addition pairs: held-out preference accuracy (implied reward margin > 0)
+  rises from 0 (the policy is the reference: every margin is 0) to well above chance, and the
+  held-out loss (DPO's, ln 2 at step 0, plus the NLL) falls.
+
+  Over seeds 0-4 from the 600-step SFT policy (docs/guides/recipes.md) this recipe reached
+  preference accuracy 0.750-0.785 on 1 device (0.758-0.809 on 8), margins 0.038-0.044, and its
+  held-out loss fell by 0.046-0.072 from step 0.
 
   Greedy exact match is not asserted to rise here, because whether it does depends on the
   policy: from the 1000-step fixture (0.777; 0.766 when trained on 8 devices) 100 DPO steps
@@ -209,5 +213,6 @@ def test_dpo_raises_heldout_preference_accuracy_from_sft(sft_addition, tmp_path)
   assert (start["step"], end["step"]) == (0, 100) and summary["ref_mode"] == "live"
   assert start["eval/rewards/accuracies"] == 0.0
   assert end["eval/rewards/accuracies"] > 0.65, end
-  assert end["eval/rewards/margins"] > 0.02 and end["eval/loss"] < np.log(2) - 0.01, end
+  assert end["eval/rewards/margins"] > 0.02, end
+  assert end["eval/loss"] < start["eval/loss"] - 0.02, (start, end)
   assert end["eval/accuracy"] > start["eval/accuracy"] - 0.15, (start, end)

@@ -44,6 +44,7 @@ from jaxrl.models.config import ModelConfig, RopeScaling  # noqa: F401  (hf.Rope
 from jaxrl.models.hf_config import (  # noqa: F401
     ARCHITECTURES, config_from_hf, config_to_hf, family_for, family_of, read_hf_config)
 from jaxrl.models.hf_config import CORRUPT, read_json
+from jaxrl.models import lora
 from jaxrl.models.llama import abstract_model
 from jaxrl.parallel.layouts import init_params, tree_shardings
 
@@ -377,14 +378,23 @@ def hf_to_jaxrl(src: str, out: str, mesh: Mesh, *, param_dtype: str | None = Non
   return cfg
 
 
-def jaxrl_to_hf(checkpoint: str, out: str, mesh: Mesh, *,
+def jaxrl_to_hf(checkpoint: str, out: str, mesh: Mesh, *, merge: bool = False,
                 max_shard_bytes: int = 2 << 30) -> list[str]:
   """jaxrl checkpoint -> HF directory: config.json, safetensors shards (+ index), and the
   tokenizer files the import carried. `checkpoint` is a jaxrl checkpoint (hf-to-jaxrl's
   output) or a training run directory (the --workdir of jaxrl sft / grpo: its latest params,
-  with the config and tokenizer of the model.hf_path it started from)."""
+  with the config and tokenizer of the model.hf_path it started from).
+
+  A LoRA checkpoint (model.lora.rank > 0) is written either merged (merge=True: W + (alpha/r)
+  BA in each weight's dtype, a plain model any HF loader reads) or as what a PEFT user expects:
+  OUT holds the adapter (adapter_model.safetensors, adapter_config.json) and the tokenizer
+  files, and adapter_config.json's base_model_name_or_path names the base. That is the run's
+  model.hf_path (absolute) when the run's base is that checkpoint's weights unchanged; when it
+  is not (a preset's random base, or an init.checkpoint whose earlier adapters were merged into
+  the base), the base is written too, to OUT/base, and named there."""
+  base_path = ""
   if os.path.isdir(os.path.join(checkpoint, "checkpoints")):
-    cfg, params, carried = _run_params(checkpoint, mesh)
+    cfg, params, carried, base_path = _run_params(checkpoint, mesh)
   else:
     cfg, _, params = load_params(checkpoint, mesh, "learner")
     carried = os.path.join(checkpoint, "hf")
@@ -392,15 +402,43 @@ def jaxrl_to_hf(checkpoint: str, out: str, mesh: Mesh, *,
   if carried and os.path.isfile(os.path.join(carried, "config.json")):
     with open(os.path.join(carried, "config.json")) as f:
       extra = json.load(f)
+  if merge and not cfg.lora_rank:
+    raise ConfigError(f"--merge: {checkpoint!r} has no LoRA adapters (its model.lora.rank is "
+                      "0), so there is nothing to merge: drop --merge.")
+  if merge:
+    params, cfg = lora.merge_lora(cfg, params), lora.base_config(cfg)
+  elif cfg.lora_rank:
+    return _export_lora(out, cfg, params, carried, base_path, extra, max_shard_bytes)
   files = save_hf(out, cfg, params, max_shard_bytes=max_shard_bytes, extra_config=extra)
   if jax.process_index() == 0 and os.path.isdir(carried):
     files += _carry(carried, out)
   return files
 
 
+def _export_lora(out, cfg, params, carried, base_path, extra, max_shard_bytes) -> list[str]:
+  """The PEFT adapter in OUT, naming its base: base_path when given, else OUT/base (written
+  here: the params' base weights as a full HF checkpoint)."""
+  from jaxrl.io import peft
+  base, _ = lora.split_lora(params)
+  files = []
+  if not base_path:
+    base_path = os.path.join(os.path.abspath(out), "base")
+    files += [os.path.join("base", f) for f in save_hf(
+        base_path, lora.base_config(cfg), base, max_shard_bytes=max_shard_bytes,
+        extra_config=extra)]
+    if jax.process_index() == 0 and os.path.isdir(carried):
+      files += [os.path.join("base", f) for f in _carry(carried, base_path)]
+  files += peft.save_peft(out, cfg, params, base_model_name_or_path=base_path)
+  if jax.process_index() == 0 and os.path.isdir(carried):
+    files += _carry(carried, out)
+  return files
+
+
 def _run_params(run_dir: str, mesh: Mesh):
-  """(cfg, params, hf_dir) of a training run: the model its config.json names, the latest
-  checkpoint's params, and the HF directory it started from ("" for a preset)."""
+  """(cfg, params, hf_dir, base_path) of a training run: the model its config.json names, the
+  latest checkpoint's params, the HF directory it started from ("" for a preset), and, for a
+  LoRA run whose frozen base is that directory's weights unchanged (no init.checkpoint), its
+  absolute path ("" otherwise)."""
   file = os.path.join(run_dir, "config.json")
   if not os.path.isfile(file):
     raise ConfigError(f"{run_dir!r} holds checkpoints/ but no config.json: give the run "
@@ -412,7 +450,16 @@ def _run_params(run_dir: str, mesh: Mesh):
   target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, tree_shardings(shapes, axes, mesh, "learner"))
   params = restore_params(run_dir, target, key="--checkpoint")
-  return cfg, params, config.model.get("hf_path") or ""
+  return cfg, params, config.model.get("hf_path") or "", frozen_base_path(config)
+
+
+def frozen_base_path(config) -> str:
+  """The HF directory whose weights are a LoRA run's frozen base, unchanged (absolute): its
+  model.hf_path when no init.checkpoint replaced them; "" when the base is not on disk as an
+  HF checkpoint (a preset's random init, or an init.checkpoint whose adapters were merged in)."""
+  hf_path = config.model.get("hf_path") or ""
+  init = config.get("init") or {}
+  return os.path.abspath(hf_path) if hf_path and not init.get("checkpoint") else ""
 
 
 def params_from_config(config, mesh: Mesh, layout: str = "learner"):

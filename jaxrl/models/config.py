@@ -21,6 +21,11 @@ DTYPES = ("float32", "bfloat16")
 # keeps the projections' and the MLP's outputs but recomputes attention's batched products.
 REMAT = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 
+# LoRA (model.lora.targets): the weights an adapter may sit beside, and the two named groups.
+# "all-linear" is PEFT's name for every linear layer but the LM head.
+LORA_WEIGHTS = ("q", "k", "v", "o", "gate", "up", "down")
+LORA_GROUPS = {"attn": ("q", "k", "v", "o"), "all-linear": LORA_WEIGHTS}
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -58,6 +63,13 @@ class ModelConfig:
   remat: str = "none"
   logits_chunk: int = 128
   chunk_min_vocab: int = 32768
+  # LoRA (the config's model.lora section; jaxrl.models.lora): rank 0 is off. When on, each
+  # weight named in lora_targets gets an nnx.LoRA adapter beside it, adding
+  # (lora_alpha / lora_rank) * dropout(x) @ A @ B to its product; B starts at zero.
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_dropout: float = 0.0
+  lora_targets: tuple[str, ...] = ()
 
   def __post_init__(self):
     for name in ("dtype", "param_dtype"):
@@ -78,6 +90,23 @@ class ModelConfig:
           f"{self.num_kv_heads}: grouped-query attention needs num_heads % num_kv_heads == 0.")
     if self.head_dim % 2:
       raise ConfigError(f"model.head_dim={self.head_dim} must be even for RoPE.")
+    self._check_lora()
+
+  def _check_lora(self):
+    # A tuple, whatever came in (config.json holds a list): the config is hashed as static
+    # jit state through the module's graphdef.
+    object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+    if int(self.lora_rank) < 0:
+      raise ConfigError(f"model.lora.rank must be 0 (off) or more, got {self.lora_rank}.")
+    if not 0.0 <= float(self.lora_dropout) < 1.0:
+      raise ConfigError(f"model.lora.dropout must be in [0, 1), got {self.lora_dropout}.")
+    if self.lora_rank and float(self.lora_alpha) <= 0:
+      raise ConfigError(f"model.lora.alpha must be positive, got {self.lora_alpha}.")
+    for name in self.lora_targets:
+      check_choice("model.lora.targets", name, LORA_WEIGHTS)
+    if self.lora_rank and not self.lora_targets:
+      raise ConfigError("model.lora.rank > 0 adapts no weight: set model.lora.targets to "
+                        "'attn', 'all-linear' or a comma list of q,k,v,o,gate,up,down.")
 
   def replace(self, **kw) -> ModelConfig:
     return dataclasses.replace(self, **kw)
@@ -98,7 +127,22 @@ class ModelConfig:
       attn += 2 * h
     layer = attn + 3 * d * f + 2 * d
     emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
-    return self.num_layers * layer + emb + d
+    return self.num_layers * layer + emb + d + self.num_lora_params
+
+  def lora_shape(self, name: str) -> tuple[int, int]:
+    """(in, out) of the flattened weight an adapter named `name` (one of LORA_WEIGHTS) adapts:
+    q D -> N*H, k and v D -> K*H, o N*H -> D, gate and up D -> F, down F -> D."""
+    d, n, k, h, f = self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim, self.mlp_dim
+    return {"q": (d, n * h), "k": (d, k * h), "v": (d, k * h), "o": (n * h, d),
+            "gate": (d, f), "up": (d, f), "down": (f, d)}[name]
+
+  @property
+  def num_lora_params(self) -> int:
+    """The adapters' parameters (0 with LoRA off): r * (in + out) per adapted weight."""
+    if not self.lora_rank:
+      return 0
+    per_layer = sum(sum(self.lora_shape(t)) for t in self.lora_targets)
+    return self.num_layers * self.lora_rank * per_layer
 
 
 _L3_SCALING_32 = RopeScaling(factor=32.0)
@@ -158,8 +202,52 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 # Keys of a config's `model` section besides the ModelConfig fields. `hf_path` names a Hugging
-# Face checkpoint directory whose config.json replaces the preset (see jaxrl.models.hf_config).
-_MODEL_SECTION_EXTRA = ("preset", "hf_path")
+# Face checkpoint directory whose config.json replaces the preset (see jaxrl.models.hf_config);
+# `lora` is the LoRA section (rank, alpha, dropout, targets), which sets the lora_* fields.
+_MODEL_SECTION_EXTRA = ("preset", "hf_path", "lora")
+_LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
+
+
+def lora_targets_of(spec: Any) -> tuple[str, ...]:
+  """model.lora.targets -> the adapted weights' names: "attn", "all-linear", a comma list of
+  LORA_WEIGHTS (e.g. "q,v") or a sequence of them; order follows LORA_WEIGHTS."""
+  if isinstance(spec, str):
+    spec = LORA_GROUPS.get(spec.strip(), [t.strip() for t in spec.split(",") if t.strip()])
+  names = tuple(spec or ())
+  for name in names:
+    if name not in LORA_WEIGHTS:
+      raise ConfigError(f"model.lora.targets names {name!r}: use 'attn', 'all-linear' or a "
+                        f"comma list of {','.join(LORA_WEIGHTS)}.")
+  return tuple(t for t in LORA_WEIGHTS if t in names)
+
+
+def lora_fields(section: Any) -> dict[str, Any]:
+  """The ModelConfig lora_* fields of a model.lora section {rank, alpha, dropout, targets}
+  (None for a key keeps the default; targets default to "attn" when rank > 0)."""
+  section = dict(section or {})
+  unknown = sorted(set(section) - {"rank", "alpha", "dropout", "targets"})
+  if unknown:
+    raise ConfigError(f"model.lora.{unknown[0]} is not a LoRA key: the section takes rank, "
+                      "alpha, dropout and targets.")
+  out: dict[str, Any] = {}
+  for key, want in (("rank", int), ("alpha", float), ("dropout", float)):
+    value = section.get(key)
+    if value is None:
+      continue
+    if isinstance(value, str):  # e.g. "8" left as text by a sweep
+      try:
+        value = float(value)
+      except ValueError:
+        pass
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+        want is int and not float(value).is_integer()):
+      raise ConfigError(f"model.lora.{key}={value!r} has the wrong type: expected "
+                        f"{want.__name__}.")
+    out[f"lora_{key}"] = want(value)
+  rank = out.get("lora_rank", 0)
+  targets = section.get("targets")
+  out["lora_targets"] = lora_targets_of("attn" if targets is None else targets) if rank else ()
+  return out
 
 
 def get_preset(name: str) -> ModelConfig:
@@ -172,7 +260,10 @@ def model_config_from(section: Any, base: ModelConfig | None = None) -> ModelCon
   base = get_preset(section["preset"]) if base is None else base
   fields = {f.name for f in dataclasses.fields(ModelConfig)}
   overrides = {}
-  for key, value in dict(section).items():
+  section = dict(section)
+  if section.get("lora") is not None:
+    overrides.update(lora_fields(section["lora"]))
+  for key, value in section.items():
     if key in _MODEL_SECTION_EXTRA or value is None:
       continue
     if key not in fields:
@@ -185,4 +276,7 @@ def model_config_from(section: Any, base: ModelConfig | None = None) -> ModelCon
 
 
 def model_section_fields() -> tuple[str, ...]:
-  return _MODEL_SECTION_EXTRA + tuple(f.name for f in dataclasses.fields(ModelConfig))
+  """The flat keys of a config's model section; the lora_* fields are set through the
+  model.lora section instead."""
+  return _MODEL_SECTION_EXTRA + tuple(f.name for f in dataclasses.fields(ModelConfig)
+                                      if f.name not in _LORA_FIELDS)

@@ -103,6 +103,50 @@ def _normal(rngs: nnx.Rngs, shape, fan_in: int, dtype):
   return (jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5).astype(dtype)
 
 
+def _lora(cfg: ModelConfig, name: str, axes: tuple[str, str], rngs: nnx.Rngs) -> nnx.LoRA:
+  """The adapter of weight `name` (jaxrl.models.lora): nnx.LoRA over its flattened [in, out]
+  shape, A [in, r] with nnx.LoRA's default init, B [r, out] zeros, both float32 whatever the
+  base's dtype (an update of lr * grad vanishes against a bf16 weight), with the weight's own
+  logical axes on in and out (the rank axis is replicated). dtype is the compute dtype, so
+  the adapter's product runs as the base's does."""
+  d_in, d_out = cfg.lora_shape(name)
+  return nnx.LoRA(d_in, cfg.lora_rank, d_out, dtype=_dtype(cfg.dtype), param_dtype=jnp.float32,
+                  rngs=rngs, a_metadata={"axes": (axes[0], None)},
+                  b_metadata={"axes": (None, axes[1])})
+
+
+class _Adapted(nnx.Module):
+  """A module whose weights may carry LoRA adapters `<weight>_lora` beside them."""
+
+  def add_lora(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    for name in cfg.lora_targets:
+      if name in self.LORA_AXES:
+        setattr(self, f"{name}_lora", _lora(cfg, name, self.LORA_AXES[name], rngs))
+
+  def lora_delta(self, name: str, x_md, key=None):
+    """(alpha / r) * dropout(x) @ A @ B for weight `name`'s adapter, in x's dtype; None when it
+    has none. x is [M, in]; `key` (the forward's dropout key, None at eval) drops inputs at
+    cfg.lora_dropout."""
+    lora = getattr(self, f"{name}_lora", None)
+    if lora is None:
+      return None
+    cfg = self.cfg
+    if key is not None and cfg.lora_dropout > 0:
+      keep = jax.random.bernoulli(jax.random.fold_in(key, _LORA_SALT[name]),
+                                  1.0 - cfg.lora_dropout, x_md.shape)
+      x_md = jnp.where(keep, x_md / (1.0 - cfg.lora_dropout), 0).astype(x_md.dtype)
+    return (lora(x_md) * (cfg.lora_alpha / cfg.lora_rank)).astype(x_md.dtype)
+
+  def adapted(self, name: str, y_mf, x_md, key=None):
+    """y (= x @ W, flattened [M, out]) plus weight `name`'s adapter's term, if it has one."""
+    delta = self.lora_delta(name, x_md, key)
+    return y_mf if delta is None else y_mf + delta
+
+
+# Each adapter's dropout mask draws from its own fold of the layer's key.
+_LORA_SALT = {name: i for i, name in enumerate(("q", "k", "v", "o", "gate", "up", "down"))}
+
+
 class RMSNorm(nnx.Module):
 
   def __init__(self, dim: int, eps: float, param_dtype, axes=("norm",)):
@@ -116,7 +160,10 @@ class RMSNorm(nnx.Module):
     return y.astype(x.dtype) * self.scale[...].astype(x.dtype)
 
 
-class Attention(nnx.Module):
+class Attention(_Adapted):
+
+  LORA_AXES = {"q": ("embed", "heads"), "k": ("embed", "kv_heads"), "v": ("embed", "kv_heads"),
+               "o": ("heads", "embed")}
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, n, k, h = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -135,14 +182,14 @@ class Attention(nnx.Module):
       self.k_norm = RMSNorm(h, cfg.norm_eps, pd, axes=("head_dim",))
 
   def __call__(self, x_btd, positions_bt, rope, *, segment_ids_bt=None, cache=None,
-               prompt=None):
+               prompt=None, key=None):
     """rope: (cos, sin) of positions_bt, from rope_angles; cache: this layer's (keys, values),
     each [B, K, S, H]. Returns (out [B, T, D], kv): the updated cache, or without one the
     sequence's own (keys, values) [B, K, T, H] (a prefix for the sampler).
 
     prompt: (keys [P, K, Tp, H], values, valid [P, Tp]) of P prompts that B = P * G rows
     continue, G rows each (see Transformer.grouped_hidden): each row attends to its prompt's
-    valid positions, then causally to its own."""
+    valid positions, then causally to its own. key: the LoRA dropout key (None: no dropout)."""
     cfg = self.cfg
     dt = x_btd.dtype
     B, T = positions_bt.shape
@@ -151,10 +198,13 @@ class Attention(nnx.Module):
     x_md = x_btd.reshape(B * T, -1)
     if T == 1 and B > 1:
       q, k, v = self._fused_qkv(x_md, B)
+      q, k, v = (self.adapted(name, y.reshape(B, -1), x_md, key).reshape(y.shape)
+                 for name, y in (("q", q), ("k", k), ("v", v)))
     else:
-      q = (x_md @ self.q[...].astype(dt).reshape(-1, n * hd)).reshape(B, T, n, hd)
-      k = (x_md @ self.k[...].astype(dt).reshape(-1, kh * hd)).reshape(B, T, kh, hd)
-      v = (x_md @ self.v[...].astype(dt).reshape(-1, kh * hd)).reshape(B, T, kh, hd)
+      q = self.adapted("q", x_md @ self.q[...].astype(dt).reshape(-1, n * hd), x_md, key)
+      k = self.adapted("k", x_md @ self.k[...].astype(dt).reshape(-1, kh * hd), x_md, key)
+      v = self.adapted("v", x_md @ self.v[...].astype(dt).reshape(-1, kh * hd), x_md, key)
+      q, k, v = q.reshape(B, T, n, hd), k.reshape(B, T, kh, hd), v.reshape(B, T, kh, hd)
     if cfg.qkv_bias:
       q = q + self.q_bias[...].astype(dt)
       k = k + self.k_bias[...].astype(dt)
@@ -183,7 +233,7 @@ class Attention(nnx.Module):
                                      (B, T, valid_ps.shape[1]))
         mask_bts = jnp.concatenate([valid_bts, mask_bts], axis=2)
     elif T == 1:
-      return self._decode_one(q, k, v, positions_bt[:, 0], cache)
+      return self._decode_one(q, k, v, positions_bt[:, 0], cache, key)
     else:
       # Cached: write at each slot's own start position, then attend to entries <= position.
       start_b = positions_bt[:, 0]
@@ -198,7 +248,7 @@ class Attention(nnx.Module):
     out_btkgh = attention(q.reshape(B, T, kh, n // kh, hd), keys_bksh, values_bksh, mask_bts)
     out_mf = out_btkgh.reshape(B * T, n * hd)
     o_fd = self.o[...].astype(dt).reshape(n * hd, -1)
-    return (out_mf @ o_fd).reshape(B, T, -1), new_kv
+    return self.adapted("o", out_mf @ o_fd, out_mf, key).reshape(B, T, -1), new_kv
 
   def _fused_qkv(self, x_md, B):
     """q, k and v of a decode step ([B, 1, ., H]) from one matmul against the three weights
@@ -220,7 +270,7 @@ class Attention(nnx.Module):
     q, k, v = qkv[:, :, :, :g], qkv[:, :, :, g], qkv[:, :, :, g + 1]
     return q.reshape(B, 1, n, hd), k, v
 
-  def _decode_one(self, q_b1nh, k_b1kh, v_b1kh, pos_b, cache):
+  def _decode_one(self, q_b1nh, k_b1kh, v_b1kh, pos_b, cache, key=None):
     """One new token per slot (the sampler's decode step), same result as the general path.
 
     Written for XLA:CPU, where the cache traffic dominates a decode step. Each write is one
@@ -252,7 +302,8 @@ class Attention(nnx.Module):
     # As one [B, N*H] x [N*H, D] matmul over row-major reshapes (free): written as the general
     # path's einsum, XLA:CPU transposed the whole o weight every decode step.
     o_fd = self.o[...].astype(dt).reshape(n * cfg.head_dim, cfg.embed_dim)
-    out_bd = out_bkgh.reshape(B, n * cfg.head_dim) @ o_fd
+    out_bf = out_bkgh.reshape(B, n * cfg.head_dim)
+    out_bd = self.adapted("o", out_bf @ o_fd, out_bf, key)
     return out_bd[:, None], new_kv
 
 
@@ -266,16 +317,19 @@ def _write_positions(cache_bksh, new_bkh, pos_b):
                          unique_indices=True)
 
 
-class MLP(nnx.Module):
+class MLP(_Adapted):
+
+  LORA_AXES = {"gate": ("embed", "mlp"), "up": ("embed", "mlp"), "down": ("mlp", "embed")}
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, f = cfg.embed_dim, cfg.mlp_dim
     pd = _dtype(cfg.param_dtype)
+    self.cfg = cfg
     self.gate = nnx.Param(_normal(rngs, (d, f), d, pd), axes=("embed", "mlp"))
     self.up = nnx.Param(_normal(rngs, (d, f), d, pd), axes=("embed", "mlp"))
     self.down = nnx.Param(_normal(rngs, (f, d), f, pd), axes=("mlp", "embed"))
 
-  def __call__(self, x_btd):
+  def __call__(self, x_btd, key=None):
     # As 2-D matmuls over the B*T rows (a free reshape). Written as [B, T, D] einsums, XLA:CPU
     # fused silu into a batched dot whose backward ran at half speed: measured on the bench
     # shape (5120 rows), one MLP's forward + backward took 188 ms as einsums, 94 ms as this.
@@ -292,7 +346,10 @@ class MLP(nnx.Module):
     else:
       g_mf = x_md @ self.gate[...].astype(dt)
       u_mf = x_md @ self.up[...].astype(dt)
-    out_md = swiglu(g_mf, u_mf) @ self.down[...].astype(dt)
+    g_mf = self.adapted("gate", g_mf, x_md, key)
+    u_mf = self.adapted("up", u_mf, x_md, key)
+    h_mf = swiglu(g_mf, u_mf)
+    out_md = self.adapted("down", h_mf @ self.down[...].astype(dt), h_mf, key)
     return out_md.reshape(x_btd.shape)
 
 
@@ -327,11 +384,14 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, pd)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x, positions, rope, *, segment_ids=None, cache=None, prompt=None):
+  def __call__(self, x, positions, rope, *, segment_ids=None, cache=None, prompt=None,
+               key=None):
+    """key: this layer's LoRA dropout key (None: no dropout)."""
+    attn_key, mlp_key = (None, None) if key is None else jax.random.split(key)
     h, kv = self.attn(self.attn_norm(x), positions, rope, segment_ids_bt=segment_ids,
-                      cache=cache, prompt=prompt)
+                      cache=cache, prompt=prompt, key=attn_key)
     x = x + h
-    return x + self.mlp(self.mlp_norm(x)), kv
+    return x + self.mlp(self.mlp_norm(x), key=mlp_key), kv
 
 
 # model.remat -> the jax.checkpoint policy of each decoder block (config.REMAT says what each
@@ -350,8 +410,13 @@ def _remat(fn, remat: str):
   return nnx.remat(fn, policy=REMAT_POLICIES[remat], prevent_cse=True)
 
 
-def _call_block(layer, x, positions, rope, segment_ids, cache):
-  return layer(x, positions, rope, segment_ids=segment_ids, cache=cache)
+def _call_block(layer, x, positions, rope, segment_ids, cache, key=None):
+  return layer(x, positions, rope, segment_ids=segment_ids, cache=cache, key=key)
+
+
+def _layer_key(key, i: int):
+  """Layer i's LoRA dropout key; None stays None (no dropout)."""
+  return None if key is None else jax.random.fold_in(key, i)
 
 
 class Transformer(nnx.Module):
@@ -369,10 +434,18 @@ class Transformer(nnx.Module):
     if not cfg.tie_embeddings:
       self.lm_head = nnx.Param(_normal(rngs, (cfg.embed_dim, cfg.vocab_size), cfg.embed_dim, pd),
                                axes=("embed", "vocab"))
+    if cfg.lora_rank:
+      # Adapters last, from one key of their own, so the base weights' init is the same with
+      # LoRA on or off (a LoRA run starts from the base a plain run would).
+      lora_rngs = nnx.Rngs(params=rngs.params())
+      for layer in self.layers:
+        layer.attn.add_lora(cfg, lora_rngs)
+        layer.mlp.add_lora(cfg, lora_rngs)
 
   def hidden(self, tokens_bt, positions_bt=None, *, segment_ids_bt=None,
-             cache: KVCache | None = None):
-    """Final-normed hidden states [B, T, D] and the KV (the prefix's, or the updated cache)."""
+             cache: KVCache | None = None, dropout_key=None):
+    """Final-normed hidden states [B, T, D] and the KV (the prefix's, or the updated cache).
+    dropout_key: the LoRA dropout's key (training only; None, the default, drops nothing)."""
     if positions_bt is None:
       positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
     rope = self._rope(positions_bt)
@@ -383,12 +456,12 @@ class Transformer(nnx.Module):
     new_cache = []
     for i, layer in enumerate(self.layers):
       x, kv = block(layer, x, positions_bt, rope, segment_ids_bt,
-                    None if cache is None else cache[i])
+                    None if cache is None else cache[i], _layer_key(dropout_key, i))
       x = pin_rows(x)
       new_cache.append(kv)
     return self.final_norm(x), new_cache
 
-  def grouped_hidden(self, prompt_pt, prompt_len_p, completion_nt):
+  def grouped_hidden(self, prompt_pt, prompt_len_p, completion_nt, *, dropout_key=None):
     """Hidden states that predict the completions' tokens, for G = N / P completions per
     prompt, computing each prompt once instead of G times (a GRPO group's shared prompt).
 
@@ -396,7 +469,8 @@ class Transformer(nnx.Module):
     with rows p*G .. p*G+G-1 continuing prompt p at position prompt_len_p[p]. Returns
     h [N, Tc, D] final-normed, where h[n, t] predicts completion_nt[n, t]: index 0 is the
     prompt's last real position, index t > 0 the completion's position t - 1. The same values
-    as the full forward over each joined, unpadded prompt + completion.
+    as the full forward over each joined, unpadded prompt + completion. dropout_key: as in
+    hidden (the prompt's pass and its completions' draw separate masks).
     """
     (P, Tp), (N, Tc) = prompt_pt.shape, completion_nt.shape
     G = N // P
@@ -406,16 +480,17 @@ class Transformer(nnx.Module):
     rope_p, rope_n = self._rope(pos_p), self._rope(pos_n)
     valid_ps = jnp.arange(Tp)[None, :] < prompt_len_p[:, None]
     x_p, x_n = pin_rows(self._embed(prompt_pt)), pin_rows(self._embed(completion_nt[:, :-1]))
-    def both(layer, x_p, x_n):
+    def both(layer, x_p, x_n, key):
       # The prompt's own pass first (its padding comes after every real token, so it never
       # reaches a real position), then the completions attend to its valid keys.
-      x_p, kv_p = layer(x_p, pos_p, rope_p)
-      x_n, _ = layer(x_n, pos_n, rope_n, prompt=(*kv_p, valid_ps))
+      key_p, key_n = (None, None) if key is None else jax.random.split(key)
+      x_p, kv_p = layer(x_p, pos_p, rope_p, key=key_p)
+      x_n, _ = layer(x_n, pos_n, rope_n, prompt=(*kv_p, valid_ps), key=key_n)
       return x_p, x_n
 
     both = _remat(both, self.cfg.remat)
-    for layer in self.layers:
-      x_p, x_n = both(layer, x_p, x_n)
+    for i, layer in enumerate(self.layers):
+      x_p, x_n = both(layer, x_p, x_n, _layer_key(dropout_key, i))
       x_p, x_n = pin_rows(x_p), pin_rows(x_n)
     last_p = jnp.take_along_axis(x_p, (prompt_len_p - 1)[:, None, None], axis=1)  # [P, 1, D]
     h = jnp.concatenate([jnp.repeat(last_p, G, axis=0), x_n], axis=1)
@@ -496,11 +571,14 @@ def apply(graphdef, params, tokens_bt, positions_bt=None, *, segment_ids_bt=None
 
 
 def apply_logprobs(graphdef, params, tokens_bt, targets_bt, positions_bt=None, *,
-                   segment_ids_bt=None, temperature: float = 1.0, entropy: bool = True):
+                   segment_ids_bt=None, temperature: float = 1.0, entropy: bool = True,
+                   dropout_key=None):
   """Pure full-sequence forward to (log pi(target) [B, T], entropy [B, T] or None): the
-  learners' forward (Transformer.token_logprobs; chunked above cfg.chunk_min_vocab)."""
+  learners' forward (Transformer.token_logprobs; chunked above cfg.chunk_min_vocab).
+  dropout_key: the LoRA dropout's key in a train step (None: no dropout)."""
   model = nnx.merge(graphdef, params)
-  h_btd, _ = model.hidden(tokens_bt, positions_bt, segment_ids_bt=segment_ids_bt)
+  h_btd, _ = model.hidden(tokens_bt, positions_bt, segment_ids_bt=segment_ids_bt,
+                          dropout_key=dropout_key)
   return model.token_logprobs(h_btd, targets_bt, temperature=temperature, entropy=entropy)
 
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from jaxrl.errors import ConfigError
 from jaxrl.models import CACHE_AXES, ModelConfig, RewardModel, abstract_model, cache_shape
+from jaxrl.models.lora import split_lora
 from jaxrl.parallel.layouts import get_rules, logical_spec
 from jaxrl.parallel.sync import HOST_RESHARD_MIN_BYTES, Layout, Placement, host_memory
 
@@ -198,6 +199,14 @@ def memory_plan(cfg: ModelConfig, placement: Placement, section=None, *,
              "actor optimizer state": w.optimizer_states * params}
   if w.reference:
     learner["reference params"] = params
+  if cfg.lora_rank:
+    # LoRA: gradients and moments for the adapters only; the reference is the actor's own
+    # frozen base with zero adapters, so only those are its own.
+    adapters = tree_bytes_per_device(*(split_lora(t)[1] for t in (shapes, axes)), L)
+    learner.update({"actor gradients": adapters,
+                    "actor optimizer state": w.optimizer_states * adapters})
+    if w.reference:
+      learner["reference params"] = adapters
   for label, rm_cfg, *feature in reward_models:
     model = functools.partial(RewardModel, logprob_feature=bool(feature and feature[0]))
     _, rs, ra = abstract_model(rm_cfg, model)

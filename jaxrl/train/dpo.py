@@ -48,7 +48,7 @@ from jaxrl.backends import compiler_options
 from jaxrl.data import ON_BAD_ROW, prefs
 from jaxrl.data.prompts import prompt_section
 from jaxrl.errors import ConfigError
-from jaxrl.models import apply_logprobs
+from jaxrl.models import apply_logprobs, lora
 from jaxrl.models.flops import packed_flops
 from jaxrl.parallel import batch_sharding, shard_activations
 from jaxrl.parallel.distributed import global_array
@@ -147,12 +147,13 @@ def default_config():
 def make_seq_logps(graphdef):
   """seq_logps(params, rows) -> (log-prob sums, token counts), each of shape rows' leading
   dims: rows hold ROW_KEYS arrays of shape [..., S], flattened to [N, S] for one forward."""
-  def seq_logps(params, rows):
+  def seq_logps(params, rows, key=None):
+    # key: LoRA's dropout key (model.lora.dropout), the policy's in a train step only.
     lead, S = rows["inputs"].shape[:-1], rows["inputs"].shape[-1]
     flat = {k: rows[k].reshape(-1, S) for k in ROW_KEYS}  # [B, 2, S] -> [2B, S]
     logp, _ = apply_logprobs(graphdef, params, flat["inputs"], flat["targets"],
                              flat["positions"], segment_ids_bt=flat["segment_ids"],
-                             entropy=False)
+                             entropy=False, dropout_key=key)
     mask = flat["loss_mask"]
     return (logp * mask).sum(-1).reshape(lead), mask.sum(-1).reshape(lead)
   return seq_logps
@@ -195,8 +196,7 @@ def pair_loss(graphdef, a):
   seq_logps, objective = make_seq_logps(graphdef), pair_objective(a)
 
   def loss_fn(params, batch, key):
-    del key
-    lp, n = seq_logps(params, batch)
+    lp, n = seq_logps(params, batch, key)
     loss, m = objective(lp, n, batch.get("ref_logps"))
     return loss.sum(), (jnp.float32(loss.shape[0]), {k: v.sum() for k, v in m.items()})
   return loss_fn
@@ -210,8 +210,7 @@ def kto_loss(graphdef, a):
   seq_logps = make_seq_logps(graphdef)
 
   def loss_fn(params, batch, key):
-    del key
-    lp, _ = seq_logps(params, batch)
+    lp, _ = seq_logps(params, batch, key)
     if a.kto_z0 == "mismatched":
       # No gradient flows through z0: score the mismatched rows with frozen params.
       kl_lp, _ = seq_logps(jax.lax.stop_gradient(params),
@@ -386,9 +385,14 @@ def run(config, workdir: str, *, out=print) -> dict:
   cache = reference = None
   if mode == "cached":
     cache = cached_reference(r, report, train, eval_rows,
-                             lambda rows: ref_score(state.params, global_rows(rows)))
+                             lambda rows: ref_score(lora.adapters_off(state.params)
+                                                    if cfg.lora_rank else state.params,
+                                                    global_rows(rows)))
   elif mode == "live":
-    reference = jax.tree.map(jnp.copy, state.params)  # frozen; rebuilt from init on resume
+    # Frozen; rebuilt from init on resume. With LoRA it is the base with adapters off, which
+    # shares the policy's frozen base: no second copy of the weights.
+    reference = (lora.adapters_off(state.params) if cfg.lora_rank else
+                 jax.tree.map(jnp.copy, state.params))
   eval_ref = []
   for rows in eval_rows if needs_ref else []:
     eval_ref.append(cache.lookup(rows) if cache is not None else
@@ -437,6 +441,8 @@ def run(config, workdir: str, *, out=print) -> dict:
     return total
 
   state = r.resume(state, shardings, batches)
+  if reference is not None and cfg.lora_rank:  # share the resumed base, not the starting one
+    reference = lora.adapters_off(state.params)
 
   eval_dev = [(global_rows(rows), global_array(ref, batch_sharding(mesh, 2, config.layout))
                if needs_ref else None)
@@ -448,8 +454,8 @@ def run(config, workdir: str, *, out=print) -> dict:
   summary = r.train(
       state, step_fn, batches, put=put, eval_fn=evaluate, tokens_fn=count_tokens,
       flops_fn=step_flops, summary_extra=lambda: {"data": report, "ref_mode": mode},
-      banner=f"{a.loss}: {cfg.num_params:,} parameters, {len(train)} train "
-             f"{'pairs' if paired else 'rows'}, global batch {d.batch_size} x {d.seq_len}, "
+      banner=f"{a.loss}: {cfg.num_params:,} parameters{lora.describe(cfg)}, {len(train)} "
+             f"train {'pairs' if paired else 'rows'}, global batch {d.batch_size} x {d.seq_len}, "
              f"{config.train.steps} steps")
   summary["samples"] = exact.samples if exact is not None else []
   return summary
@@ -486,7 +492,10 @@ def programs(config, *, devices=None):
   rows = int(np.prod(lead))
   fwd = forward_flops(cfg, tokens=rows * T, pairs=rows * T * (T + 1) / 2)
   knobs = pg.model_knobs(config)
-  resident = {"reference params": abstract_bytes(state.params)} if mode == "live" else {}
+  # The live reference: a copy of the policy's params, or with LoRA the policy's own frozen
+  # base (shared) and zero adapters.
+  ref_own = lora.split_lora(state.params)[1] if cfg.lora_rank else state.params
+  resident = {"reference params": abstract_bytes(ref_own)} if mode == "live" else {}
   plain = pg.plain_graphdef(cfg)
   make_loss = kto_loss if kto else pair_loss
   out = [pg.train_program(
@@ -502,7 +511,8 @@ def programs(config, *, devices=None):
     replicas = mesh.shape["data"] * mesh.shape["fsdp"]
     out.append(pg.forward_program(
         "reference forward", ref_fn, (state.params, {k: batch[k] for k in ROW_KEYS}),
-        resident={"actor params + optimizer state": abstract_bytes(state)}, flops=fwd,
+        resident={"actor params + optimizer state": abstract_bytes(state) - abstract_bytes(
+            state.params) + abstract_bytes(ref_own)}, flops=fwd,
         tokens=rows * T, rows=max(1, rows // replicas), seq_len=T, vocab=cfg.vocab_size,
         logits_chunk=knobs["logits_chunk"], cfg=cfg, mesh=mesh,
         plain_fn=lambda p, r: make_seq_logps(plain)(p, r)[0]))

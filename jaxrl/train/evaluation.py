@@ -124,7 +124,7 @@ def make_eval_loss(loss_fn, mesh):
   @jax.jit
   @functools.partial(shard_activations, mesh=mesh)
   def sums(params, batch):
-    loss_sum, (weight, _) = loss_fn(params, batch, jax.random.key(0))
+    loss_sum, (weight, _) = loss_fn(params, batch, None)  # no key: no dropout at eval
     return jax.lax.with_sharding_constraint(jnp.stack([loss_sum, weight]), replicated)
 
   def eval_loss(params, batches) -> float:

@@ -12,11 +12,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl import config as config_lib
-from jaxrl.models import abstract_model
+from jaxrl.models import abstract_model, lora
 from jaxrl.parallel import shard_activations, tree_shardings
 from jaxrl.parallel.mesh import make_mesh
 from jaxrl.parallel.plan import Program, residual_bytes
-from jaxrl.train.state import TrainState, make_train_step, state_shardings
+from jaxrl.train.state import (LoraStep, make_train_step, new_state, split_trainable,
+                               state_shardings, train_only_of)
 
 
 def spec(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
@@ -42,11 +43,11 @@ def abstract_state(cfg, mesh, tx, *, layout: str, model=None):
   as init_train_state would build it, without building it."""
   graphdef, shapes, axes = abstract_model(cfg, model)
   param_shd = tree_shardings(shapes, axes, mesh, layout)
+  train_only = train_only_of(cfg, shapes)
 
   def init():
     params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    return TrainState(params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32),
-                      rng=jax.random.key_data(jax.random.key(0)))
+    return new_state(params, tx, jax.random.key_data(jax.random.key(0)), train_only)
 
   abstract = jax.eval_shape(init)
   shardings = state_shardings(abstract, param_shd, tx, mesh)
@@ -88,15 +89,30 @@ def micro_batch(batch, accum_steps: int):
   return jax.tree.map(cut, batch)
 
 
+def frozen_base_loss(loss_fn, train_only):
+  """loss_fn over the whole params with the frozen base behind stop_gradient: its vjp keeps
+  only what the trained parameters' gradients need, as the LoRA step's does."""
+  def loss(params, batch, key):
+    trained, frozen = split_trainable(params, train_only)
+    return loss_fn(lora.combine(jax.lax.stop_gradient(frozen), trained), batch, key)
+  return loss
+
+
 def train_program(loss_fn, tx, schedule, state, shardings, batch, *, mesh, accum_steps: int,
                   resident: dict | None = None, flops: float = 0.0, tokens: int = 0,
                   seq_len: int = 0, vocab: int = 0, logits_chunk: int = 0,
                   plain_loss=None, cfg=None, name: str = "train step") -> Program:
   """The trainer's jitted train step (make_train_step, as its run builds it) over abstract
-  arguments; its loss traced over one micro-batch for the backward's residuals."""
+  arguments; its loss traced over one micro-batch for the backward's residuals. With LoRA the
+  program is the step over (trained state, frozen base, batch): the gradients and optimizer
+  state it counts are the adapters', and the base is an argument once, never donated."""
   batch_shd = jax.tree.map(lambda x: x.sharding, batch)
   step = make_train_step(loss_fn, tx, schedule, shardings, batch_shd, mesh=mesh,
                          accum_steps=accum_steps)
+  args, loss = (state, batch), loss_fn
+  if isinstance(step, LoraStep):
+    step, args = step.jitted, step.args(state, batch)
+    loss = frozen_base_loss(loss_fn, state.train_only)
   micro = micro_batch(batch, accum_steps)
   rows = max(x.sharding.shard_shape(x.shape)[0] for x in jax.tree.leaves(micro)
              if len(x.shape) >= 2)
@@ -105,8 +121,8 @@ def train_program(loss_fn, tx, schedule, state, shardings, batch, *, mesh, accum
   if remat != "none" and plain_loss is not None:
     per_layer = layer_bytes(lambda p, b: plain_loss(p, b, None)[0], state.params, micro,
                             layers=cfg.num_layers, mesh=mesh)
-  return Program(name, step, (state, batch), "train", resident=dict(resident or {}),
-                 loss=(shard_activations(loss_fn, mesh), state.params, micro), donated=(0,),
+  return Program(name, step, args, "train", resident=dict(resident or {}),
+                 loss=(shard_activations(loss, mesh), state.params, micro), donated=(0,),
                  flops=flops, tokens=tokens, rows=rows, seq_len=seq_len, vocab=vocab,
                  logits_chunk=logits_chunk, layer_bytes=per_layer, remat=remat)
 

@@ -32,7 +32,7 @@ from jaxrl import config as config_lib
 from jaxrl.data import ON_BAD_ROW, prefs
 from jaxrl.data.prompts import prompt_section
 from jaxrl.errors import ConfigError
-from jaxrl.models import RewardModel, last_index, reward_apply
+from jaxrl.models import RewardModel, last_index, lora, reward_apply
 from jaxrl.models.flops import packed_flops
 from jaxrl.parallel import batch_sharding, shard_activations
 from jaxrl.parallel.distributed import distributed_section, global_array
@@ -235,7 +235,13 @@ def init_reward_state(config, mesh, tx, *, layout: str = "learner"):
 
 
 def run(config, workdir: str, *, out=print) -> dict:
-  """Trains (or resumes) the reward-model run in `workdir`; returns the summary."""
+  """Trains (or resumes) the reward-model run in `workdir`; returns the summary. With LoRA
+  (model.lora.rank > 0) the backbone's base is frozen: its adapters and the head train."""
+  cfg = config_lib.model_config(config)
+  if cfg.lora_rank and cfg.lora_dropout:
+    raise ConfigError(f"model.lora.dropout={cfg.lora_dropout} is not supported by `jaxrl rm` "
+                      "(the reward model's forward takes no dropout key): set "
+                      "model.lora.dropout=0.")
   r = Run(config, workdir, out=out, choices=CHOICES, command="rm",
           sections=default_config().keys(), programs=programs)
   d, mesh = config.data, r.mesh
@@ -283,7 +289,8 @@ def run(config, workdir: str, *, out=print) -> dict:
       # feature.
       flops_fn=lambda b: 3 * packed_flops(r.cfg, b, lm_head=bool(config.head.logprob_feature)),
       summary_extra=lambda: {"data": info},
-      banner=f"rm: the {r.cfg.num_params:,}-parameter decoder + a {r.cfg.embed_dim}-wide head, "
+      banner=f"rm: the {r.cfg.num_params:,}-parameter decoder{lora.describe(r.cfg)} + a "
+             f"{r.cfg.embed_dim}-wide head, "
              f"{len(train)} train pairs, global batch {d.batch_size} pairs x 2 x {d.seq_len}, "
              f"{config.train.steps} steps; backbone from "
              f"{config.init.checkpoint or 'the preset init'}")

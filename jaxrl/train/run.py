@@ -26,13 +26,13 @@ from jaxrl.data.prompts import Prompts
 from jaxrl.parallel import mesh_from_config
 from jaxrl.parallel import plan as plan_lib
 from jaxrl.parallel.sync import make_placement
-from jaxrl.train.checkpoint import Checkpointer, restore_params
+from jaxrl.train.checkpoint import Checkpointer
 from jaxrl.train.data import ShardedBatches, check_batch_size, data_shards
 from jaxrl.train.evaluation import ExactMatch
 from jaxrl.train.loop import resume, train_loop
 from jaxrl.train import rundir
 from jaxrl.train.rundir import RunDir
-from jaxrl.train.state import init_train_state, start_from_hf
+from jaxrl.train.state import init_train_state, start_from_checkpoint, start_from_hf
 
 
 def count_tokens(batch) -> int:
@@ -49,12 +49,8 @@ def starting_state(config, cfg, mesh, tx, *, layout: str, model=None, into: str 
                                                 layout=layout, model=model)
   state = start_from_hf(config, state, mesh, layout, into=into)
   path = config.init.checkpoint if "init" in config else ""
-  if path:
-    target = state.params if into is None else state.params[into]
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                           sharding=x.sharding), target)
-    params = restore_params(path, abstract)
-    state = state.replace(params=params if into is None else {**state.params, into: params})
+  if path:  # (with LoRA: into the frozen base, a LoRA checkpoint's adapters merged)
+    state = start_from_checkpoint(cfg, state, path, into=into, layout=layout)
   return graphdef, state, shardings
 
 

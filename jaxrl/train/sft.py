@@ -17,7 +17,7 @@ from jaxrl import config as config_lib
 from jaxrl.data import ON_BAD_ROW, prefs, sft_batches
 from jaxrl.data.pipeline import TRAIN_ON
 from jaxrl.data.prompts import prompt_section
-from jaxrl.models import apply_logprobs
+from jaxrl.models import apply_logprobs, lora
 from jaxrl.models.flops import packed_flops
 from jaxrl.parallel import batch_sharding
 from jaxrl.parallel.distributed import distributed_section, global_array
@@ -75,12 +75,12 @@ def default_config():
 
 def sft_loss(graphdef):
   """loss_fn(params, batch, key) -> (sum of -log p(target) over masked tokens, (token count,
-  {})); the train step divides by the count over the whole batch."""
+  {})); the train step divides by the count over the whole batch. `key` drives LoRA's
+  dropout (model.lora.dropout; None at eval drops nothing)."""
   def loss_fn(params, batch, key):
-    del key  # no dropout in these models
     logp, _ = apply_logprobs(graphdef, params, batch["inputs"], batch["targets"],
                              batch["positions"], segment_ids_bt=batch["segment_ids"],
-                             entropy=False)
+                             entropy=False, dropout_key=key)
     mask = batch["loss_mask"]
     return -(logp * mask).sum(), (mask.sum(), {})
   return loss_fn
@@ -144,8 +144,8 @@ def run(config, workdir: str, *, out=print) -> dict:
   summary = r.train(
       state, step_fn, batches, put=lambda b: put_batch(b, shd), eval_fn=evaluate,
       tokens_fn=count_tokens, flops_fn=lambda b: 3 * packed_flops(r.cfg, b),
-      banner=f"sft: {r.cfg.num_params:,} parameters, {len(train)} train examples, "
-             f"global batch {d.batch_size} x {d.seq_len}, {config.train.steps} steps")
+      banner=f"sft: {r.cfg.num_params:,} parameters{lora.describe(r.cfg)}, {len(train)} train "
+             f"examples, global batch {d.batch_size} x {d.seq_len}, {config.train.steps} steps")
   summary["samples"] = exact.samples if exact is not None else []
   return summary
 

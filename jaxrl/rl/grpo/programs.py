@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl import backends, config as config_lib
 from jaxrl.data.hf_tokenizer import tokenizer_for
-from jaxrl.models import RewardModel, abstract_model, reward_apply
+from jaxrl.models import RewardModel, abstract_model, lora, reward_apply
 from jaxrl.models.flops import forward_flops
 from jaxrl.parallel import batch_sharding, get_rules
 from jaxrl.parallel.plan import Program, Workload, abstract_bytes, attention_score_bytes
@@ -94,8 +94,11 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
     pairs = prompts * Tp * (Tp + 1) / 2 + n * (Tc * Tp + Tc * (Tc + 1) / 2)
     return forward_flops(cfg, tokens=tokens, pairs=pairs)
 
-  # Resident beside the learner's programs: the reference and the reward models' params.
-  ref_bytes = abstract_bytes(state.params)
+  # Resident beside the learner's programs: the reference and the reward models' params. With
+  # LoRA the reference is the actor's own frozen base with zero adapters: only those count,
+  # and a forward over either holds the base once, as its argument.
+  base_bytes = abstract_bytes(lora.split_lora(state.params)[0]) if cfg.lora_rank else 0
+  ref_bytes = abstract_bytes(state.params) - base_bytes
   resident = {"reference params": ref_bytes}
   for label, rm_cfg, feature in rm_lib.plan_roles(config):
     model = functools.partial(RewardModel, logprob_feature=feature)
@@ -133,7 +136,7 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
   fwd = Program(
       "logprob forward" + ("" if old_from_update else " (x2: old policy, reference)"), fwd_fn,
       (state.params, fwd_batch), "forward",
-      resident={"actor params + optimizer state": abstract_bytes(state)},
+      resident={"actor params + optimizer state": abstract_bytes(state) - base_bytes},
       flops=flops(N), tokens=N * Tc, rows=N // (replicas * micro), seq_len=width,
       vocab=cfg.vocab_size, logits_chunk=knobs["logits_chunk"],
       layer_bytes=pg.layer_bytes(lambda p, b: batch_logprobs(plain, p, b, r.temperature)[0],
@@ -202,7 +205,13 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
 
   sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                             max_new_tokens=r.max_new_tokens, eos_id=None)
-  engine = Engine(graphdef, cfg, smesh, sampling=sampling)
+  # LoRA: the sampler runs the plain model on weights merged from its own copy of the frozen
+  # base, which stays on its chips the whole step (jaxrl.parallel.sync.WeightSync).
+  scfg, sbase = cfg, {}
+  if cfg.lora_rank:
+    scfg, sparams = lora.base_config(cfg), lora.split_lora(sparams)[0]
+    sbase = {"sampler base (LoRA)": abstract_bytes(sparams)}
+  engine = Engine(abstract_model(scfg)[0], scfg, smesh, sampling=sampling)
   key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
                              sharding=NamedSharding(smesh, P()))
   n_prefill = bucket(max(1, min(r.prompts_per_step, -(-r.slots // G))), minimum=1)
@@ -212,7 +221,7 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
       "prefill", engine._prefill,
       (sparams, pg.spec((n_prefill, Tp), "int32", rep), pg.spec((n_prefill,), "int32", rep),
        pg.spec((n_prefill,), "int32", rep), key), kind="prefill",
-      resident=gen_resident, flops=forward_flops(cfg, tokens=n_prefill * Tp,
+      resident={**gen_resident, **sbase}, flops=forward_flops(cfg, tokens=n_prefill * Tp,
                                                      pairs=n_prefill * Tp * (Tp + 1) / 2),
       tokens=n_prefill * Tp, rows=n_prefill, seq_len=1, vocab=cfg.vocab_size)
   max_len = Tp + Tc
@@ -224,15 +233,17 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
   decode = pg.forward_program(
       "decode steps", jax.jit(lambda p, s, k: engine._steps_fn(p, s, k, steps=steps),
                               donate_argnums=1), (sparams, dstate, key),
-      kind="decode", resident=gen_resident, donated=(1,),
+      kind="decode", resident={**gen_resident, **sbase}, donated=(1,),
       flops=steps * forward_flops(cfg, tokens=r.slots, pairs=r.slots * max_len),
       tokens=steps * r.slots, rows=slots_dev, seq_len=1, vocab=cfg.vocab_size)
   prefill.resident["kv cache"] = abstract_bytes(dstate)  # allocated before the first prefill
   if colocated and roles:  # the sampler copy is released after scoring, before the update
-    progs[-1].resident["sampler weights"] = abstract_bytes(sparams)
+    progs[-1].resident.update({"sampler weights": abstract_bytes(sparams), **sbase})
   if colocated and placement.keep_sampler_copy:
     train.resident.update({"sampler weights": abstract_bytes(sparams),
                            "kv cache": abstract_bytes(dstate)})
+  if colocated:
+    train.resident.update(sbase)  # LoRA: the sampler's base copy stays over the update
   work = Workload(rows=max(1, n_mb // (replicas * config.optim.accum_steps)), seq_len=width,
                   reference=True, slots=r.slots, max_len=max_len, **knobs)
   return work, [*progs, prefill, decode, sync]

@@ -55,6 +55,7 @@ from jaxrl.data import prefs
 from jaxrl.data.hf_tokenizer import eos_ids
 from jaxrl.errors import ConfigError
 from jaxrl.evals.evaluator import Evaluator, checker_for
+from jaxrl.models import abstract_model, lora
 from jaxrl.models.flops import rollout_flops
 from jaxrl.parallel import batch_sharding
 from jaxrl.parallel.distributed import global_array
@@ -80,14 +81,16 @@ def run(config, workdir: str, *, out=print) -> dict:
   p, state = setup(config, workdir, out=out)
   r = config.rollout
   state = p.run.resume(state, p.shardings, p.stream, updates_per_step=p.updates_per_step)
+  if p.cfg.lora_rank:  # share the resumed base, or the starting one would stay live beside it
+    p.reference = lora.adapters_off(state.params)
   return p.run.train(
       state, functools.partial(step, p), p.stream, put=lambda b: b,
       eval_fn=functools.partial(evaluate, p), updates_per_step=p.updates_per_step,
       summary_extra=lambda: {"alarms": dict(p.alarms.raised), "kl/max": p.alarms.kl_max,
                              "reward_hacking_alarm": p.alarms.watching or "off"},
-      banner=f"grpo: {p.cfg.num_params:,} parameters, {len(p.stream.records)} prompts, "
-             f"{r.prompts_per_step} x {r.group_size} samples per step, {config.train.steps} "
-             f"steps; placement {p.run.placement.mode}")
+      banner=f"grpo: {p.cfg.num_params:,} parameters{lora.describe(p.cfg)}, "
+             f"{len(p.stream.records)} prompts, {r.prompts_per_step} x {r.group_size} samples "
+             f"per step, {config.train.steps} steps; placement {p.run.placement.mode}")
 
 
 def step(p: Parts, state, prompts: list[dict]):
@@ -239,7 +242,9 @@ def setup(config, workdir: str, *, out=print) -> tuple[Parts, Any]:
   tx, schedule = make_optimizer(config.optim, config.train.steps * updates_per_step)
   graphdef, state, shardings = run.init_state(tx, layout="learner")
   # The reference is the starting policy, rebuilt from the same source on resume (never saved).
-  reference = jax.tree.map(jnp.copy, state.params)
+  # With LoRA it is the base with adapters off: the policy's own frozen base, not a copy.
+  reference = (lora.adapters_off(state.params) if cfg.lora_rank else
+               jax.tree.map(jnp.copy, state.params))
   # Reward models: frozen `jaxrl rm` runs in the learner layout, beside the reference.
   rms = rm_lib.RewardModels.load(rm_paths, mesh, tokenizer) if rm_paths else None
   rm_norm = (rm_lib.RunningNorm(len(rm_paths)) if rms is not None and rm_cfg.normalize
@@ -251,9 +256,13 @@ def setup(config, workdir: str, *, out=print) -> tuple[Parts, Any]:
                             eos_id=None if r.ignore_eos else tokenizer.eos_id,
                             # generation_config.json's other eos ids (none for the bytes)
                             stop_ids=() if r.ignore_eos else eos_ids(tokenizer)[1:])
-  engine = Engine(graphdef, cfg, run.placement.sampler.mesh, sampling=sampling)
+  # With LoRA only the adapters move each step, merged on the sampler into its own copy of the
+  # frozen base: the engine then runs the plain model (WeightSync.sampler_cfg).
   weight_sync = WeightSync(cfg, run.placement, dtype=config.placement.sync_dtype or None)
   sampler_copy = SamplerCopy(weight_sync)
+  scfg = weight_sync.sampler_cfg
+  engine = Engine(graphdef if scfg == cfg else abstract_model(scfg)[0], scfg,
+                  run.placement.sampler.mesh, sampling=sampling)
 
   prompt_len = prompt_length(config, max(len(run.prompts.ids(x))
                                           for x in train_records + held_out))
@@ -331,6 +340,11 @@ def _evaluator(run: Run, graphdef, held_out: list[dict], task, weight_sync: Weig
 
 def _check(config) -> None:
   """One sentence for rollout settings that cannot go together."""
+  lora_section = config.model.get("lora") or {}
+  if lora_section.get("rank") and lora_section.get("dropout"):
+    raise ConfigError(f"model.lora.dropout={lora_section['dropout']} is not supported by "
+                      "GRPO (dropout in the update would bias its ratio to the sampler's "
+                      "log-probs, which run without it): set model.lora.dropout=0.")
   if config.rollout.async_generation and config.placement.mode != "disaggregated":
     raise ConfigError("rollout.async_generation=True needs placement.mode=disaggregated (the "
                       "sampler overlaps the update on its own devices): set both, or turn "
