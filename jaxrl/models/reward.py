@@ -66,6 +66,24 @@ class RewardModel(nnx.Module):
       score_b = score_b + self.logprob_weight[...].astype(jnp.float32) * mean_b
     return score_b
 
+  def head_values(self, h_btd):
+    """The head on every position's hidden state: [B, T] float32 (PPO's critic reads a value
+    per token where the reward model reads one per row)."""
+    return jnp.einsum("BTD,D->BT", h_btd.astype(jnp.float32),
+                      self.head[...].astype(jnp.float32))
+
+  def values(self, tokens_bt, positions_bt, *, segment_ids_bt=None):
+    """V of every position [B, T]: the head on the final-normed hidden state at t, which has
+    read tokens 0..t (so V_t sits where the log-prob of token t+1 does)."""
+    h_btd, _ = self.backbone.hidden(tokens_bt, positions_bt, segment_ids_bt=segment_ids_bt)
+    return self.head_values(h_btd)
+
+  def grouped_values(self, prompt_pt, prompt_len_p, completion_nt):
+    """values() in the shared-prompt form (Transformer.grouped_hidden): [N, Tc], index t the
+    value of the state that predicts completion_nt[n, t]."""
+    return self.head_values(self.backbone.grouped_hidden(prompt_pt, prompt_len_p,
+                                                         completion_nt))
+
 
 def last_index(mask_bt) -> jax.Array:
   """[B] index of each row's last true entry of `mask_bt` (its last non-pad token); 0 for an

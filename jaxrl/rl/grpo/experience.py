@@ -48,6 +48,55 @@ class Experience:
 def make_experience(p: Parts, state, prompts: list[dict], step: int) -> Experience:
   """Steps 1-5 for this step's prompts (step counts GRPO steps, from 0)."""
   a, r = p.config.algo, p.config.rollout
+  f = learner_forwards(p, state, prompts, step)  # 1-4
+  mask = f.batch["mask"]
+  # 5. Advantages with the named estimator (KL in the reward shapes them when kl_in="reward").
+  seq_rewards = f.scored.rewards_bg.reshape(-1)
+  if a.kl_in == "reward":
+    kl_tok = np.asarray(losses.kl_penalty(logp=f.old_np, ref_logp=f.ref_np,
+                                          estimator=a.kl_estimator,
+                                          clamp=a.kl_clamp or None))
+    seq_rewards = np.asarray(losses.kl_in_reward(rewards_b=seq_rewards, kl_bt=kl_tok,
+                                                 mask_bt=mask, beta=p.beta.value))
+  adv = np.asarray(adv_lib.compute(a.advantage, rewards_bg=seq_rewards.reshape(
+      -1, r.group_size), clip=a.adv_clip or None)).reshape(-1)
+  return f.experience(p, {"adv": np.broadcast_to(adv[:, None], mask.shape).astype(np.float32)})
+
+
+@dataclasses.dataclass
+class Forwards:
+  """Steps 1-4's output, before any advantage: the scored rollout, its learner batch (host
+  arrays: the model inputs, mask, sampler_logp, old_logp when a separate forward gave them,
+  ref_logp), the inputs on the devices (`dev`) and the old policy's and reference's log-probs.
+  GRPO's step 5 adds group-relative advantages; PPO's, a critic's values and GAE."""
+  step: int
+  version: int
+  scored: "Scored"
+  inputs: tuple[str, ...]   # the model inputs' keys of `batch` (either layout)
+  batch: dict[str, np.ndarray]
+  dev: dict                 # batch's inputs as global arrays
+  old_np: np.ndarray | None  # the old policy's log-probs, when a separate forward ran
+  ref_np: np.ndarray
+  old_sums: dict | None
+  times: dict
+
+  def experience(self, p: Parts, extra: dict[str, np.ndarray]) -> Experience:
+    """The Experience of this rollout with `extra` (the advantages, and whatever else the
+    update reads) added to the learner batch, and beta."""
+    mask = self.batch["mask"]
+    batch = {**self.batch, **extra, "beta": np.full(mask.shape, p.beta.value, np.float32)}
+    s = self.scored
+    return Experience(
+        step=self.step, version=self.version, rollout=s.rollout, rewards_bg=s.rewards_bg,
+        batch=batch, old_sums=self.old_sums, reward_stats=s.reward_stats,
+        gen_stats=s.gen_stats, frac_zero=s.frac_zero, times=self.times)
+
+
+def learner_forwards(p: Parts, state, prompts: list[dict], step: int) -> Forwards:
+  """Steps 1-4: the scored rollout (scored_rollouts), its learner batch, and the learner's
+  log-probs of the sampled tokens (the old policy's unless the update's own forward gives
+  them, and the frozen reference's)."""
+  a, r = p.config.algo, p.config.rollout
   version, scored, t_wait = scored_rollouts(p, state, prompts, step)  # 1-3
   rollout = scored.rollout
   if p.grouped:  # each group's prompt once, its G completions after it
@@ -79,25 +128,11 @@ def make_experience(p: Parts, state, prompts: list[dict], step: int) -> Experien
   ref_logp, _ = jax.block_until_ready(p.logprobs_fn(p.reference, dev))
   t_ref = time.perf_counter() - t0
   ref_np = to_host(ref_logp)
-  # 5. Advantages with the named estimator (KL in the reward shapes them when kl_in="reward").
-  seq_rewards = scored.rewards_bg.reshape(-1)
-  if a.kl_in == "reward":
-    kl_tok = np.asarray(losses.kl_penalty(logp=old_np, ref_logp=ref_np,
-                                          estimator=a.kl_estimator,
-                                          clamp=a.kl_clamp or None))
-    seq_rewards = np.asarray(losses.kl_in_reward(rewards_b=seq_rewards, kl_bt=kl_tok,
-                                                 mask_bt=mask, beta=p.beta.value))
-  adv = np.asarray(adv_lib.compute(a.advantage, rewards_bg=seq_rewards.reshape(
-      -1, r.group_size), clip=a.adv_clip or None)).reshape(-1)
   batch = {**{k: batch[k] for k in inputs + ("mask", "sampler_logp")}, **old,
-           "ref_logp": ref_np.astype(np.float32),
-           "adv": np.broadcast_to(adv[:, None], mask.shape).astype(np.float32),
-           "beta": np.full(mask.shape, p.beta.value, np.float32)}
-  return Experience(
-      step=step, version=version, rollout=rollout, rewards_bg=scored.rewards_bg, batch=batch,
-      old_sums=old_sums, reward_stats=scored.reward_stats, gen_stats=scored.gen_stats,
-      frac_zero=scored.frac_zero,
-      times={"gen": scored.t_gen, "gen_wait": t_wait, "old": t_old, "ref": t_ref})
+           "ref_logp": ref_np.astype(np.float32)}
+  return Forwards(step=step, version=version, scored=scored, inputs=inputs, batch=batch,
+                  dev=dev, old_np=old_np, ref_np=ref_np, old_sums=old_sums,
+                  times={"gen": scored.t_gen, "gen_wait": t_wait, "old": t_old, "ref": t_ref})
 
 
 # ----------------------------------------------------------------------------- rollouts

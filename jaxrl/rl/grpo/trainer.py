@@ -115,8 +115,9 @@ def step_metrics(p: Parts, e: Experience, upd: dict) -> dict:
   # costs two forwards.
   fwd_flops = rollout_flops(p.cfg, e.rollout, share_prompt=p.grouped)
   return {
+      # (PPO's critic warm-up steps make no policy update: its metrics are absent then.)
       **{k: upd[k] for k in ("loss", "grad_norm", "lr", "kl", "entropy", "clipfrac/low",
-                             "clipfrac/high")},
+                             "clipfrac/high") if k in upd},
       "reward/mean": float(e.rewards_bg.mean()), "reward/std": float(e.rewards_bg.std()),
       # Train accuracy only where a task checks answers: a metric that does not apply is
       # absent from metrics.jsonl, not "nan".
@@ -126,7 +127,7 @@ def step_metrics(p: Parts, e: Experience, upd: dict) -> dict:
           if f"reward/task_{task.name}" in e.reward_stats else e.reward_stats["accuracy"]}
          if task is not None else {}),
       "frac_zero_std_groups": e.frac_zero,
-      "is_ratio/mean": upd["is_ratio/mean"],
+      **{k: upd[k] for k in ("is_ratio/mean",) if k in upd},
       "staleness/mean": float(e.step - e.version),
       "kl/beta": p.beta.value,
       # gen: the rollout's own wall time; gen_wait: what the learner waited for it (less
@@ -213,11 +214,15 @@ class Parts:
     self.run.close()
 
 
-def setup(config, workdir: str, *, out=print) -> tuple[Parts, Any]:
+def setup(config, workdir: str, *, out=print, command: str = "grpo", choices=None,
+          sections=None, plan=None) -> tuple[Parts, Any]:
   """(the run's parts, the starting train state: the policy from init.checkpoint or
-  model.hf_path, fresh optimizer state). Checks the config first."""
-  run = Run(config, workdir, out=out, choices=CHOICES, placement=True,
-            command="grpo", sections=default_config().keys(), programs=programs)
+  model.hf_path, fresh optimizer state). Checks the config first. A sibling trainer built on
+  these parts (PPO) passes its own command, CHOICES, config sections and memory plan."""
+  run = Run(config, workdir, out=out, choices=CHOICES if choices is None else choices,
+            placement=True, command=command,
+            sections=default_config().keys() if sections is None else sections,
+            programs=programs if plan is None else plan)
   mesh, cfg, tokenizer = run.mesh, run.cfg, run.tokenizer
   a, r = config.algo, config.rollout
   task = load_task(config)

@@ -30,24 +30,11 @@ def update(p: Parts, state, experience: Experience):
   jitted train step, in an order drawn from (seed, step). Returns the state and the updates'
   metrics on the host: their means (the last one's lr), the old policy's entropy and
   is_ratio/mean (old_policy_means), and timing_s/update."""
-  a, G = p.config.algo, p.config.rollout.group_size
-  full = experience.batch
-  N = full["mask"].shape[0]
   t0 = time.perf_counter()
-  rng = np.random.default_rng([p.config.seed, experience.step])
   upd = []
-  for _ in range(a.num_iterations):
-    if p.grouped:  # minibatches of whole groups: their prompt rows and their G rows each
-      for groups in np.array_split(rng.permutation(N // G), a.minibatches):
-        rows = (groups[:, None] * G + np.arange(G)).reshape(-1)
-        mb = {k: v[groups] if k in ("prompt", "prompt_len") else v[rows]
-              for k, v in full.items()}
-        state, m = p.train_step(state, p.put(mb))
-        upd.append(m)
-    else:
-      for mb in np.array_split(rng.permutation(N), a.minibatches):
-        state, m = p.train_step(state, p.put({k: v[mb] for k, v in full.items()}))
-        upd.append(m)
+  for mb in minibatches(p, experience):
+    state, m = p.train_step(state, p.put(mb))
+    upd.append(m)
   upd = to_host(upd)
   t_update = time.perf_counter() - t0
 
@@ -60,6 +47,26 @@ def update(p: Parts, state, experience: Experience):
                  "lr": float(upd[-1]["lr"]), "kl": mean("kl"), "entropy": old["entropy"],
                  "clipfrac/low": mean("clipfrac/low"), "clipfrac/high": mean("clipfrac/high"),
                  "is_ratio/mean": old["is_ratio/mean"], "timing_s/update": t_update}
+
+
+def minibatches(p: Parts, experience: Experience):
+  """The host minibatches of one step's updates, in order: algo.num_iterations passes over the
+  experience's batch, each split into algo.minibatches in an order drawn from (seed, step).
+  With the shared-prompt layout a minibatch holds whole groups (their prompt rows and their G
+  completion rows each)."""
+  a, G = p.config.algo, p.config.rollout.group_size
+  full = experience.batch
+  N = full["mask"].shape[0]
+  rng = np.random.default_rng([p.config.seed, experience.step])
+  for _ in range(a.num_iterations):
+    if p.grouped:
+      for groups in np.array_split(rng.permutation(N // G), a.minibatches):
+        rows = (groups[:, None] * G + np.arange(G)).reshape(-1)
+        yield {k: v[groups] if k in ("prompt", "prompt_len") else v[rows]
+               for k, v in full.items()}
+    else:
+      for mb in np.array_split(rng.permutation(N), a.minibatches):
+        yield {k: v[mb] for k, v in full.items()}
 
 
 # ----------------------------------------------------------------------------- old log-probs
