@@ -27,7 +27,7 @@ _LIBS = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "ml-coll
 # The trainer commands and the modules that own their defaults (default_config) and their
 # sections' choices (CHOICES).
 TRAINERS = {"sft": "jaxrl.train.sft", "rm": "jaxrl.train.rm", "grpo": "jaxrl.rl.grpo",
-            "dpo": "jaxrl.train.dpo"}
+            "dpo": "jaxrl.train.dpo", "ppo": "jaxrl.rl.ppo"}
 
 # Commands import the trainers, io, data, plot and launch inside their functions (lazy: the
 # training stack adds about 2 s to start-up, which `jaxrl data`, `plot`, `compare` or `--help`
@@ -129,6 +129,9 @@ def _parser() -> argparse.ArgumentParser:
   s = sub.add_parser("grpo", help="GRPO-family RL (generate, score, update); re-running on a "
                      "workdir resumes it")
   _common(s, config_required=True)
+  s = sub.add_parser("ppo", help="PPO with a learned critic and GAE (generate, score, values, "
+                     "update actor and critic); re-running on a workdir resumes it")
+  _common(s, config_required=True)
   s = sub.add_parser("dpo", help="offline preference optimisation (loss=dpo|ipo|kto|orpo|"
                      "simpo) on preference pairs; re-running on a workdir resumes it")
   _common(s, config_required=True)
@@ -155,8 +158,8 @@ def _launch_parser(sub) -> None:
   s.add_argument("--sweep", action="store_true", help="expand the config file's sweep() "
                  "(without it: one run of the config as it is)")
   s.add_argument("--command", dest="run_command", choices=tuple(TRAINERS),
-                 help="trainer each run executes (default: from the config's sections: grpo "
-                 "with rollout, dpo with ref, rm with head, else sft)")
+                 help="trainer each run executes (default: from the config's sections: ppo "
+                 "with critic, grpo with rollout, dpo with ref, rm with head, else sft)")
   s.add_argument("--seeds", metavar="SEEDS", help="run each run once per seed (the top-level "
                  "`seed`), e.g. 0-4 or 0,3,7; `jaxrl compare` aggregates them")
   s.add_argument("--parallel", type=int, default=1, metavar="N",
@@ -308,7 +311,7 @@ def cmd_plan(args, overrides) -> None:
   from jaxrl.train.rundir import infer_command
   command = infer_command(_load(args, overrides).to_dict())
   if command not in TRAINERS:
-    raise ConfigError(f"jaxrl plan reads a trainer's config (sft, rm, dpo, grpo): "
+    raise ConfigError(f"jaxrl plan reads a trainer's config (sft, rm, dpo, grpo, ppo): "
                       f"{args.config} is none of them; plan e.g. configs/grpo_tiny.py.")
   module = trainer(command)
   config = _load(args, overrides, module.CHOICES)
@@ -541,6 +544,7 @@ def cmd_plot(args, overrides) -> None:
 COMMANDS = {"info": cmd_info, "model": cmd_model, "sweep": cmd_sweep, "plan": cmd_plan,
             "bench": cmd_bench, "convert": cmd_convert, "demo": cmd_demo, "data": cmd_data,
             "sft": cmd_train, "rm": cmd_train, "grpo": cmd_train, "dpo": cmd_train,
+            "ppo": cmd_train,
             "sample": cmd_sample, "eval": cmd_eval, "launch": cmd_launch, "compare": cmd_compare, "plot": cmd_plot}
 
 

@@ -30,7 +30,7 @@ from jaxrl.errors import ConfigError
 from jaxrl.train.rundir import _write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAINERS = ("sft", "rm", "dpo", "grpo")  # commands that take --workdir and resume on it
+TRAINERS = ("sft", "rm", "dpo", "grpo", "ppo")  # commands that take --workdir and resume on it
 
 
 @dataclasses.dataclass
@@ -56,7 +56,8 @@ def run_name(i: int, overrides: dict[str, Any]) -> str:
 def command_of(config) -> str:
   """The trainer a config is for, from the section only it has (a config with none is SFT's):
   `jaxrl launch`'s default --command."""
-  for section, command in (("rollout", "grpo"), ("ref", "dpo"), ("head", "rm")):
+  for section, command in (("critic", "ppo"), ("rollout", "grpo"), ("ref", "dpo"),
+                           ("head", "rm")):
     if section in config:
       return command
   return "sft"

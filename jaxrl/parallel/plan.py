@@ -67,6 +67,7 @@ class Workload:
   max_len: int = 0
   remat: str = "none"
   logits_chunk: int = 0  # positions per chunk of the chunked log-probs; 0 = whole sequence
+  critic: bool = False  # PPO: a value model (the decoder and a value head) trains beside
 
 
 def _dtype_bytes(name: str) -> int:
@@ -157,7 +158,7 @@ class MemoryPlan:
 
   def persistent_bytes(self) -> int:
     """Bytes that stay live between steps on a colocated device (no gradients, activations)."""
-    skip = ("actor gradients", "activations (estimate)")
+    skip = ("actor gradients", "critic gradients", "activations (estimate)")
     return sum(v for k, v in {**self.learner, **self.sampler}.items() if k not in skip)
 
   def table(self) -> str:
@@ -207,6 +208,11 @@ def memory_plan(cfg: ModelConfig, placement: Placement, section=None, *,
                     "actor optimizer state": w.optimizer_states * adapters})
     if w.reference:
       learner["reference params"] = adapters
+  if w.critic:  # PPO's value model: a decoder with a head, trained by its own optimizer
+    _, cs, ca = abstract_model(cfg, RewardModel)
+    critic = tree_bytes_per_device(cs, ca, L)
+    learner.update({"critic params": critic, "critic gradients": critic,
+                    "critic optimizer state": w.optimizer_states * critic})
   for label, rm_cfg, *feature in reward_models:
     model = functools.partial(RewardModel, logprob_feature=bool(feature and feature[0]))
     _, rs, ra = abstract_model(rm_cfg, model)
@@ -220,7 +226,7 @@ def memory_plan(cfg: ModelConfig, placement: Placement, section=None, *,
             shapes, axes, S, _dtype_bytes(sync_dtype) if sync_dtype else None),
         "kv cache": kv_cache_bytes_per_device(cfg, S, w.slots, w.max_len),
     }
-  train_only = ("actor gradients", "activations (estimate)")
+  train_only = ("actor gradients", "critic gradients", "activations (estimate)")
   if placement.mode == "colocated":
     resident = sum(v for k, v in learner.items() if k not in train_only)
     kept = sum(sampler.values()) if placement.keep_sampler_copy else 0

@@ -101,7 +101,7 @@ class Progress:
   def update(self, step: int, metrics: dict) -> None:
     if self.bar is not None:
       self.bar.n = step
-      self.bar.set_postfix(loss=f"{metrics['loss']:.4f}",
+      self.bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.4f}",  # (PPO's warm-up)
                            tok_s=f"{metrics.get('perf/tokens_per_s', 0):.0f}", refresh=True)
     else:
       keys = [k for k in ("loss", "lr", "grad_norm", "perf/tokens_per_s") if k in metrics]

@@ -149,8 +149,8 @@ def read_run(workdir: str) -> dict | None:
 def infer_command(config: dict) -> str | None:
   """The trainer a config.json was written by, from the sections only that trainer has; None
   when the sections do not say (a config.json from before run.json existed)."""
-  for section, command in (("rollout", "grpo"), ("ref", "dpo"), ("head", "rm"),
-                           ("sampling", "sample")):
+  for section, command in (("critic", "ppo"), ("rollout", "grpo"), ("ref", "dpo"),
+                           ("head", "rm"), ("sampling", "sample")):
     if section in config:
       return command
   if "data" in config and "train" in config and "init" not in config:
