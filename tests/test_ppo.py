@@ -1,0 +1,105 @@
+"""PPO (jaxrl/rl/ppo): a pulse run logs the critic's metrics, warms the critic up alone, and
+resumes bitwise (both models' params and optimizer states); `jaxrl plan` shows the four roles;
+bad settings stop in one sentence."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl import cli
+from jaxrl import config as config_lib
+from jaxrl.errors import ConfigError
+from jaxrl.rl import ppo
+
+PPO_METRICS = ("critic/value_loss", "critic/explained_variance", "critic/vpred_mean",
+               "critic/clipfrac", "returns/mean", "adv/mean", "kl", "reward/mean", "entropy",
+               "timing_s/values", "timing_s/critic_update", "timing_s/update", "critic/warmup")
+
+
+def _config(repo_root, overrides=()):
+  return config_lib.load_config(os.path.join(repo_root, "configs/ppo_tiny.py:runlocal"),
+                                ["eval.every=0", *overrides], ppo.CHOICES)
+
+
+def _rows(workdir):
+  return [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+
+
+def test_pulse_run_warms_the_critic_up_and_resumes_bitwise(repo_root, tmp_path, devices):
+  quiet = lambda *a: None  # noqa: E731
+  # A run killed after its step-2 checkpoint (steps=2), then resumed to 3...
+  resumed = str(tmp_path / "resumed")
+  s2 = ppo.run(_config(repo_root), resumed, out=quiet)
+  assert s2["status"] == "completed" and s2["step"] == 2
+  # Step 1 was the critic's warm-up: the actor made no update, the critic one per step.
+  assert int(s2["state"].actor.step) == 1 and int(s2["state"].critic.step) == 2
+  rows = _rows(resumed)
+  assert [r["step"] for r in rows] == [1, 2]
+  assert rows[0]["critic/warmup"] == 1.0 and "loss" not in rows[0]
+  assert rows[1]["critic/warmup"] == 0.0 and np.isfinite(rows[1]["loss"])
+  for name in PPO_METRICS:
+    assert all(name in r for r in rows), name
+  assert all(np.isfinite(r["critic/value_loss"]) and r["critic/value_loss"] >= 0 for r in rows)
+  assert all(0.0 <= r["critic/clipfrac"] <= 1.0 for r in rows)
+  assert "frac_zero_std_groups" not in rows[0]  # G = 1: no groups
+  lines = []
+  s3 = ppo.run(_config(repo_root, ["train.steps=3"]), resumed, out=lines.append)
+  assert s3["step"] == 3 and any("resuming" in s for s in lines)
+  # ...is bitwise the run that went straight to 3.
+  straight = str(tmp_path / "straight")
+  s3b = ppo.run(_config(repo_root, ["train.steps=3", "train.save_every=3"]), straight,
+                out=quiet)
+  a, b = s3["state"], s3b["state"]
+  for part in ("actor", "critic"):
+    x, y = getattr(a, part), getattr(b, part)
+    assert int(x.step) == int(y.step)
+    for u, v in zip(jax.tree.leaves((x.params, x.opt_state)),
+                    jax.tree.leaves((y.params, y.opt_state))):
+      np.testing.assert_array_equal(np.asarray(u), np.asarray(v))  # bitwise
+  # The critic's optimizer state is part of what resumed: it has moved from zero.
+  assert any(np.abs(np.asarray(m)).sum() > 0 for m in jax.tree.leaves(a.critic.opt_state))
+  r3, r3b = _rows(resumed)[-1], _rows(straight)[-1]
+  for key in ("loss", "critic/value_loss", "critic/explained_variance", "returns/mean", "kl"):
+    assert r3[key] == r3b[key], key
+
+
+def test_plan_shows_actor_reference_reward_and_critic(repo_root, devices, capsys, tmp_path):
+  cli.main(["plan", "--config", os.path.join(repo_root, "configs/ppo_tiny.py"),
+            f"--config.reward_model.checkpoints={tmp_path / 'rm'}"])
+  out = capsys.readouterr().out
+  assert out.startswith("ppo: ")
+  for role in ("actor params", "reference params", "reward model 0", "critic params",
+               "critic gradients", "critic optimizer state"):
+    assert role in out, role
+  for program in ("train step", "critic train step", "value forward", "logprob forward",
+                  "reward forward", "decode steps"):
+    assert f"  {program} " in out, program
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["model.lora.rank=4"], "PPO does not train LoRA"),
+    (["critic.init=/no/such/run"], "critic.init='/no/such/run'"),
+    (["critic.init=reward_model"], "reward_model.checkpoints is empty"),
+    (["algo.lam=1.5"], "algo.lam=1.5 is outside [0, 1]"),
+    (["algo.advantage=grpo"], "algo.advantage"),
+    (["critic.lr=0"], "critic.lr=0"),
+])
+def test_bad_settings_stop_in_one_sentence(repo_root, tmp_path, overrides, words):
+  spec = os.path.join(repo_root, "configs/ppo_tiny.py:runlocal")
+  with pytest.raises(ConfigError) as e:
+    config = config_lib.load_config(spec, overrides, ppo.CHOICES)
+    ppo.run(config, str(tmp_path / "x"), out=lambda *a: None)
+  assert words in str(e.value) and "\n" not in str(e.value)
+  assert not os.path.exists(tmp_path / "x" / "checkpoints")
+
+
+def test_the_cli_runs_ppo_and_infers_it_from_the_config(repo_root):
+  from jaxrl import launch
+  from jaxrl.train.rundir import infer_command
+  config = config_lib.load_config(os.path.join(repo_root, "configs/ppo_tiny.py"))
+  assert launch.command_of(config) == "ppo" and infer_command(config.to_dict()) == "ppo"
+  assert "ppo" in cli.TRAINERS and "ppo" in launch.TRAINERS
+  assert cli.trainer("ppo") is ppo
