@@ -11,11 +11,11 @@ from jaxrl import config as config_lib
 from jaxrl.errors import ConfigError
 from jaxrl.parallel import compile as aot
 from jaxrl.parallel.plan import estimate, plan_config
-from jaxrl.rl import grpo
+from jaxrl.rl import grpo, ppo
 from jaxrl.train import dpo, rm, sft
 from jaxrl.train.run import check_plan
 
-TRAINERS = {"sft": sft, "rm": rm, "dpo": dpo, "grpo": grpo}
+TRAINERS = {"sft": sft, "rm": rm, "dpo": dpo, "grpo": grpo, "ppo": ppo}
 
 
 def _config(repo_root, name, *overrides):

@@ -9,10 +9,12 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import jaxrl_cli
 from jaxrl import cli
 from jaxrl import config as config_lib
 from jaxrl.errors import ConfigError
 from jaxrl.rl import ppo
+from jaxrl.train.rundir import read_metrics
 
 PPO_METRICS = ("critic/value_loss", "critic/explained_variance", "critic/vpred_mean",
                "critic/clipfrac", "returns/mean", "adv/mean", "kl", "reward/mean", "entropy",
@@ -103,3 +105,32 @@ def test_the_cli_runs_ppo_and_infers_it_from_the_config(repo_root):
   assert launch.command_of(config) == "ppo" and infer_command(config.to_dict()) == "ppo"
   assert "ppo" in cli.TRAINERS and "ppo" in launch.TRAINERS
   assert cli.trainer("ppo") is ppo
+
+
+@pytest.mark.slow
+def test_ppo_raises_heldout_accuracy_above_sft_and_the_critic_explains_returns(tmp_path,
+                                                                                sft_slip):
+  """PPO proper (one sample per prompt, a critic from the policy's decoder with a new head,
+  3 warm-up steps) from the demo's SFT policy, which learnt a slip that RL with the task's
+  reward can fix: held-out greedy accuracy must rise clearly above the SFT start, with KL
+  below the alarm, and the critic must come to explain the returns (explained variance above
+  0). Measured 0.586 -> 0.762 (+0.18) in 30 steps, KL max 0.047, explained variance -0.41 at
+  step 5 -> 0.11 at steps 20-30; 59 s of run on one CPU device (AMD EPYC, 2026-12-03). A
+  longer run (60 steps at lr 2e-5, critic lr 1e-4, 5 warm-up steps) reached 0.773, KL max
+  0.052."""
+  workdir = str(tmp_path / "ppo")
+  jaxrl_cli(["ppo", "--config", "configs/ppo_tiny.py", "--workdir", workdir,
+             f"--config.init.checkpoint={sft_slip}", "--config.rollout.prompts_per_step=128",
+             "--config.train.steps=30", "--config.train.log_every=5",
+             "--config.train.save_every=30", "--config.eval.every=30",
+             "--config.optim.lr=3e-5", "--config.critic.lr=3e-4",
+             "--config.critic.warmup_steps=3"])
+  summary = json.load(open(os.path.join(workdir, "summary.json")))
+  sft_acc = json.load(open(os.path.join(sft_slip, "summary.json")))["eval"]["eval/accuracy"]
+  rows = read_metrics(workdir)
+  assert rows[0]["step"] == 0 and rows[0]["eval/accuracy"] == sft_acc  # the same evaluator
+  ppo_acc = summary["eval"]["eval/accuracy"]
+  assert ppo_acc >= sft_acc + 0.08, (sft_acc, ppo_acc)
+  assert summary["kl/max"] < 0.1 and summary["alarms"]["kl"] == 0
+  ev = [r["critic/explained_variance"] for r in rows if "critic/explained_variance" in r]
+  assert min(ev[-3:]) > 0.0 and ev[0] < min(ev[-3:]), ev  # it rises, and above 0
