@@ -41,6 +41,7 @@ def test_pulse_run_warms_the_critic_up_and_resumes_bitwise(repo_root, tmp_path, 
   rows = _rows(resumed)
   assert [r["step"] for r in rows] == [1, 2]
   assert rows[0]["critic/warmup"] == 1.0 and "loss" not in rows[0]
+  assert "perf/tflops/update" not in rows[0] and rows[1]["perf/tflops/update"] > 0
   assert rows[1]["critic/warmup"] == 0.0 and np.isfinite(rows[1]["loss"])
   for name in PPO_METRICS:
     assert all(name in r for r in rows), name
@@ -134,3 +135,34 @@ def test_ppo_raises_heldout_accuracy_above_sft_and_the_critic_explains_returns(t
   assert summary["kl/max"] < 0.1 and summary["alarms"]["kl"] == 0
   ev = [r["critic/explained_variance"] for r in rows if "critic/explained_variance" in r]
   assert min(ev[-3:]) > 0.0 and ev[0] < min(ev[-3:]), ev  # it rises, and above 0
+
+
+def test_the_critic_starts_from_the_policy_or_a_reward_model_run(repo_root, tmp_path, devices):
+  """critic.init=policy: the critic's decoder is the actor's starting decoder (a new head);
+  critic.init=reward_model: the `jaxrl rm` run's params, head included, exactly."""
+  from jaxrl.io.params import restore_params
+  from jaxrl.train import rm
+  quiet = lambda *a: None  # noqa: E731
+  rm_dir = str(tmp_path / "rm")
+  rm.run(config_lib.load_config(os.path.join(repo_root, "configs/rm_tiny.py:runlocal"),
+                                ["eval.every=0"], rm.CHOICES), rm_dir, out=quiet)
+  p, state = ppo.setup(_config(repo_root), str(tmp_path / "policy"), out=quiet)
+  p.close()
+  backbone = state.critic.params["backbone"]
+  fresh_head = np.asarray(state.critic.params["head"])
+  assert set(backbone) <= set(state.actor.params)
+  for k in backbone:
+    for u, v in zip(jax.tree.leaves(backbone[k]), jax.tree.leaves(state.actor.params[k])):
+      np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+  p, state = ppo.setup(_config(repo_root, ["critic.init=reward_model",
+                                           f"reward_model.checkpoints={rm_dir}"]),
+                       str(tmp_path / "from_rm"), out=quiet)
+  p.close()
+  critic = state.critic.params
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          critic)
+  saved = restore_params(rm_dir, abstract)
+  for u, v in zip(jax.tree.leaves(critic), jax.tree.leaves(saved)):
+    np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+  # The head is the reward model's trained one, not the fresh draw critic.init=policy makes.
+  assert not np.array_equal(np.asarray(critic["head"]), fresh_head)

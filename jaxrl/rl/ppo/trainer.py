@@ -203,6 +203,8 @@ def step_metrics(p: Parts, e: Experience, upd: dict, stats: dict) -> dict:
   """GRPO's step metrics (grpo.trainer.step_metrics) and the critic's. In warm-up the actor's
   update metrics are absent and `kl` is the old policy's to the reference."""
   m = grpo.step_metrics(p, e, upd)
+  if "loss" not in upd:  # warm-up: the actor made no update, so it has no FLOP rate
+    m.pop("perf/tflops/update", None)
   if p.config.rollout.group_size == 1:
     m.pop("frac_zero_std_groups", None)  # one sample per prompt: no group to be all-equal
   m.update({k: v for k, v in upd.items() if k.startswith("critic/")})
