@@ -14,7 +14,7 @@ def test_help_lists_the_commands(capsys):
     cli.main(["--help"])
   out = capsys.readouterr().out
   for command in ("info", "model", "sweep", "plan", "bench", "convert", "demo", "data", "sft",
-                  "rm", "grpo", "dpo", "sample", "launch", "compare", "plot"):
+                  "rm", "grpo", "ppo", "dpo", "sample", "launch", "compare", "plot"):
     assert f"    {command} " in out
 
 
