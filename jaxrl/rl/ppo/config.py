@@ -9,12 +9,6 @@ from jaxrl import config as config_lib
 from jaxrl.errors import ConfigError
 from jaxrl.rl.grpo import config as grpo_config
 
-# What the critic starts from: the reward model's run (reward_model.checkpoints' first), the
-# policy (init.checkpoint / model.hf_path, a new head), or a run dir (a `jaxrl rm` run whole,
-# or the decoder of a sft / grpo run with a new head).
-CRITIC_INITS = ("reward_model", "policy")
-
-
 def check_critic(config) -> None:
   """The critic section's ranges, at config load."""
   config_lib.check_at_least(config, 0, "critic.warmup_steps", "critic.value_clip")
@@ -54,7 +48,10 @@ def critic_section(**overrides) -> ml_collections.ConfigDict:
   """The critic: a value head on the decoder's every token, trained by its own optimizer (the
   optim section's, at critic.lr) on the clipped value loss."""
   c = ml_collections.ConfigDict(dict(
-      init="policy",      # "policy" | "reward_model" | a run dir (see CRITIC_INITS)
+      # What the critic starts from: "policy" (init.checkpoint / model.hf_path, a new head),
+      # "reward_model" (reward_model.checkpoints' first run, whole), or a run dir (a `jaxrl rm`
+      # run whole; a sft / grpo run's decoder with a new head): critic.critic_source.
+      init="policy",
       lr=1e-4,            # the critic's learning rate; its other optimizer keys are optim's
       value_clip=0.2,     # PPO2's clip of V around V_old (TRL's cliprange_value); 0 = off
       warmup_steps=0,     # steps where the critic alone trains (the policy waits)
