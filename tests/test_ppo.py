@@ -166,3 +166,28 @@ def test_the_critic_starts_from_the_policy_or_a_reward_model_run(repo_root, tmp_
     np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
   # The head is the reward model's trained one, not the fresh draw critic.init=policy makes.
   assert not np.array_equal(np.asarray(critic["head"]), fresh_head)
+
+
+def test_disaggregated_async_ppo_runs_one_step_stale(repo_root, tmp_path, devices):
+  """GRPO's placement and async generation carry over: the sampler's own devices generate
+  step k+1 while step k updates the actor and the critic (staleness 1 after the first step)."""
+  workdir = str(tmp_path / "async")
+  s = ppo.run(_config(repo_root, ["placement.mode=disaggregated",
+                                  "rollout.async_generation=True", "train.steps=3"]),
+              workdir, out=lambda *a: None)
+  assert s["status"] == "completed"
+  rows = _rows(workdir)
+  assert [r["staleness/mean"] for r in rows] == [0.0, 1.0, 1.0]
+  assert all(np.isfinite(r["critic/value_loss"]) for r in rows)
+
+
+def test_a_logprob_feature_reward_model_is_refused_as_the_critics_start(repo_root, tmp_path):
+  rm_dir = tmp_path / "rm"
+  rm_dir.mkdir()
+  (rm_dir / "run.json").write_text(json.dumps({"command": "rm"}))
+  (rm_dir / "config.json").write_text(json.dumps({"loss": {"center_coef": 0.01},
+                                                  "head": {"logprob_feature": True}}))
+  with pytest.raises(ConfigError, match="head.logprob_feature") as e:
+    ppo.run(_config(repo_root, [f"critic.init={rm_dir}"]), str(tmp_path / "x"),
+            out=lambda *a: None)
+  assert "\n" not in str(e.value)
