@@ -313,3 +313,39 @@ def test_qlora_grpo_runs_end_to_end_from_a_hf_checkpoint(repo_root, tmp_path, de
   # (Whether the adapters moved depends on the rewards of two steps of the fixture's random
   # policy, mostly zero: the LoRA learning test is the one that trains them.)
   assert adapters["layers"][0]["attn"]["q_lora"]["lora_a"].shape == (cfg.embed_dim, 16)
+
+
+def test_qlora_exports_dequantized_base_and_merged_weights(devices, tmp_path):
+  """`jaxrl convert jaxrl-to-hf` of a QLoRA checkpoint: --merge writes the plain model of the
+  dequantised base plus B A; without it the PEFT adapter and, as its base, the dequantised
+  weights the adapters trained against. Both give the QLoRA model's logits."""
+  from jaxrl.io import hf, peft
+  from jaxrl.io.params import save_params
+  from jaxrl.parallel import make_mesh
+  mesh = make_mesh(data=1, fsdp=2, tensor=4)
+  fixture = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf", "qwen3")
+  plain_cfg, _, plain = hf.load_hf(fixture, mesh)
+  cfg = plain_cfg.replace(lora_rank=4, lora_alpha=8.0, lora_targets=LORA_WEIGHTS,
+                          lora_quantize="int8")
+  g = abstract_model(cfg)[0]
+  params = _randomise_b(lora.combine(
+      jax.device_get(quant.quantize_params(cfg, plain)),
+      lora.split_lora(jax.device_get(_split(cfg)[1]))[1]))
+  save_params(str(tmp_path / "ckpt"), cfg, params)
+  toks = _tokens(cfg, 2, 10)
+  want = np.asarray(FWD(g, params, toks))
+  merged_dir = str(tmp_path / "merged")
+  hf.jaxrl_to_hf(str(tmp_path / "ckpt"), merged_dir, mesh, merge=True)
+  mcfg, mg, mp = hf.load_hf(merged_dir, mesh)
+  assert mcfg.lora_rank == 0 and not mcfg.lora_quantize
+  np.testing.assert_allclose(np.asarray(FWD(mg, mp, toks)), want, atol=2e-4, rtol=2e-4)
+  peft_dir = str(tmp_path / "peft")
+  hf.jaxrl_to_hf(str(tmp_path / "ckpt"), peft_dir, mesh)
+  bcfg, _, bp = hf.load_hf(os.path.join(peft_dir, "base"), mesh)
+  deq = quant.dequantized_base(cfg, lora.split_lora(params)[0])
+  for k, x in _paths(deq).items():
+    np.testing.assert_array_equal(np.asarray(_paths(jax.device_get(bp))[k]), np.asarray(x))
+  lcfg = cfg.replace(lora_quantize="")
+  adapters = peft.load_peft(peft_dir, lcfg, mesh)
+  got = FWD(abstract_model(lcfg)[0], lora.combine(bp, adapters), toks)
+  np.testing.assert_allclose(np.asarray(got), want, atol=2e-4, rtol=2e-4)

@@ -86,7 +86,7 @@ def tree_bytes_per_device(shapes, axes, layout: Layout, dtype_bytes: int | None 
   for x, ax in zip(flat_s, flat_a):
     # A cast (dtype_bytes) applies to float leaves only: a quantised base's int8 stays int8.
     item = np.dtype(x.dtype).itemsize
-    if dtype_bytes is not None and np.issubdtype(np.dtype(x.dtype), np.floating):
+    if dtype_bytes is not None and jax.dtypes.issubdtype(x.dtype, np.floating):
       item = dtype_bytes
     if int(np.prod(x.shape)) * item < min_leaf_bytes:
       continue
@@ -361,7 +361,7 @@ def gathered_bytes(params) -> int:
       for path, _ in flat if str(getattr(path[-1], "key", "")).endswith(SCALE)}
   # The param dtype: the base's own float weights' (the adapters are float32 whatever it is).
   floats = [np.dtype(x.dtype).itemsize for path, x in flat
-            if np.issubdtype(x.dtype, np.floating) and not is_lora_path(path)
+            if jax.dtypes.issubdtype(x.dtype, np.floating) and not is_lora_path(path)
             and not str(getattr(path[-1], "key", "")).endswith(SCALE)]
   param_item = max(floats) if floats else 4
   layers: dict[str, int] = {}
