@@ -349,3 +349,52 @@ def test_qlora_exports_dequantized_base_and_merged_weights(devices, tmp_path):
   adapters = peft.load_peft(peft_dir, lcfg, mesh)
   got = FWD(abstract_model(lcfg)[0], lora.combine(bp, adapters), toks)
   np.testing.assert_allclose(np.asarray(got), want, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sft_quantize", ["", "int8"])
+def test_qlora_starts_from_a_plain_or_qlora_sft_run(repo_root, tmp_path, devices, monkeypatch,
+                                                    sft_quantize):
+  """init.checkpoint of a QLoRA run: a plain SFT run's weights, or a QLoRA SFT run's (its int8
+  base dequantised and its adapters merged), quantised into this run's int8 base, in the
+  learner's layout; this run's adapters keep their init (B = 0)."""
+  from jaxrl import cli
+  from jaxrl.parallel import mesh_from_config
+  from jaxrl.train import init_train_state, make_optimizer
+  from jaxrl.train.state import start_from_checkpoint
+  monkeypatch.chdir(repo_root)
+  spec = "configs/sft_tiny.py:runlocal"
+  over = {"train.steps": 2, "train.save_every": 2, "eval.every": 0, "optim.lr": 1e-2}
+  if sft_quantize:
+    over.update({"model.lora.rank": 4, "model.lora.targets": "all-linear",
+                 "model.lora.quantize": sft_quantize})
+  sft_dir = tmp_path / "sft"
+  cli.main(["sft", "--config", spec, "--workdir", str(sft_dir),
+            *[f"--config.{k}={v}" for k, v in over.items()]])
+  sft_config = config_lib.load_config(spec, [f"{k}={v}" for k, v in over.items()])
+  sft_cfg = config_lib.model_config(sft_config)
+  mesh = mesh_from_config(sft_config.mesh)
+  tx, _ = make_optimizer(sft_config.optim, 2)
+  from jaxrl.train import Checkpointer
+  from jaxrl.train.checkpoint import abstract_state
+  _, fresh, shd = init_train_state(sft_cfg, mesh, tx, seed=sft_config.seed)
+  ckpt = Checkpointer(str(sft_dir / "checkpoints"))
+  sft_state, _ = ckpt.restore(abstract_state(jax.eval_shape(lambda: fresh), shd))
+  ckpt.close()
+  want = quant.quantize_params(_qcfg("tiny"), lora.merge_lora(sft_cfg, jax.device_get(
+      sft_state.params)) if sft_cfg.lora_rank else jax.device_get(sft_state.params))
+
+  cfg = _qcfg("tiny", rank=8, alpha=16.0)
+  _, state, shardings = init_train_state(cfg, mesh, tx, seed=1)
+  state = start_from_checkpoint(cfg, state, str(sft_dir))
+  base, adapters = lora.split_lora(state.params)
+  got = _paths(base)
+  assert set(got) == set(_paths(want))
+  for k, x in _paths(want).items():
+    np.testing.assert_allclose(np.asarray(got[k]), np.asarray(x), rtol=1e-6, atol=1e-7,
+                               err_msg=k)
+    assert got[k].dtype == x.dtype
+  for x, s in zip(jax.tree.leaves(state.params), jax.tree.leaves(shardings.params)):
+    assert x.sharding.is_equivalent_to(s, x.ndim)
+  assert not any(np.any(np.asarray(v)) for k, v in _paths(adapters).items()
+                 if k.endswith("lora_b"))
