@@ -13,6 +13,7 @@ Until it is there the preset supplies the same shapes, so the plan and the compi
     jaxrl plan --config configs/llama3.py:3.2-1b,grpo,v5e --compile v5e:2x4
     jaxrl plan --config configs/llama3.py:3.1-8b,sft,v5p --compile v5p:2x2x1
     jaxrl plan --config configs/llama3.py:3.1-8b,grpo,v5e,lora
+    jaxrl plan --config configs/llama3.py:3.1-8b,grpo,v5e,qlora
     jaxrl sft  --config configs/llama3.py:3.2-1b,sft --workdir runs/sft
     jaxrl grpo --config configs/llama3.py:3.2-1b --config.init.checkpoint=runs/sft \
         --workdir runs/grpo

@@ -12,6 +12,7 @@ Until it is there the preset supplies the same shapes, so the plan and the compi
     jaxrl plan --config configs/qwen3.py:0.6b,grpo,v5e --compile v5e:2x4
     jaxrl plan --config configs/qwen3.py:8b,sft,v5p --compile v5p:2x2x1
     jaxrl plan --config configs/qwen3.py:8b,grpo,v5e,lora --compile v5e:2x4
+    jaxrl plan --config configs/qwen3.py:8b,grpo,v5e,qlora --compile v5e:2x4
     jaxrl sft  --config configs/qwen3.py:0.6b,sft --workdir runs/sft
     jaxrl grpo --config configs/qwen3.py:0.6b --config.init.checkpoint=runs/sft --workdir runs/grpo
 
