@@ -1,9 +1,10 @@
 """Llama 3.2 1B / 3B and Llama 3.1 8B (Instruct): SFT and GRPO on an 8-chip TPU slice.
 
-arg: "MODEL[,TRAINER][,CHIP][,lora]": MODEL 3.2-1b | 3.2-3b | 3.1-8b, TRAINER grpo (default) |
+arg: "MODEL[,TRAINER][,CHIP][,lora|qlora]": MODEL 3.2-1b | 3.2-3b | 3.1-8b, TRAINER grpo (default) |
 sft, CHIP v5e (default) | v5p | v6e, lora: LoRA rank 16 on every linear weight, the frozen base
-in bf16, lr x10 (jaxrl.config.with_lora, docs/guides/lora.md); or "fixture" (a GRPO pulse on
-tests/fixtures/hf/llama, CPU; "fixture,lora" with LoRA).
+in bf16, lr x10; qlora: the same with the base's linear weights in int8 (jaxrl.config.with_lora,
+docs/guides/lora.md); or "fixture" (a GRPO pulse on
+tests/fixtures/hf/llama, CPU; "fixture,lora" / "fixture,qlora" with LoRA / QLoRA).
 
 Fetch a checkpoint once, on a machine with network access (jaxrl itself never downloads):
     huggingface-cli download meta-llama/Llama-3.2-1B-Instruct \
@@ -12,6 +13,7 @@ Until it is there the preset supplies the same shapes, so the plan and the compi
     jaxrl plan --config configs/llama3.py:3.2-1b,grpo,v5e --compile v5e:2x4
     jaxrl plan --config configs/llama3.py:3.1-8b,sft,v5p --compile v5p:2x2x1
     jaxrl plan --config configs/llama3.py:3.1-8b,grpo,v5e,lora
+    jaxrl plan --config configs/llama3.py:3.1-8b,grpo,v5e,qlora
     jaxrl sft  --config configs/llama3.py:3.2-1b,sft --workdir runs/sft
     jaxrl grpo --config configs/llama3.py:3.2-1b --config.init.checkpoint=runs/sft \
         --workdir runs/grpo
@@ -40,4 +42,4 @@ def get_config(arg=None):
   arg, lora = lora_arg(arg)
   c = family_config(arg, models=MODELS, default="3.2-1b", sft_config=sft.default_config,
                     grpo_config=grpo.default_config, fixture=FIXTURE, sizing=SIZING)
-  return with_lora(c) if lora else c
+  return with_lora(c, quantize="int8" if lora == "qlora" else "") if lora else c

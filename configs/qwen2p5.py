@@ -1,7 +1,9 @@
 """Qwen2.5 1.5B / 7B (Instruct): SFT and GRPO on an 8-chip TPU slice (v5e-8, v5p-8, v6e-8).
 
-arg: "MODEL[,TRAINER][,CHIP]": MODEL 1.5b | 7b, TRAINER grpo (default) | sft,
-CHIP v5e (default) | v5p | v6e; or "fixture" (a GRPO pulse on tests/fixtures/hf/qwen2, CPU).
+arg: "MODEL[,TRAINER][,CHIP][,lora|qlora]": MODEL 1.5b | 7b, TRAINER grpo (default) | sft,
+CHIP v5e (default) | v5p | v6e, lora: LoRA rank 16 on every linear weight, the frozen base in
+bf16, lr x10; qlora: the same with the base's linear weights in int8 (jaxrl.config.with_lora,
+docs/guides/lora.md); or "fixture" (a GRPO pulse on tests/fixtures/hf/qwen2, CPU).
 
 Fetch a checkpoint once, on a machine with network access (jaxrl itself never downloads):
     huggingface-cli download Qwen/Qwen2.5-1.5B-Instruct \
@@ -19,7 +21,7 @@ docs/guides/scale.md lists the compiled bytes and roofline times of every varian
 
 import os
 
-from jaxrl.config import family_config
+from jaxrl.config import family_config, lora_arg, with_lora
 from jaxrl.rl import grpo
 from jaxrl.train import sft
 
@@ -33,5 +35,7 @@ FIXTURE = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__
 
 
 def get_config(arg=None):
-  return family_config(arg, models=MODELS, default="1.5b", sft_config=sft.default_config,
-                       grpo_config=grpo.default_config, fixture=FIXTURE, sizing=SIZING)
+  arg, lora = lora_arg(arg)
+  c = family_config(arg, models=MODELS, default="1.5b", sft_config=sft.default_config,
+                    grpo_config=grpo.default_config, fixture=FIXTURE, sizing=SIZING)
+  return with_lora(c, quantize="int8" if lora == "qlora" else "") if lora else c

@@ -1,9 +1,10 @@
 """Qwen3 0.6B / 1.7B / 4B / 8B: SFT and GRPO on an 8-chip TPU slice (v5e-8, v5p-8, v6e-8).
 
-arg: "MODEL[,TRAINER][,CHIP][,lora]": MODEL 0.6b | 1.7b | 4b | 8b, TRAINER grpo (default) |
+arg: "MODEL[,TRAINER][,CHIP][,lora|qlora]": MODEL 0.6b | 1.7b | 4b | 8b, TRAINER grpo (default) |
 sft, CHIP v5e (default) | v5p | v6e, lora: LoRA rank 16 on every linear weight, the frozen base
-in bf16, lr x10 (jaxrl.config.with_lora, docs/guides/lora.md); or "fixture" (a GRPO pulse on
-tests/fixtures/hf/qwen3, CPU; "fixture,lora" with LoRA).
+in bf16, lr x10; qlora: the same with the base's linear weights in int8 (jaxrl.config.with_lora,
+docs/guides/lora.md); or "fixture" (a GRPO pulse on
+tests/fixtures/hf/qwen3, CPU; "fixture,lora" / "fixture,qlora" with LoRA / QLoRA).
 
 Fetch a checkpoint once, on a machine with network access (jaxrl itself never downloads):
     huggingface-cli download Qwen/Qwen3-0.6B --local-dir checkpoints/Qwen3-0.6B
@@ -11,6 +12,7 @@ Until it is there the preset supplies the same shapes, so the plan and the compi
     jaxrl plan --config configs/qwen3.py:0.6b,grpo,v5e --compile v5e:2x4
     jaxrl plan --config configs/qwen3.py:8b,sft,v5p --compile v5p:2x2x1
     jaxrl plan --config configs/qwen3.py:8b,grpo,v5e,lora --compile v5e:2x4
+    jaxrl plan --config configs/qwen3.py:8b,grpo,v5e,qlora --compile v5e:2x4
     jaxrl sft  --config configs/qwen3.py:0.6b,sft --workdir runs/sft
     jaxrl grpo --config configs/qwen3.py:0.6b --config.init.checkpoint=runs/sft --workdir runs/grpo
 
@@ -41,4 +43,4 @@ def get_config(arg=None):
   arg, lora = lora_arg(arg)
   c = family_config(arg, models=MODELS, default="0.6b", sft_config=sft.default_config,
                     grpo_config=grpo.default_config, fixture=FIXTURE, sizing=SIZING)
-  return with_lora(c) if lora else c
+  return with_lora(c, quantize="int8" if lora == "qlora" else "") if lora else c

@@ -66,9 +66,10 @@ def base_config() -> ml_collections.ConfigDict:
   # replace the random init (jaxrl.io.hf.params_from_config).
   c.model.hf_path = ""
   # LoRA (docs/guides/lora.md): rank 0 is off; scale = alpha / rank; targets "attn" (q,k,v,o),
-  # "all-linear" (and gate,up,down) or a comma list of those names.
+  # "all-linear" (and gate,up,down) or a comma list of those names; quantize "int8": the
+  # frozen base in int8 with per-channel scales (QLoRA), "" in model.param_dtype.
   c.model.lora = ml_collections.ConfigDict(dict(rank=0, alpha=16.0, dropout=0.0,
-                                                targets="attn"))
+                                                targets="attn", quantize=""))
   return c
 
 
@@ -487,24 +488,27 @@ def hf_model_config(arg, *, preset: str, checkpoint: str, fixture: str, sft_conf
   return c
 
 
-def lora_arg(arg) -> tuple[str | None, bool]:
-  """(arg without a "lora" part, whether it had one): "8b,grpo,v5e,lora" -> ("8b,grpo,v5e",
-  True), for the ready-made configs' LoRA variants (with_lora)."""
+def lora_arg(arg) -> tuple[str | None, str]:
+  """(arg without a "lora" or "qlora" part, that part or ""): "8b,grpo,v5e,qlora" ->
+  ("8b,grpo,v5e", "qlora"), for the ready-made configs' LoRA variants (with_lora)."""
   parts = [x.strip() for x in (arg or "").split(",") if x.strip()]
-  if "lora" not in parts:
-    return arg, False
-  rest = [x for x in parts if x != "lora"]
-  return ",".join(rest) or None, True
+  kind = next((x for x in parts if x in ("lora", "qlora")), "")
+  if not kind:
+    return arg, ""
+  rest = [x for x in parts if x not in ("lora", "qlora")]
+  return ",".join(rest) or None, kind
 
 
 def with_lora(c: ml_collections.ConfigDict, *, rank: int = 16, alpha: float = 32.0,
-              targets: str = "all-linear", lr_scale: float = 10.0) -> ml_collections.ConfigDict:
+              targets: str = "all-linear", lr_scale: float = 10.0,
+              quantize: str = "") -> ml_collections.ConfigDict:
   """A ready-made config's LoRA variant (docs/guides/lora.md): adapters of `rank` on every
   linear weight, the learning rate `lr_scale` times the full fine-tune's (LoRA's usual
   ratio), and the frozen base in bfloat16 (only the float32 adapters and their Adam moments
   need master precision), which halves the base's bytes on every chip. The fixture keeps
-  float32 (its logits are checked against transformers' in float32)."""
-  c.model.lora.update(rank=rank, alpha=alpha, targets=targets, dropout=0.0)
+  float32 (its logits are checked against transformers' in float32). quantize="int8" (the
+  "qlora" variants) holds that base's linear weights in int8 (jaxrl.models.quant)."""
+  c.model.lora.update(rank=rank, alpha=alpha, targets=targets, dropout=0.0, quantize=quantize)
   c.optim.lr = c.optim.lr * lr_scale
   if c.model.get("param_dtype") == "float32" and c.model.get("dtype") == "bfloat16":
     c.model.param_dtype = "bfloat16"

@@ -44,7 +44,7 @@ from jaxrl.models.config import ModelConfig, RopeScaling  # noqa: F401  (hf.Rope
 from jaxrl.models.hf_config import (  # noqa: F401
     ARCHITECTURES, config_from_hf, config_to_hf, family_for, family_of, read_hf_config)
 from jaxrl.models.hf_config import CORRUPT, read_json
-from jaxrl.models import lora
+from jaxrl.models import lora, quant
 from jaxrl.models.llama import abstract_model
 from jaxrl.parallel.layouts import init_params, tree_shardings
 
@@ -420,6 +420,8 @@ def _export_lora(out, cfg, params, carried, base_path, extra, max_shard_bytes) -
   here: the params' base weights as a full HF checkpoint)."""
   from jaxrl.io import peft
   base, _ = lora.split_lora(params)
+  if cfg.lora_quantize:  # QLoRA: the base the adapters trained against, dequantised
+    base = quant.dequantized_base(cfg, base)
   files = []
   if not base_path:
     base_path = os.path.join(os.path.abspath(out), "base")

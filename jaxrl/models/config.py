@@ -25,6 +25,8 @@ REMAT = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 # "all-linear" is PEFT's name for every linear layer but the LM head.
 LORA_WEIGHTS = ("q", "k", "v", "o", "gate", "up", "down")
 LORA_GROUPS = {"attn": ("q", "k", "v", "o"), "all-linear": LORA_WEIGHTS}
+# model.lora.quantize (jaxrl.models.quant.QUANTIZE): the frozen base's storage.
+LORA_QUANTIZE = ("", "int8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +72,9 @@ class ModelConfig:
   lora_alpha: float = 16.0
   lora_dropout: float = 0.0
   lora_targets: tuple[str, ...] = ()
+  # QLoRA (model.lora.quantize; jaxrl.models.quant): "int8" holds the frozen base's linear
+  # weights as int8 with per-output-channel scales; "" keeps them in param_dtype.
+  lora_quantize: str = ""
 
   def __post_init__(self):
     for name in ("dtype", "param_dtype"):
@@ -104,6 +109,12 @@ class ModelConfig:
       raise ConfigError(f"model.lora.alpha must be positive, got {self.lora_alpha}.")
     for name in self.lora_targets:
       check_choice("model.lora.targets", name, LORA_WEIGHTS)
+    if self.lora_quantize not in LORA_QUANTIZE:
+      raise ConfigError(f"model.lora.quantize={self.lora_quantize!r} is not supported: use '' "
+                        "(the base in model.param_dtype) or 'int8'.")
+    if self.lora_quantize and not self.lora_rank:
+      raise ConfigError(f"model.lora.quantize={self.lora_quantize!r} quantises a frozen base, "
+                        "which needs LoRA: set model.lora.rank > 0, or model.lora.quantize=''.")
     if self.lora_rank and not self.lora_targets:
       raise ConfigError("model.lora.rank > 0 adapts no weight: set model.lora.targets to "
                         "'attn', 'all-linear' or a comma list of q,k,v,o,gate,up,down.")
@@ -205,7 +216,7 @@ PRESETS: dict[str, ModelConfig] = {
 # Face checkpoint directory whose config.json replaces the preset (see jaxrl.models.hf_config);
 # `lora` is the LoRA section (rank, alpha, dropout, targets), which sets the lora_* fields.
 _MODEL_SECTION_EXTRA = ("preset", "hf_path", "lora")
-_LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
+_LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "lora_quantize")
 
 
 def lora_targets_of(spec: Any) -> tuple[str, ...]:
@@ -225,10 +236,10 @@ def lora_fields(section: Any) -> dict[str, Any]:
   """The ModelConfig lora_* fields of a model.lora section {rank, alpha, dropout, targets}
   (None for a key keeps the default; targets default to "attn" when rank > 0)."""
   section = dict(section or {})
-  unknown = sorted(set(section) - {"rank", "alpha", "dropout", "targets"})
+  unknown = sorted(set(section) - {"rank", "alpha", "dropout", "targets", "quantize"})
   if unknown:
     raise ConfigError(f"model.lora.{unknown[0]} is not a LoRA key: the section takes rank, "
-                      "alpha, dropout and targets.")
+                      "alpha, dropout, targets and quantize.")
   out: dict[str, Any] = {}
   for key, want in (("rank", int), ("alpha", float), ("dropout", float)):
     value = section.get(key)
@@ -247,6 +258,12 @@ def lora_fields(section: Any) -> dict[str, Any]:
   rank = out.get("lora_rank", 0)
   targets = section.get("targets")
   out["lora_targets"] = lora_targets_of("attn" if targets is None else targets) if rank else ()
+  quantize = section.get("quantize")
+  if quantize is not None:
+    if not isinstance(quantize, str):
+      raise ConfigError(f"model.lora.quantize={quantize!r} has the wrong type: expected '' or "
+                        "'int8'.")
+    out["lora_quantize"] = quantize.strip()
   return out
 
 

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl.models import quant
 from jaxrl.models.attention import attention, decode_attention, pin_rows
 from jaxrl.models.config import ModelConfig, RopeScaling
 from jaxrl.models.logprobs import chunked_token_logprobs, lm_head
@@ -123,6 +124,27 @@ class _Adapted(nnx.Module):
       if name in self.LORA_AXES:
         setattr(self, f"{name}_lora", _lora(cfg, name, self.LORA_AXES[name], rngs))
 
+  def quantize_base(self):
+    """With model.lora.quantize: each of this module's linear weights as int8 values and a
+    `<weight>_scale` of per-output-channel scales beside it (jaxrl.models.quant), quantised
+    from the weight just initialised, so the int8 base is quantize(the plain model's)."""
+    for name in self.LORA_AXES:
+      w = getattr(self, name)
+      axes = w.get_metadata()["axes"]
+      values, scale = quant.quantize(w[...], in_axes=quant.IN_AXES[name])
+      setattr(self, name, nnx.Param(values, axes=axes))
+      setattr(self, f"{name}{quant.SCALE}",
+              nnx.Param(scale, axes=quant.scale_axes(axes, quant.IN_AXES[name])))
+
+  def weight(self, name: str, dtype):
+    """Weight `name` in `dtype`: its own array, or, quantised, its int8 values dequantised to
+    model.param_dtype first, so the product is a plain model's over the dequantised weight."""
+    w = getattr(self, name)[...]
+    scale = getattr(self, f"{name}{quant.SCALE}", None)
+    if scale is not None:
+      w = quant.dequantize(w, scale[...], _dtype(self.cfg.param_dtype))
+    return w.astype(dtype)
+
   def lora_delta(self, name: str, x_md, key=None):
     """(alpha / r) * dropout(x) @ A @ B for weight `name`'s adapter, in x's dtype; None when it
     has none. x is [M, in]; `key` (the forward's dropout key, None at eval) drops inputs at
@@ -201,9 +223,9 @@ class Attention(_Adapted):
       q, k, v = (self.adapted(name, y.reshape(B, -1), x_md, key).reshape(y.shape)
                  for name, y in (("q", q), ("k", k), ("v", v)))
     else:
-      q = self.adapted("q", x_md @ self.q[...].astype(dt).reshape(-1, n * hd), x_md, key)
-      k = self.adapted("k", x_md @ self.k[...].astype(dt).reshape(-1, kh * hd), x_md, key)
-      v = self.adapted("v", x_md @ self.v[...].astype(dt).reshape(-1, kh * hd), x_md, key)
+      q = self.adapted("q", x_md @ self.weight("q", dt).reshape(-1, n * hd), x_md, key)
+      k = self.adapted("k", x_md @ self.weight("k", dt).reshape(-1, kh * hd), x_md, key)
+      v = self.adapted("v", x_md @ self.weight("v", dt).reshape(-1, kh * hd), x_md, key)
       q, k, v = q.reshape(B, T, n, hd), k.reshape(B, T, kh, hd), v.reshape(B, T, kh, hd)
     if cfg.qkv_bias:
       q = q + self.q_bias[...].astype(dt)
@@ -247,7 +269,7 @@ class Attention(_Adapted):
 
     out_btkgh = attention(q.reshape(B, T, kh, n // kh, hd), keys_bksh, values_bksh, mask_bts)
     out_mf = out_btkgh.reshape(B * T, n * hd)
-    o_fd = self.o[...].astype(dt).reshape(n * hd, -1)
+    o_fd = self.weight("o", dt).reshape(n * hd, -1)
     return self.adapted("o", out_mf @ o_fd, out_mf, key).reshape(B, T, -1), new_kv
 
   def _fused_qkv(self, x_md, B):
@@ -263,9 +285,9 @@ class Attention(_Adapted):
     dt = x_md.dtype
     n, kh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     d, g = cfg.embed_dim, n // kh
-    w_dkch = jnp.concatenate([self.q[...].reshape(d, kh, g, hd),
-                              self.k[...].reshape(d, kh, 1, hd),
-                              self.v[...].reshape(d, kh, 1, hd)], axis=2).astype(dt)
+    w_dkch = jnp.concatenate([self.weight("q", dt).reshape(d, kh, g, hd),
+                              self.weight("k", dt).reshape(d, kh, 1, hd),
+                              self.weight("v", dt).reshape(d, kh, 1, hd)], axis=2)
     qkv = (x_md @ w_dkch.reshape(d, -1)).reshape(B, 1, kh, g + 2, hd)
     q, k, v = qkv[:, :, :, :g], qkv[:, :, :, g], qkv[:, :, :, g + 1]
     return q.reshape(B, 1, n, hd), k, v
@@ -301,7 +323,7 @@ class Attention(_Adapted):
     out_bkgh = decode_attention(q_bkgh, keys_bksh, values_bksh, pos_b)
     # As one [B, N*H] x [N*H, D] matmul over row-major reshapes (free): written as the general
     # path's einsum, XLA:CPU transposed the whole o weight every decode step.
-    o_fd = self.o[...].astype(dt).reshape(n * cfg.head_dim, cfg.embed_dim)
+    o_fd = self.weight("o", dt).reshape(n * cfg.head_dim, cfg.embed_dim)
     out_bf = out_bkgh.reshape(B, n * cfg.head_dim)
     out_bd = self.adapted("o", out_bf @ o_fd, out_bf, key)
     return out_bd[:, None], new_kv
@@ -340,16 +362,16 @@ class MLP(_Adapted):
       # A decode step: gate and up as one product against the weights stacked [D, 2, F] (see
       # Attention._fused_qkv; the stack is hoisted out of the decode loop, and a tensor-sharded
       # F axis stays as it is).
-      w_dcf = jnp.stack([self.gate[...], self.up[...]], axis=1).astype(dt)
+      w_dcf = jnp.stack([self.weight("gate", dt), self.weight("up", dt)], axis=1)
       gu_mcf = jnp.einsum("MD,DCF->MCF", x_md, w_dcf)
       g_mf, u_mf = gu_mcf[:, 0], gu_mcf[:, 1]
     else:
-      g_mf = x_md @ self.gate[...].astype(dt)
-      u_mf = x_md @ self.up[...].astype(dt)
+      g_mf = x_md @ self.weight("gate", dt)
+      u_mf = x_md @ self.weight("up", dt)
     g_mf = self.adapted("gate", g_mf, x_md, key)
     u_mf = self.adapted("up", u_mf, x_md, key)
     h_mf = swiglu(g_mf, u_mf)
-    out_md = self.adapted("down", h_mf @ self.down[...].astype(dt), h_mf, key)
+    out_md = self.adapted("down", h_mf @ self.weight("down", dt), h_mf, key)
     return out_md.reshape(x_btd.shape)
 
 
@@ -441,6 +463,10 @@ class Transformer(nnx.Module):
       for layer in self.layers:
         layer.attn.add_lora(cfg, lora_rngs)
         layer.mlp.add_lora(cfg, lora_rngs)
+    if cfg.lora_quantize:
+      for layer in self.layers:
+        layer.attn.quantize_base()
+        layer.mlp.quantize_base()
 
   def hidden(self, tokens_bt, positions_bt=None, *, segment_ids_bt=None,
              cache: KVCache | None = None, dropout_key=None):

@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxrl.models import quant
 from jaxrl.models.config import ModelConfig
 
 SUFFIX = "_lora"
@@ -92,7 +93,12 @@ def delta(cfg: ModelConfig, adapter, shape, dtype=jnp.float32) -> jax.Array:
 def merge_lora(cfg: ModelConfig, params) -> dict:
   """The params without adapters, each adapted weight replaced by W + (alpha / r) * A @ B
   (summed in float32, in the weight's dtype and shape): a plain model of base_config(cfg) that
-  computes what the adapted one does. Weights without an adapter are the params' own arrays."""
+  computes what the adapted one does. Weights without an adapter are the params' own arrays.
+  A quantised base (model.lora.quantize) is dequantised first (quant.dequantized_base: W in
+  model.param_dtype, the scales dropped)."""
+  if cfg.lora_quantize:
+    params = quant.dequantized_base(cfg, params)
+
   def walk(node):
     out = {}
     for k, v in node.items():
@@ -108,6 +114,26 @@ def merge_lora(cfg: ModelConfig, params) -> dict:
         out[k] = (v.astype(jnp.float32) + delta(cfg, adapter, v.shape)).astype(v.dtype)
     return out
   return walk(params)
+
+
+def as_base(cfg: ModelConfig, plain, target) -> dict:
+  """A plain model's params (a checkpoint's, or merge_lora's) as the frozen base of `target`,
+  the LoRA params they fill: the top-level entries target has, quantised when cfg quantises
+  (quant.quantize_params), each leaf in the dtype of target's. Under jit when target holds
+  abstract values; with arrays the quantisation is jitted into target's shardings."""
+  base_t = split_lora(target)[0]
+  plain = {k: plain[k] for k in base_t if k in plain}
+  if not cfg.lora_quantize:
+    return plain
+
+  def quantised(p):
+    return jax.tree.map(lambda x, t: x.astype(t.dtype), quant.quantize_params(cfg, p),
+                        {k: base_t[k] for k in p})
+  if all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+         for x in jax.tree.leaves(base_t)):
+    shd = jax.tree.map(lambda x: x.sharding, {k: base_t[k] for k in plain})
+    return jax.jit(quantised, out_shardings=shd)(plain)
+  return quantised(plain)
 
 
 def adapters_off(params) -> dict:
@@ -128,8 +154,9 @@ def adapters_off(params) -> dict:
 
 
 def base_config(cfg: ModelConfig) -> ModelConfig:
-  """The same model with LoRA off: the structure of merge_lora's and split_lora's base."""
-  return cfg.replace(lora_rank=0, lora_targets=(), lora_dropout=0.0)
+  """The same model with LoRA off, its base unquantised: the structure of merge_lora's
+  output (and of a plain checkpoint a LoRA run starts from)."""
+  return cfg.replace(lora_rank=0, lora_targets=(), lora_dropout=0.0, lora_quantize="")
 
 
 def trainable(path, extra: tuple[str, ...] = ()) -> bool:
@@ -142,8 +169,9 @@ def describe(cfg: ModelConfig) -> str:
   """What a run's banner says of its LoRA: "" when off."""
   if not cfg.lora_rank:
     return ""
+  base = "the base frozen" + (f", in {cfg.lora_quantize}" if cfg.lora_quantize else "")
   return (f" (LoRA rank {cfg.lora_rank} on {','.join(cfg.lora_targets)}: "
-          f"{cfg.num_lora_params:,} trained, the base frozen)")
+          f"{cfg.num_lora_params:,} trained, {base})")
 
 
 def count(params) -> tuple[int, int]:

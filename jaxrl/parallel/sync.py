@@ -395,10 +395,16 @@ class WeightSync:
     self.sampler_cfg = lora.base_config(cfg) if self.merge else cfg
     self.base = None        # the sampler's copy of the frozen base (adapters_only)
     self._base_src = None   # the learner's base leaves it was copied from
+    # A quantised base (QLoRA) is synced as it is, int8 values and float32 scales, never cast:
+    # the sampler then dequantises the very weights the learner uses, and casts after merging.
+    self._base_dtype = None if cfg.lora_quantize else self.dtype
     if self.merge:
       # Merged in the base's (synced) dtype, straight into the sampler layout of the plain model.
-      self._merge = jax.jit(lambda base, adapters: lora.merge_lora(
-          cfg, lora.combine(base, adapters)), out_shardings=lora.split_lora(self.target)[0])
+      def merge(base, adapters):
+        merged = lora.merge_lora(cfg, lora.combine(base, adapters))
+        return _cast(merged, self.dtype) if cfg.lora_quantize and self.dtype else merged
+      self._merge = jax.jit(merge, out_shardings=placement.sampler.model_shardings(
+          self.sampler_cfg))
 
   @property
   def last(self) -> SyncStats:
@@ -425,7 +431,7 @@ class WeightSync:
       if self._base_src is None or any(a is not b for a, b in zip(src, self._base_src)):
         if self.base is not None:
           release(self.base)
-        self.base, self._base_src = sync(base, base_target, dtype=self.dtype), src
+        self.base, self._base_src = sync(base, base_target, dtype=self._base_dtype), src
         moved += tree_bytes(self.base)
       if self.merge:
         out = jax.block_until_ready(self._merge(self.base, adapters_s))

@@ -238,8 +238,7 @@ def start_from_hf(config, state: TrainState, mesh: Mesh, layout: str = "learner"
   else:
     _, _, params = params_from_config(config, mesh, layout)
   target = state.params if into is None else state.params[into]
-  params = lora.combine({k: params[k] for k in target if k in params},
-                        lora.split_lora(target)[1])
+  params = lora.combine(lora.as_base(cfg, params, target), lora.split_lora(target)[1])
   return state.replace(params=params if into is None else {**state.params, into: params})
 
 
@@ -276,16 +275,25 @@ def start_from_checkpoint(cfg: ModelConfig, state: TrainState, path: str, *,
   else:
     base, adapters = lora.split_lora(target)
     saved_cfg = _saved_model_config(path)
-    if saved_cfg is None or not saved_cfg.lora_rank:
-      merged = restore_params(path, _abstract(base))
-    else:
-      mesh = jax.tree.leaves(base)[0].sharding.mesh
-      _, shapes, axes = abstract_model(saved_cfg)
+    mesh = jax.tree.leaves(base)[0].sharding.mesh
+
+    def laid_out(c):  # the abstract params of a model of c, in this run's layout
+      _, shapes, axes = abstract_model(c)
       shd = tree_shardings(shapes, axes, mesh, layout)
-      saved_adapters = _abstract(lora.split_lora(jax.tree.map(
-          lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shd))[1])
-      saved = restore_params(path, lora.combine(_abstract(base), saved_adapters))
-      merged = jax.jit(lambda p: lora.merge_lora(saved_cfg, p),
+      return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          shapes, shd)
+    # A quantised base (model.lora.quantize, here or in the saved run) has other leaves than
+    # the plain one: the checkpoint is read in its own structure, merged, then quantised.
+    quantised = cfg.lora_quantize or (saved_cfg is not None and saved_cfg.lora_quantize)
+    if saved_cfg is None or not saved_cfg.lora_rank:
+      plain = restore_params(path, laid_out(lora.base_config(cfg)) if quantised else
+                             _abstract(base))
+      merged = lora.as_base(cfg, plain, target)
+    else:
+      saved_base = lora.split_lora(laid_out(saved_cfg))[0] if quantised else _abstract(base)
+      saved_adapters = lora.split_lora(laid_out(saved_cfg))[1]
+      saved = restore_params(path, lora.combine(saved_base, saved_adapters))
+      merged = jax.jit(lambda p: lora.as_base(cfg, lora.merge_lora(saved_cfg, p), base),
                        out_shardings=jax.tree.map(lambda x: x.sharding, base))(saved)
     params = lora.combine(merged, adapters)
   return state.replace(params=params if into is None else {**state.params, into: params})

@@ -182,11 +182,15 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
 
   # The sampler: weights in its layout (cast by the sync), prefill, decode steps.
   sync_dtype = config.placement.sync_dtype or None
-  sparams = pg.params_of(abstract_model(cfg), smesh, "sampler")
-  if sync_dtype:
-    sparams = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-        x.shape, jnp.dtype(sync_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype,
-        sharding=x.sharding), sparams)
+
+  def sampler_params(c):
+    p = pg.params_of(abstract_model(c), smesh, "sampler")
+    if sync_dtype:
+      p = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+          x.shape, jnp.dtype(sync_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype,
+          sharding=x.sharding), p)
+    return p
+  sparams = sampler_params(cfg)
   target = jax.tree.map(lambda x: x.sharding, sparams)
   dtype = jnp.dtype(sync_dtype) if sync_dtype else None
 
@@ -209,8 +213,15 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
   # base, which stays on its chips the whole step (jaxrl.parallel.sync.WeightSync).
   scfg, sbase = cfg, {}
   if cfg.lora_rank:
-    scfg, sparams = lora.base_config(cfg), lora.split_lora(sparams)[0]
-    sbase = {"sampler base (LoRA)": abstract_bytes(sparams)}
+    scfg, sbase_tree = lora.base_config(cfg), lora.split_lora(sparams)[0]
+    if cfg.lora_quantize:
+      # QLoRA: that copy is the int8 base, synced uncast (jaxrl.parallel.sync.WeightSync), and
+      # the merged weights are the plain model's.
+      sbase_tree = lora.split_lora(pg.params_of(abstract_model(cfg), smesh, "sampler"))[0]
+      sparams = sampler_params(scfg)
+    else:
+      sparams = sbase_tree
+    sbase = {"sampler base (LoRA)": abstract_bytes(sbase_tree)}
   engine = Engine(abstract_model(scfg)[0], scfg, smesh, sampling=sampling)
   key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
                              sharding=NamedSharding(smesh, P()))
