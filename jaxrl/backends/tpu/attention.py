@@ -13,8 +13,8 @@ group's completions against their shared prompt), and-ed with segment ids (packe
 prompt's padding). Grouped-query attention is the kernel's own: the K*G query heads, each KV
 head's G together, against K key and value heads (head n reads KV head n // G).
 
-Splash takes kv blocks of at least 128 (the TPU's lanes), so S is padded up to a multiple of
-128, and T to one of 128 (to one of 8, the sublanes, below 128): the padded keys lie past every
+Splash takes blocks of at least 128 (the TPU's lanes: for the keys always, for the queries
+with segment ids), so T and S are padded up to multiples of 128: the padded keys lie past every
 real query's causal reach, and the padded queries (whose outputs are dropped, so no gradient
 reaches them) keep the last real query's segment and so at least one key each. Below one kv
 block (S < 128) the backend leaves the call to XLA (takes): there the padding would cost more
@@ -38,7 +38,7 @@ def _round_up(n: int, m: int) -> int:
 
 
 def _block(n: int) -> int:
-  return next((b for b in BLOCKS if n % b == 0), n)
+  return next(b for b in BLOCKS if n % b == 0)
 
 
 def takes(q_len: int, kv_len: int) -> bool:
@@ -47,9 +47,8 @@ def takes(q_len: int, kv_len: int) -> bool:
 
 
 def padded_lengths(q_len: int, kv_len: int) -> tuple[int, int]:
-  """The lengths splash runs a call at: keys to a multiple of 128, queries to one of 128 (8
-  below 128)."""
-  return _round_up(q_len, LANES if q_len >= LANES else 8), _round_up(kv_len, LANES)
+  """The lengths splash runs a call at: multiples of 128."""
+  return _round_up(q_len, LANES), _round_up(kv_len, LANES)
 
 
 @functools.lru_cache(maxsize=64)
