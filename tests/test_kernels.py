@@ -198,3 +198,26 @@ def test_tpu_train_step_compiles_with_splash_for_v5e(monkeypatch):
   assert "splash_mha" in _sft_train_step(monkeypatch, "splash").as_text()  # what is looked for
   # (Lowered, not compiled: a kernel not in the lowered program is not in the compiled one.)
   assert "splash_mha" not in _sft_train_step(monkeypatch, "xla").as_text()
+
+
+def test_the_plans_attention_term_follows_the_kernel(monkeypatch):
+  """The memory plan counts a call's float32 scores only where XLA's attention runs it: on a
+  v5e mesh splash takes 256 x 256 (no scores), not 16 x 16 (under one kv block)."""
+  pytest.importorskip("libtpu", reason='libtpu is in the test extra: pip install -e ".[test]"')
+  from jaxrl.backends import attention_kernel
+  from jaxrl.models import PRESETS
+  from jaxrl.parallel import compile as aot
+  from jaxrl.parallel.layouts import get_rules
+  from jaxrl.parallel.mesh import make_mesh
+  from jaxrl.parallel.plan import attention_score_bytes, kernel_takes
+  cfg, rules = PRESETS["tiny"], get_rules("learner")
+  mesh = make_mesh(1, 4, 1, devices=aot.topology_devices("v5e:2x2"))
+
+  def scores(queries, keys):
+    kernel = attention_kernel(mesh, batch=rules["batch"], kv_heads=rules["kv_heads"])
+    fused = kernel_takes(kernel, cfg, mesh, queries=queries, keys=keys)
+    return attention_score_bytes(cfg, mesh, rows=2, queries=queries, keys=keys, fused=fused)
+
+  assert scores(256, 256) == 0 and scores(16, 16) == 4 * 2 * 4 * 16 * 16
+  monkeypatch.setenv(tpu_backend.ENV, "xla")
+  assert scores(256, 256) == 4 * 2 * 4 * 256 * 256
