@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
 
 
 def _padded_len(n: int) -> int:
@@ -35,6 +34,9 @@ def pallas_attention(q_btkgh, keys_bksh, values_bksh, q_segment_ids=None, kv_seg
   logits scaled by H^-1/2: [B, T, K, G, H] in q's dtype. kv_segment_ids are read as the same
   ids (handles_pallas says which calls it takes). One device's rows
   (jaxrl.backends.sharded.per_device); interpret: Pallas's interpreter (CPU tests)."""
+  # Imported here: jax 0.12 warns on importing it (deprecated in favour of tokamax), and
+  # every jaxrl process imports this backend, most of them never on a GPU.
+  from jax.experimental.pallas.ops.gpu import attention as pallas_gpu  # noqa: PLC0415
   B, T, K, G, H = q_btkgh.shape
   del kv_segment_ids  # the same ids as the queries' (handles_pallas)
   pad = _padded_len(T) - T
