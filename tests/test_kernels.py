@@ -221,3 +221,29 @@ def test_the_plans_attention_term_follows_the_kernel(monkeypatch):
   assert scores(256, 256) == 0 and scores(16, 16) == 4 * 2 * 4 * 16 * 16
   monkeypatch.setenv(tpu_backend.ENV, "xla")
   assert scores(256, 256) == 4 * 2 * 4 * 256 * 256
+
+
+def test_grouped_completions_call_compiles_for_v5e():
+  """GRPO's completions against their shared prompt (the causal offset, both lengths padded to
+  128) in bfloat16, forward and gradient, per device on a v5e:2x2: Mosaic lowers all three
+  splash kernels."""
+  pytest.importorskip("libtpu", reason='libtpu is in the test extra: pip install -e ".[test]"')
+  from jaxrl.parallel import compile as aot
+  mesh = jax.sharding.Mesh(np.array(aot.topology_devices("v5e:2x2")).reshape(4, 1),
+                           ("fsdp", "tensor"))
+  kernel = tpu_backend.attention_kernel(mesh, batch="fsdp", kv_heads="tensor")
+  B, T, Tp, K, G, H = 8, 40, 100, 2, 2, 128
+  spec = lambda shape, dtype, *axes: jax.ShapeDtypeStruct(  # noqa: E731
+      shape, dtype, sharding=NamedSharding(mesh, P(*axes)))
+  q = spec((B, T, K, G, H), jnp.bfloat16, "fsdp")
+  kv = spec((B, K, Tp + T, H), jnp.bfloat16, "fsdp", "tensor")
+  q_seg, kv_seg = spec((B, T), jnp.int32, "fsdp"), spec((B, Tp + T), jnp.int32, "fsdp")
+
+  def loss(q, k, v, q_seg, kv_seg):
+    out = kernel(q, k, v, None, Causal(q_seg, kv_seg))
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+
+  hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, q_seg, kv_seg).compile()
+  names = set(re.findall(r"%(splash_mha_\w+?)[.\d]* = ", hlo.as_text()))
+  assert names == {"splash_mha_fwd_segmented_residuals", "splash_mha_dq_segmented_no_residuals",
+                   "splash_mha_dkv_segmented_no_residuals"}, names
