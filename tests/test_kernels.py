@@ -247,3 +247,16 @@ def test_grouped_completions_call_compiles_for_v5e():
   names = set(re.findall(r"%(splash_mha_\w+?)[.\d]* = ", hlo.as_text()))
   assert names == {"splash_mha_fwd_segmented_residuals", "splash_mha_dq_segmented_no_residuals",
                    "splash_mha_dkv_segmented_no_residuals"}, names
+
+
+def test_describe_and_bad_choice(monkeypatch):
+  """The run record names the kernel each switch selects; a bad value is one sentence."""
+  from jaxrl.errors import ConfigError
+  assert tpu_backend.describe()["attention"].startswith("splash")
+  assert gpu_backend.describe()["attention"].startswith("pallas")
+  monkeypatch.setenv(gpu_backend.ENV, "cudnn")
+  assert gpu_backend.describe()["attention"].startswith("cudnn")
+  monkeypatch.setenv(tpu_backend.ENV, "splsh")
+  with pytest.raises(ConfigError, match="JAXRL_TPU_ATTENTION='splsh' is not valid. Did you "
+                                        "mean 'splash'"):
+    tpu_backend.describe()
