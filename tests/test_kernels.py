@@ -20,6 +20,12 @@ from jaxrl.models import attention
 from jaxrl.models.attention import Causal, xla_attention
 
 
+@pytest.fixture(autouse=True)
+def _splash(monkeypatch):
+  """Splash is opt-in on TPU (jaxrl.backends.tpu); these tests are about it."""
+  monkeypatch.setenv(tpu_backend.ENV, "splash")
+
+
 def _rows(rng, B, T, *, packed):
   """Segment ids [B, T]: row 0 two packed sequences then padding (id 0), the others one
   sequence of ragged length then padding; or None (one segment, no padding)."""
@@ -253,6 +259,8 @@ def test_describe_and_bad_choice(monkeypatch):
   """The run record names the kernel each switch selects; a bad value is one sentence."""
   from jaxrl.errors import ConfigError
   assert tpu_backend.describe()["attention"].startswith("splash")
+  monkeypatch.delenv(tpu_backend.ENV)
+  assert tpu_backend.describe()["attention"].startswith("xla")  # the default
   assert gpu_backend.describe()["attention"].startswith("pallas")
   monkeypatch.setenv(gpu_backend.ENV, "cudnn")
   assert gpu_backend.describe()["attention"].startswith("cudnn")

@@ -5,7 +5,7 @@ here when a program is traced for a mesh; every learner and decode program compi
 options from `compiler_options`. Each asks the backend of the devices' platform:
 
   cpu     jaxrl.backends.cpu: C++ attention kernels, the dot-kernel choice, TCMalloc
-  tpu     jaxrl.backends.tpu: splash attention for the learner (Pallas, Mosaic)
+  tpu     jaxrl.backends.tpu: splash attention for the learner (Pallas, Mosaic; opt-in)
   gpu     jaxrl.backends.gpu: flash attention for the learner (Pallas Triton; cuDNN opt-in)
   others  XLA's own attention and compile options
 
