@@ -26,6 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from jaxrl import config as config_lib  # noqa: E402
+from jaxrl.backends import tpu as tpu_backend  # noqa: E402
 from jaxrl.parallel import compile as aot  # noqa: E402
 from jaxrl.parallel.plan import estimate  # noqa: E402
 
@@ -69,6 +70,8 @@ def measure(row: str, out=print) -> dict:
   record = {"row": row, "topology": TOPOLOGY[chip], "chips": len(devices),
             "remat": work.remat, "accum_steps": int(config.optim.accum_steps),
             "logits_chunk": work.logits_chunk, "date": datetime.date.today().isoformat(),
+            # The learner's attention on TPU (JAXRL_TPU_ATTENTION); rows without it: xla.
+            "attention": tpu_backend.choice(),
             "programs": []}
   c = aot.chip_of(TOPOLOGY[chip])
   for p, e in zip(programs, estimates):

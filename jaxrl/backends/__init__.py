@@ -5,10 +5,13 @@ here when a program is traced for a mesh; every learner and decode program compi
 options from `compiler_options`. Each asks the backend of the devices' platform:
 
   cpu     jaxrl.backends.cpu: C++ attention kernels, the dot-kernel choice, TCMalloc
+  tpu     jaxrl.backends.tpu: splash attention for the learner (Pallas, Mosaic; opt-in)
+  gpu     jaxrl.backends.gpu: flash attention for the learner (Pallas Triton; cuDNN opt-in)
   others  XLA's own attention and compile options
 
-A TPU (splash attention) or GPU (cuDNN, Pallas) backend is a package beside cpu/ and one branch
-in each function below; jaxrl.models.llama does not change. describe() says what this process
+A backend is a package beside cpu/ and one branch in each function below; jaxrl.models.llama
+does not change. The TPU and GPU kernels take the mask by structure (causal within segments,
+jaxrl.models.attention.Causal), the CPU's as a dense array. describe() says what this process
 chose, and every run records it (jaxrl.train.rundir).
 """
 
@@ -16,7 +19,15 @@ from __future__ import annotations
 
 import jax
 
-from jaxrl.backends import cpu
+from jaxrl.backends import cpu, gpu, tpu
+
+
+def platform_of(devices) -> str:
+  """"cpu", "tpu" or "gpu" when every device is of that platform (a topology's abstract TPU
+  devices count as "tpu"), else "other"."""
+  kinds = {d.platform for d in devices}
+  kinds = {"gpu" if k in ("gpu", "cuda", "rocm") else k for k in kinds}
+  return kinds.pop() if len(kinds) == 1 and kinds <= {"cpu", "tpu", "gpu"} else "other"
 
 
 def on_cpu(devices) -> bool:
@@ -29,9 +40,12 @@ def attention_kernel(mesh, *, batch, kv_heads):
   over the `batch` mesh axes and KV heads over `kv_heads` (a layout's rules), or None: XLA's
   attention. The kernel is a differentiable function of (q [B, T, K, G, H], keys and values
   [B, K, S, H], mask [B, T, S]) that returns [B, T, K, G, H], or None for inputs it leaves to
-  XLA."""
-  if on_cpu(mesh.devices.flat):
-    return cpu.attention_kernel(mesh, batch=batch, kv_heads=kv_heads)
+  XLA. The kernel also takes `causal`, what the mask is made of (jaxrl.models.attention.Causal,
+  or None), which the TPU and GPU kernels need."""
+  platform = platform_of(mesh.devices.flat)
+  if platform in ("cpu", "tpu", "gpu"):
+    backend = {"cpu": cpu, "tpu": tpu, "gpu": gpu}[platform]
+    return backend.attention_kernel(mesh, batch=batch, kv_heads=kv_heads)
   return None
 
 
@@ -65,4 +79,8 @@ def describe() -> dict:
   out = {"platform": platform, "devices": jax.device_count(), "allocator": allocator.describe()}
   if platform == "cpu":
     return {**out, **cpu.describe()}
+  if platform == "tpu":
+    return {**out, **tpu.describe()}
+  if platform in ("gpu", "cuda", "rocm"):
+    return {**out, **gpu.describe()}
   return {**out, "attention": "xla", "dots": "xla"}

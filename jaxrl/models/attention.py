@@ -19,6 +19,11 @@ around the traced function:
 The same scope carries the residual stream's row sharding (pin_rows), for the same reason.
 Anything traced outside a scope gets XLA's attention and unpinned rows.
 
+A full-sequence call may also say what its mask is made of (Causal): causal with the queries
+at the end of the keys, within segments. A kernel that takes masks by structure rather than as
+a [B, T, S] array (TPU splash, GPU flash attention: jaxrl.backends) needs that, and returns
+None for calls without it (the cached forwards of the sampler, whose mask is by position).
+
 Shapes use letters: B batch (or decode slots), T new tokens, S keys (cache length), K kv heads,
 G query heads per kv head, H head dim.
 """
@@ -36,6 +41,17 @@ import jax.numpy as jnp
 from jaxrl import backends
 
 
+class Causal(NamedTuple):
+  """What a full-sequence mask [B, T, S] is made of: query t sits at key position t + S - T
+  (the queries are the keys' last T), and attends to the keys s <= t + S - T whose segment id
+  equals its own: mask[b, t, s] = s <= t + S - T and q_segment_ids[b, t] ==
+  kv_segment_ids[b, s]. Segment ids None: one segment. The model passes it beside the dense
+  mask it builds from the same arrays, so a kernel may read either. Every query keeps at least
+  its own key (its diagonal), so no row is empty."""
+  q_segment_ids: jax.Array | None = None  # [B, T] int32
+  kv_segment_ids: jax.Array | None = None  # [B, S] int32
+
+
 class Tracing(NamedTuple):
   """What a program is traced with, beyond its arrays (see tracing)."""
   # [B, ...] -> [B, ...]: the residual stream's sharding constraint, applied after the embedding
@@ -46,7 +62,8 @@ class Tracing(NamedTuple):
   # fsdp=8: 347 MiB of all-reduce per step instead of 17 MiB of weight all-gathers, 4x the step
   # time; tests/test_sharding.py counts them).
   pin_rows: Callable | None = None
-  # (q [B, T, K, G, H], keys, values [B, K, S, H], mask [B, T, S]) -> [B, T, K, G, H] or None.
+  # (q [B, T, K, G, H], keys, values [B, K, S, H], mask [B, T, S], causal: Causal | None)
+  # -> [B, T, K, G, H] or None.
   attention: Callable | None = None
   # (q [B, K, G, H], keys, values [B, K, S, H], pos [B]) -> [B, K, G, H] or None.
   decode: Callable | None = None
@@ -86,13 +103,15 @@ def pin_rows(x):
   return x if constrain is None else constrain(x)
 
 
-def attention(q_btkgh, keys_bksh, values_bksh, mask_bts):
+def attention(q_btkgh, keys_bksh, values_bksh, mask_bts, causal: Causal | None = None):
   """Attention over several positions: q [B, T, K, G, H] to keys and values [B, K, S, H],
-  position t attending to the keys s with mask_bts[b, t, s]: [B, T, K, G, H]. The scope's
-  kernel where it takes the call (q and out in the projections' layout, no transposes), else
-  xla_attention."""
+  position t attending to the keys s with mask_bts[b, t, s]: [B, T, K, G, H]. `causal`: what
+  the mask is made of, when it is causal within segments (see Causal); None: only the dense
+  mask says. The scope's kernel where it takes the call (q and out in the projections' layout,
+  no transposes), else xla_attention."""
   kernel = _TRACING.get().attention
-  out_btkgh = None if kernel is None else kernel(q_btkgh, keys_bksh, values_bksh, mask_bts)
+  out_btkgh = None if kernel is None else kernel(q_btkgh, keys_bksh, values_bksh, mask_bts,
+                                                 causal)
   if out_btkgh is None:
     out_btkgh = xla_attention(q_btkgh, keys_bksh, values_bksh, mask_bts)
   return out_btkgh

@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl.models import quant
-from jaxrl.models.attention import attention, decode_attention, pin_rows
+from jaxrl.models.attention import Causal, attention, decode_attention, pin_rows
 from jaxrl.models.config import ModelConfig, RopeScaling
 from jaxrl.models.logprobs import chunked_token_logprobs, lm_head
 
@@ -245,6 +245,8 @@ class Attention(_Adapted):
       mask_bts = jnp.broadcast_to(idx[None, :, None] >= idx[None, None, :], (B, T, T))
       if segment_ids_bt is not None:
         mask_bts &= segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
+      # The same mask by structure, for kernels that take it so (jaxrl.models.attention).
+      causal = Causal(segment_ids_bt, segment_ids_bt)
       if prompt is not None:
         prompt_k, prompt_v, valid_ps = prompt
         rows = B // valid_ps.shape[0]  # completions per prompt
@@ -254,6 +256,10 @@ class Attention(_Adapted):
         valid_bts = jnp.broadcast_to(jnp.repeat(valid_ps, rows, axis=0)[:, None, :],
                                      (B, T, valid_ps.shape[1]))
         mask_bts = jnp.concatenate([valid_bts, mask_bts], axis=2)
+        # One segment (1) of the prompt's valid keys and this row's own; padding is 0.
+        causal = Causal(jnp.ones((B, T), jnp.int32), jnp.concatenate(
+            [jnp.repeat(valid_ps, rows, axis=0).astype(jnp.int32), jnp.ones((B, T), jnp.int32)],
+            axis=1))
     elif T == 1:
       return self._decode_one(q, k, v, positions_bt[:, 0], cache, key)
     else:
@@ -266,8 +272,10 @@ class Attention(_Adapted):
       keys_bksh, values_bksh = (c.astype(dt) for c in new_kv)
       S = keys_bksh.shape[2]
       mask_bts = jnp.arange(S)[None, None, :] <= positions_bt[:, :, None]
+      causal = None  # by position: only the dense mask says
 
-    out_btkgh = attention(q.reshape(B, T, kh, n // kh, hd), keys_bksh, values_bksh, mask_bts)
+    out_btkgh = attention(q.reshape(B, T, kh, n // kh, hd), keys_bksh, values_bksh, mask_bts,
+                          causal)
     out_mf = out_btkgh.reshape(B * T, n * hd)
     o_fd = self.weight("o", dt).reshape(n * hd, -1)
     return self.adapted("o", out_mf @ o_fd, out_mf, key).reshape(B, T, -1), new_kv

@@ -30,6 +30,7 @@ import numpy as np
 
 from jaxrl.errors import ConfigError
 from jaxrl.models import CACHE_AXES, ModelConfig, RewardModel, abstract_model, cache_shape
+from jaxrl.models.attention import Causal
 from jaxrl.models.lora import base_config as lora_base_config
 from jaxrl.models.lora import is_lora_path, split_lora
 from jaxrl.models.quant import SCALE
@@ -316,8 +317,9 @@ class Program:
   layer_bytes: int = 0
   remat: str = "none"
   # Bytes per device of the float32 scores [rows, heads, queries, keys] of the program's
-  # largest full-sequence attention call, where XLA's attention runs it (no fused kernel takes
-  # the call: TPU and GPU today; attention_score_bytes); 0 where a kernel does (the CPU's).
+  # largest full-sequence attention call, where XLA's attention runs it
+  # (attention_score_bytes); 0 where a kernel takes it (kernel_takes: the CPU's, TPU splash,
+  # GPU flash attention).
   attention_bytes: int = 0
 
 
@@ -421,11 +423,30 @@ def _row_ways(args) -> int:
 def attention_score_bytes(cfg: ModelConfig, mesh, *, rows: int, queries: int, keys: int,
                           fused: bool) -> int:
   """Bytes per device of one attention call's float32 scores [rows, heads, queries, keys], the
-  heads split over the mesh's tensor axis; 0 when a fused kernel takes the call (`fused`: the
-  backend's attention kernel, jaxrl.backends.attention_kernel, is not None)."""
+  heads split over the mesh's tensor axis; 0 when a fused kernel takes the call (`fused`:
+  kernel_takes)."""
   if fused:
     return 0
   return 4 * rows * (cfg.num_heads // mesh.shape["tensor"]) * queries * keys
+
+
+def kernel_takes(kernel, cfg: ModelConfig, mesh, *, queries: int, keys: int) -> bool:
+  """Whether `kernel`, the backend's full-sequence attention kernel for the learner layout on
+  `mesh` (jaxrl.backends.attention_kernel; None: XLA's), takes a causal call of
+  `queries` against `keys` in the model's dtype: then no float32 scores are materialised (CPU
+  kernels, TPU splash, GPU flash attention). Asked of the kernel itself, traced abstractly
+  (nothing runs), so the plan follows each kernel's own limits (splash: >= 128 keys; GPU
+  Pallas: keys = queries)."""
+  if kernel is None:
+    return False
+  rows = mesh.shape["data"] * mesh.shape["fsdp"]  # one per device
+  K, G, H = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+  dt = jax.numpy.dtype(cfg.dtype)
+  q = jax.ShapeDtypeStruct((rows, queries, K, G, H), dt)
+  kv = jax.ShapeDtypeStruct((rows, K, keys, H), dt)
+  mask = jax.ShapeDtypeStruct((rows, queries, keys), np.bool_)
+  out = jax.eval_shape(lambda q, k, v, m: kernel(q, k, v, m, Causal()), q, kv, kv, mask)
+  return out is not None
 
 
 def residual_bytes(loss_fn, params, batch, *, ways: int) -> int:

@@ -106,14 +106,17 @@ def handles_learner(dtype, head_dim: int) -> bool:
 
 
 def learner_sharded(mesh, *, batch, kv_heads):
-  """learner as a function of (q, keys, values, mask) for full-sequence programs traced on
-  `mesh`, whose rows are split over the `batch` mesh axes and KV heads over `kv_heads` (a
+  """learner as a function of (q, keys, values, mask, causal=None) for full-sequence programs
+  traced on `mesh`, whose rows are split over the `batch` mesh axes and KV heads over `kv_heads` (a
   layout's rules: an axis name, a tuple of them or None). The function returns None (XLA's
   attention) for inputs the kernels do not handle (handles_learner). On a mesh of several
   devices each device runs it on its own rows and KV heads, with no communication; a batch or
   KV-head count those axes do not divide also gets None."""
+  # `causal` (what the mask is made of, jaxrl.models.attention.Causal) is not read: the kernels
+  # take any mask as the dense array.
   if mesh.devices.size == 1:
-    return lambda q, *rest: learner(q, *rest) if handles_learner(q.dtype, q.shape[-1]) else None
+    return lambda q, k, v, mask, causal=None: (
+        learner(q, k, v, mask) if handles_learner(q.dtype, q.shape[-1]) else None)
 
   def names(rule):
     return tuple(a for a in ((rule,) if isinstance(rule, str) else rule or ())
@@ -128,7 +131,8 @@ def learner_sharded(mesh, *, batch, kv_heads):
   if set(mesh.axis_names) - set(rows + kv):
     return lambda *args: None
 
-  def sharded(q_btkgh, keys_bksh, values_bksh, mask_bts):
+  def sharded(q_btkgh, keys_bksh, values_bksh, mask_bts, causal=None):
+    del causal
     if (not handles_learner(q_btkgh.dtype, q_btkgh.shape[-1]) or q_btkgh.shape[0] % ways(rows)
         or q_btkgh.shape[2] % ways(kv)):
       return None

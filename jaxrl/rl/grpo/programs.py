@@ -30,7 +30,8 @@ from jaxrl.data.hf_tokenizer import tokenizer_for
 from jaxrl.models import RewardModel, abstract_model, lora, reward_apply
 from jaxrl.models.flops import forward_flops
 from jaxrl.parallel import batch_sharding, get_rules
-from jaxrl.parallel.plan import Program, Workload, abstract_bytes, attention_score_bytes
+from jaxrl.parallel.plan import (Program, Workload, abstract_bytes, attention_score_bytes,
+                                 kernel_takes)
 from jaxrl.parallel.sync import make_placement
 from jaxrl.rl.grpo.config import grouped_forward, prompt_length
 from jaxrl.rl.grpo.update import (batch_logprobs, grpo_loss, logprob_micro_batches,
@@ -105,10 +106,11 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
     resident[f"{label} params"] = abstract_bytes(
         pg.params_of(abstract_model(rm_cfg, model), mesh, "learner"))
 
-  fused = backends.attention_kernel(mesh, batch=get_rules("learner")["batch"],
-                                   kv_heads=get_rules("learner")["kv_heads"]) is not None
+  kernel = backends.attention_kernel(mesh, batch=get_rules("learner")["batch"],
+                                    kv_heads=get_rules("learner")["kv_heads"])
 
   def scores(n_rows, queries, keys):  # float32 attention scores per device (plan.Program)
+    fused = kernel_takes(kernel, cfg, mesh, queries=queries, keys=keys)
     return attention_score_bytes(cfg, mesh, rows=n_rows, queries=queries, keys=keys,
                                  fused=fused)
 

@@ -1,0 +1,50 @@
+"""Running a full-sequence attention kernel per device, for the TPU and GPU backends.
+
+A Pallas kernel is one device's program: under jit on a mesh it must run inside shard_map,
+each device on its own rows and KV heads (the layout's `batch` and `kv_heads` rules), with no
+communication: attention mixes neither rows nor KV heads. The CPU backend does the same for
+its C++ kernels (cpu/attention.py); this is the form the structured kernels share, whose mask
+comes as segment ids (jaxrl.models.attention.Causal) rather than a [B, T, S] array.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from jax import shard_map
+from jax.sharding import PartitionSpec as P
+
+
+def per_device(kernel, mesh, *, batch, kv_heads):
+  """kernel(q [B, T, K, G, H], keys, values [B, K, S, H], q_segment_ids [B, T] | None,
+  kv_segment_ids [B, S] | None) -> [B, T, K, G, H], run on each device's rows and KV heads
+  of `mesh`. Returns fn(same arguments) -> the output, or None where the mesh's axes do not
+  divide the batch or the KV heads (XLA's attention takes those calls)."""
+  if mesh.devices.size == 1:
+    return kernel
+
+  def names(rule):
+    return tuple(a for a in ((rule,) if isinstance(rule, str) else rule or ())
+                 if a in mesh.shape)
+
+  batch, kv = names(batch), names(kv_heads)
+  # Every mesh axis is named in the specs (size-1 ones with the rows): an axis a shard_map
+  # leaves out is one its transpose sums the gradients over.
+  rows = batch + tuple(a for a in mesh.axis_names
+                       if mesh.shape[a] == 1 and a not in batch + kv)
+  ways = lambda axes: int(np.prod([mesh.shape[a] for a in axes]))  # noqa: E731
+  if set(mesh.axis_names) - set(rows + kv):  # e.g. a sequence axis: not this kernel's form
+    return lambda *args: None
+
+  def sharded(q_btkgh, keys_bksh, values_bksh, q_segment_ids, kv_segment_ids):
+    if q_btkgh.shape[0] % ways(rows) or q_btkgh.shape[2] % ways(kv):
+      return None
+    q_spec, kv_spec, seg = P(rows, None, kv, None, None), P(rows, kv, None, None), P(rows, None)
+    if q_segment_ids is None:  # shard_map's specs follow the arguments' structure
+      fn = lambda q, k, v: kernel(q, k, v, None, None)  # noqa: E731
+      return shard_map(fn, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+                       check_vma=False)(q_btkgh, keys_bksh, values_bksh)
+    return shard_map(kernel, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg, seg),
+                     out_specs=q_spec, check_vma=False)(
+                         q_btkgh, keys_bksh, values_bksh, q_segment_ids, kv_segment_ids)
+
+  return sharded
