@@ -72,6 +72,9 @@ def measure(row: str, out=print) -> dict:
             "logits_chunk": work.logits_chunk, "date": datetime.date.today().isoformat(),
             # The learner's attention on TPU (JAXRL_TPU_ATTENTION); rows without it: xla.
             "attention": tpu_backend.choice(),
+            # Whether XLA's collective matmul ran for the FSDP all-gathers
+            # (JAXRL_TPU_COLLECTIVE_MATMUL); rows without it: on (libtpu's default then).
+            "collective_matmul": tpu_backend.collective_matmul(),
             "programs": []}
   c = aot.chip_of(TOPOLOGY[chip])
   for p, e in zip(programs, estimates):

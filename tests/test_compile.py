@@ -50,10 +50,6 @@ def _recorded():
 
 # Rows where the plan misses XLA by more than 15%, measured and open (strict: a fix shows).
 KNOWN_MISSES = {
-    # Plan 7.9 GiB against XLA's 15.1: with full remat at 8 rows x 2,048 per chip the compiled
-    # SFT step keeps far more than one block's recompute and one log-prob chunk (the chunked
-    # head alone keeps ~4 float32 chunks on v5e, see jaxrl/models/logprobs.py).
-    "qwen3:0.6b,sft,v5e",
     # Plan 13.1 GiB against XLA's 17.2 for the train step (temporaries 7.5 against 11.6), and
     # the log-prob forward 5.2 against 9.9 (temporaries 8.0 GiB at one row per chip per
     # micro-batch), at 16 micro-batches: both loop over micro-batches, and the compiled
@@ -74,6 +70,7 @@ def test_real_size_plan_matches_the_recorded_compile(repo_root, row, monkeypatch
   attention the row was compiled with (rows before splash attention: XLA's)."""
   record = _recorded()[row]
   monkeypatch.setenv("JAXRL_TPU_ATTENTION", record.get("attention", "xla"))
+  monkeypatch.setenv("JAXRL_TPU_COLLECTIVE_MATMUL", record.get("collective_matmul", "on"))
   if any(p.get("oom") for p in record["programs"]):  # the compiler refused it: so must the plan
     sys.path.insert(0, os.path.join(repo_root, "benchmarks"))
     import scale

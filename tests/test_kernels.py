@@ -268,3 +268,33 @@ def test_describe_and_bad_choice(monkeypatch):
   with pytest.raises(ConfigError, match="JAXRL_TPU_ATTENTION='splsh' is not valid. Did you "
                                         "mean 'splash'"):
     tpu_backend.describe()
+
+
+def test_tpu_learner_programs_turn_the_collective_matmul_off(monkeypatch):
+  """Learner programs compiled for a TPU carry the libtpu option that turns the windowed einsum
+  of FSDP all-gathers off (jaxrl.backends.tpu.compiler_options: what it cost Qwen3-0.6B's step
+  per layer); libtpu accepts it (an unknown option fails the compile, checked below), decode
+  programs keep libtpu's defaults, and JAXRL_TPU_COLLECTIVE_MATMUL=on brings it back."""
+  pytest.importorskip("libtpu", reason='libtpu is in the test extra: pip install -e ".[test]"')
+  from jaxrl import backends
+  from jaxrl.errors import ConfigError
+  from jaxrl.parallel import compile as aot
+  devices = aot.topology_devices("v5e:2x2")
+  monkeypatch.delenv(tpu_backend.COLLECTIVE_MATMUL_ENV, raising=False)
+  options = backends.compiler_options(devices)
+  assert options == {"xla_tpu_enable_windowed_einsum_for_all_gather": False}
+  assert backends.compiler_options(devices, "decode_one_slot") is None
+  mesh = jax.sharding.Mesh(np.array(devices).reshape(4), ("fsdp",))
+  row = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+  x = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16, sharding=row)
+  w = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=row)
+  lowered = jax.jit(lambda x, w: x @ w, out_shardings=row).lower(x, w)
+  lowered.compile(compiler_options=options)  # accepted
+  with pytest.raises(Exception, match="No such compile option"):
+    lowered.compile(compiler_options={"xla_tpu_no_such_option_jaxrl": False})
+  assert tpu_backend.describe()["collective_matmul"].startswith("off")
+  monkeypatch.setenv(tpu_backend.COLLECTIVE_MATMUL_ENV, "on")
+  assert backends.compiler_options(devices) is None
+  monkeypatch.setenv(tpu_backend.COLLECTIVE_MATMUL_ENV, "of")
+  with pytest.raises(ConfigError, match="JAXRL_TPU_COLLECTIVE_MATMUL='of' is not valid"):
+    backends.compiler_options(devices)

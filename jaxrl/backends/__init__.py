@@ -65,6 +65,8 @@ def compiler_options(devices, program: str = "learner") -> dict | None:
   device holds one slot). None: XLA's defaults."""
   if on_cpu(devices):
     return cpu.compiler_options(program)
+  if all(d.platform == "tpu" for d in devices):
+    return tpu.compiler_options(program)
   return None
 
 

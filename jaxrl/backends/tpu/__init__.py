@@ -3,6 +3,10 @@ attention, forward and gradient. jaxrl.backends asks it on TPU devices only (rea
 topology's abstract devices when `jaxrl plan --compile` compiles for one on a CPU machine).
 
   JAXRL_TPU_ATTENTION=splash|xla   the learner's attention (default: xla)
+  JAXRL_TPU_COLLECTIVE_MATMUL=off|on
+                                   XLA's windowed einsum (collective matmul) for the FSDP
+                                   all-gathers of learner programs (default: off, see
+                                   compiler_options)
 
 Splash is opt-in until it has been timed on a TPU and the memory plan is recalibrated for it:
 compiled for a v5e-8, Qwen3-0.6B's GRPO train step held 10.77 GiB per chip with splash
@@ -22,6 +26,7 @@ from jaxrl.errors import check_choice
 
 ENV = "JAXRL_TPU_ATTENTION"
 CHOICES = ("splash", "xla")
+COLLECTIVE_MATMUL_ENV = "JAXRL_TPU_COLLECTIVE_MATMUL"
 
 
 def choice() -> str:
@@ -52,9 +57,35 @@ def attention_kernel(mesh, *, batch, kv_heads, interpret: bool = False):
   return kernel
 
 
+def collective_matmul() -> str:
+  """Whether learner programs let XLA decompose FSDP all-gathers into windowed einsums
+  (JAXRL_TPU_COLLECTIVE_MATMUL, default off: see compiler_options)."""
+  value = os.environ.get(COLLECTIVE_MATMUL_ENV, "off").strip().lower()
+  return check_choice(COLLECTIVE_MATMUL_ENV, value, ("off", "on"))
+
+
+def compiler_options(program: str) -> dict | None:
+  """libtpu options for a learner program: the windowed einsum for all-gathers off.
+
+  Why: XLA:TPU rewrites each FSDP-gathered weight's matmul into a loop of collective permutes
+  (a collective matmul) whose output buffer it allocates with an operand-free AllocateBuffer
+  call, and its scheduler placed those allocations early: compiled for v5e:2x4, Qwen3-0.6B's
+  SFT step (8 x 2,048 rows per chip, remat full) held every layer's recomputed MLP and
+  q/k/v outputs from the end of the forward to that layer's backward, 0.31 GiB per layer
+  where remat saves 32 MiB, and the step grew from 5.41 GiB of temporaries at 2 layers to
+  6.66 at 6. With the windowed einsum off it held 5.18 GiB at 6 layers (docs/guides/scale.md
+  has the figures). The plain all-gather it falls back to is still asynchronous and overlapped
+  by XLA's latency-hiding scheduler; what the collective matmul would save in time has not been
+  measured on a TPU, so JAXRL_TPU_COLLECTIVE_MATMUL=on brings it back."""
+  if program == "learner" and collective_matmul() == "off":
+    return {"xla_tpu_enable_windowed_einsum_for_all_gather": False}
+  return None
+
+
 def describe() -> dict[str, str]:
   """The attention and dot kernels this process runs on TPU, for run records."""
   attention = ("splash (pallas tpu) for the learner's causal full-sequence attention; xla for "
                "decoding and cached forwards" if choice() == "splash" else
                f"xla ({ENV}=xla)")
-  return {"attention": attention, "dots": "xla"}
+  return {"attention": attention, "dots": "xla",
+          "collective_matmul": f"{collective_matmul()} ({COLLECTIVE_MATMUL_ENV})"}
