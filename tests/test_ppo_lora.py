@@ -212,3 +212,26 @@ def test_lora_ppo_plan_is_within_15_percent_of_xla_on_cpu(repo_root, devices, ar
   # The critic's own frozen base is in what the actor's step keeps resident.
   assert (programs[0].resident["critic params + optimizer state"]
           >= abstract_bytes(critic_frozen) + abstract_bytes(critic_trained))
+
+
+def test_roles_count_the_critics_adapters_and_head(devices):
+  """The roles table (jaxrl plan): a LoRA critic's gradients and moments are its adapters and
+  head; its params are its own base besides; critic.lora='off' counts a full critic."""
+  import ml_collections
+
+  from jaxrl.models import get_preset
+  from jaxrl.parallel.plan import Workload, memory_plan
+  from jaxrl.parallel.sync import make_placement
+  cfg = get_preset("tiny").replace(lora_rank=8, lora_alpha=16.0,
+                                   lora_targets=("q", "k", "v", "o", "gate", "up", "down"))
+  placement = make_placement(ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1)))
+  roles = memory_plan(cfg, placement, workload=Workload(reference=True, critic=True)).learner
+  full = memory_plan(cfg, placement, workload=Workload(reference=True, critic=True,
+                                                        critic_full=True)).learner
+  assert roles["critic gradients"] < roles["critic params"] // 2
+  assert roles["critic optimizer state"] == 2 * roles["critic gradients"]
+  # Its adapters are the actor's, plus the [D] head (replicated here: no sharded axis).
+  head = cfg.embed_dim * 4
+  assert roles["critic gradients"] - roles["actor gradients"] in range(head // 8, head + 1)
+  assert full["critic gradients"] == full["critic params"] > roles["critic params"] // 2
+  assert full["critic params"] < roles["critic params"]  # no adapters in a full critic

@@ -74,4 +74,5 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
                                  mesh=mesh),
       attention_bytes=fwd.attention_bytes)
   del values.resident["critic params + optimizer state"]
-  return dataclasses.replace(work, critic=True), [train, critic_train, fwd, values, *progs[2:]]
+  return (dataclasses.replace(work, critic=True, critic_full=config.critic.lora == "off"),
+          [train, critic_train, fwd, values, *progs[2:]])
