@@ -81,7 +81,7 @@ def test_critic_lora_follows_the_actor_or_is_off(repo_root):
 # ----------------------------------------------------------------------------- the critic
 
 
-@pytest.mark.slow  # ~16 s on the shared 2-core test bed
+@pytest.mark.slow  # 11-16 s on the shared 2-core test bed
 def test_critic_step_trains_only_adapters_and_the_head(repo_root, devices):
   """One LoRA critic update (PPO2's clipped value loss, the shared LoRA train step): the base
   stays bitwise, lora_b and the value head move, Adam's moments cover them alone."""
