@@ -83,7 +83,7 @@ def test_plan_shows_actor_reference_reward_and_critic(repo_root, devices, capsys
 
 
 @pytest.mark.parametrize("overrides,words", [
-    (["model.lora.rank=4"], "PPO does not train LoRA"),
+    (["model.lora.rank=4", "critic.init=/no/such/run"], "a LoRA critic starts from"),
     (["critic.init=/no/such/run"], "critic.init='/no/such/run'"),
     (["critic.init=reward_model"], "reward_model.checkpoints is empty"),
     (["algo.lam=1.5"], "algo.lam=1.5 is outside [0, 1]"),

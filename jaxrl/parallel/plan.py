@@ -32,7 +32,7 @@ from jaxrl.errors import ConfigError
 from jaxrl.models import CACHE_AXES, ModelConfig, RewardModel, abstract_model, cache_shape
 from jaxrl.models.attention import Causal
 from jaxrl.models.lora import base_config as lora_base_config
-from jaxrl.models.lora import is_lora_path, split_lora
+from jaxrl.models.lora import is_lora_path, partition, split_lora, trainable
 from jaxrl.models.quant import SCALE
 from jaxrl.parallel.layouts import get_rules, logical_spec
 from jaxrl.parallel.sync import HOST_RESHARD_MIN_BYTES, Layout, Placement, host_memory
@@ -71,6 +71,9 @@ class Workload:
   remat: str = "none"
   logits_chunk: int = 0  # positions per chunk of the chunked log-probs; 0 = whole sequence
   critic: bool = False  # PPO: a value model (the decoder and a value head) trains beside
+  # PPO's critic.lora='off': a full critic beside a LoRA actor (else the critic takes the
+  # actor's LoRA: adapters and head trained over its own frozen base copy).
+  critic_full: bool = False
 
 
 def _dtype_bytes(name: str) -> int:
@@ -215,10 +218,14 @@ def memory_plan(cfg: ModelConfig, placement: Placement, section=None, *,
     if w.reference:
       learner["reference params"] = adapters
   if w.critic:  # PPO's value model: a decoder with a head, trained by its own optimizer
-    _, cs, ca = abstract_model(cfg, RewardModel)
-    critic = tree_bytes_per_device(cs, ca, L)
-    learner.update({"critic params": critic, "critic gradients": critic,
-                    "critic optimizer state": w.optimizer_states * critic})
+    ccfg = lora_base_config(cfg) if w.critic_full else cfg
+    _, cs, ca = abstract_model(ccfg, RewardModel)
+    critic = trained = tree_bytes_per_device(cs, ca, L)
+    if ccfg.lora_rank:  # its own frozen base in the params; adapters and head train
+      keep = lambda path: trainable(path, ("head",))  # noqa: E731
+      trained = tree_bytes_per_device(partition(cs, keep), partition(ca, keep), L)
+    learner.update({"critic params": critic, "critic gradients": trained,
+                    "critic optimizer state": w.optimizer_states * trained})
   for label, rm_cfg, *feature in reward_models:
     model = functools.partial(RewardModel, logprob_feature=bool(feature and feature[0]))
     _, rs, ra = abstract_model(rm_cfg, model)

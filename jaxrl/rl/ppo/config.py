@@ -13,6 +13,10 @@ def check_critic(config) -> None:
   """The critic section's ranges, at config load."""
   config_lib.check_at_least(config, 0, "critic.warmup_steps", "critic.value_clip")
   config_lib.check_positive(config, "critic.lr", example="1e-5")
+  if config.critic.lora not in LORA_CHOICES:
+    raise ConfigError(f"critic.lora={config.critic.lora!r} is not one of {LORA_CHOICES}: "
+                      "'actor' gives the critic the actor's model.lora (adapters and the value "
+                      "head over a frozen base when the actor uses LoRA), 'off' a full critic.")
   a = config.algo
   for key in ("gamma", "lam"):
     v = float(a[key])
@@ -20,6 +24,8 @@ def check_critic(config) -> None:
       raise ConfigError(f"algo.{key}={v} is outside [0, 1]: GAE's discount and trace decay are "
                         f"in [0, 1] (TRL's defaults: gamma 1.0, lam 0.95).")
 
+
+LORA_CHOICES = ("actor", "off")
 
 CHOICES = {
     **grpo_config.CHOICES,
@@ -55,6 +61,10 @@ def critic_section(**overrides) -> ml_collections.ConfigDict:
       lr=1e-4,            # the critic's learning rate; its other optimizer keys are optim's
       value_clip=0.2,     # PPO2's clip of V around V_old (TRL's cliprange_value); 0 = off
       warmup_steps=0,     # steps where the critic alone trains (the policy waits)
+      # "actor": the critic takes model.lora as the actor does (with LoRA: adapters and the
+      # value head train over its own frozen, maybe int8, copy of the base; without: a full
+      # critic); "off": a full critic even when the actor uses LoRA.
+      lora="actor",
   ))
   c.update(overrides)
   return c

@@ -16,7 +16,8 @@ from jax.sharding import Mesh
 
 from jaxrl.backends import compiler_options
 from jaxrl.errors import ConfigError
-from jaxrl.models import RewardModel
+from jaxrl.models import RewardModel, lora
+from jaxrl.models.config import ModelConfig
 from jaxrl.objectives import gae as gae_lib
 from jaxrl.objectives import losses
 from jaxrl.parallel import shard_activations
@@ -24,6 +25,7 @@ from jaxrl.rewards import model as rm_lib
 from jaxrl.rl.grpo.update import join_micro, split_micro
 from jaxrl.train import rundir
 from jaxrl.train.optim import make_optimizer
+from jaxrl.train.run import starting_state
 from jaxrl.train.state import start_from_checkpoint
 
 
@@ -32,6 +34,13 @@ def critic_optimizer(config, total_updates: int):
   section = config.optim.copy_and_resolve_references()
   section.lr = float(config.critic.lr)
   return make_optimizer(section, total_updates)
+
+
+def critic_config(config, cfg: ModelConfig) -> ModelConfig:
+  """The critic's ModelConfig: the actor's (`cfg`, model.lora included) at critic.lora="actor",
+  so with LoRA its adapters and value head train over a frozen base (TrainState.train_only =
+  ("head",)); the same model with LoRA off (a full critic) at critic.lora="off"."""
+  return lora.base_config(cfg) if config.critic.lora == "off" else cfg
 
 
 def critic_source(config) -> tuple[str, str]:
@@ -69,12 +78,13 @@ def init_critic(run, config, tx):
   fresh optimizer state: from the policy's start (model.hf_path, then init.checkpoint, into the
   backbone; the head new), a reward model's run, or another run's decoder (critic_source)."""
   what, path = critic_source(config)
-  graphdef, state, shardings = run.init_state(tx, layout="learner", model=RewardModel,
-                                              into="backbone")
-  if what == "rm":
-    state = start_from_checkpoint(run.cfg, state, path)
+  cfg = critic_config(config, run.cfg)
+  graphdef, state, shardings = starting_state(config, cfg, run.mesh, tx, layout="learner",
+                                              model=RewardModel, into="backbone")
+  if what == "rm":  # (with LoRA: into the frozen base, a LoRA run's adapters merged)
+    state = start_from_checkpoint(cfg, state, path)
   elif what == "decoder":
-    state = start_from_checkpoint(run.cfg, state, path, into="backbone")
+    state = start_from_checkpoint(cfg, state, path, into="backbone")
   return graphdef, state, shardings
 
 

@@ -20,7 +20,8 @@ from jaxrl.parallel.plan import Program, abstract_bytes
 from jaxrl.parallel.sync import make_placement
 from jaxrl.rl.grpo.programs import programs as grpo_programs
 from jaxrl.rl.grpo.update import logprob_micro_batches
-from jaxrl.rl.ppo.critic import critic_optimizer, critic_values, make_values_fn, value_loss
+from jaxrl.rl.ppo.critic import (critic_config, critic_optimizer, critic_values, make_values_fn,
+                                 value_loss)
 from jaxrl.train import programs as pg
 
 ACTOR_ONLY = ("sampler_logp", "ref_logp", "adv", "beta", "old_logp")
@@ -29,7 +30,9 @@ ACTOR_ONLY = ("sampler_logp", "ref_logp", "adv", "beta", "old_logp")
 def programs(config, *, devices=None, prompt_len: int | None = None):
   """(Workload, [Program]) of this PPO config (see the module docstring)."""
   work, progs = grpo_programs(config, devices=devices, prompt_len=prompt_len)
-  cfg = config_lib.model_config(config)
+  # The critic's model (critic.lora): with LoRA its own frozen base copy, adapters and head;
+  # its state's bytes below count all three, the base once more than the actor's.
+  cfg = critic_config(config, config_lib.model_config(config))
   a = config.algo
   placement = make_placement(config.mesh, config.placement, devices=devices)
   mesh = placement.learner.mesh
@@ -71,4 +74,5 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
                                  mesh=mesh),
       attention_bytes=fwd.attention_bytes)
   del values.resident["critic params + optimizer state"]
-  return dataclasses.replace(work, critic=True), [train, critic_train, fwd, values, *progs[2:]]
+  return (dataclasses.replace(work, critic=True, critic_full=config.critic.lora == "off"),
+          [train, critic_train, fwd, values, *progs[2:]])

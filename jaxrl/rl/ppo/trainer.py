@@ -41,6 +41,7 @@ import jax
 import numpy as np
 
 from jaxrl.errors import ConfigError
+from jaxrl.models import lora
 from jaxrl.objectives import gae as gae_lib
 from jaxrl.objectives import losses
 from jaxrl.parallel.distributed import to_host
@@ -48,8 +49,8 @@ from jaxrl.rl.grpo import trainer as grpo
 from jaxrl.rl.grpo.experience import Experience, learner_forwards
 from jaxrl.rl.grpo.update import logprob_micro_batches, minibatches, old_policy_means
 from jaxrl.rl.ppo.config import CHOICES, default_config
-from jaxrl.rl.ppo.critic import (critic_optimizer, critic_source, init_critic, make_values_fn,
-                                 value_loss)
+from jaxrl.rl.ppo.critic import (critic_config, critic_optimizer, critic_source, init_critic,
+                                 make_values_fn, value_loss)
 from jaxrl.rl.ppo.programs import programs
 from jaxrl.train.state import TrainState, make_train_step
 
@@ -76,14 +77,17 @@ def run(config, workdir: str, *, out=print) -> dict:
   p, state = setup(config, workdir, out=out)
   r = config.rollout
   state = p.run.resume(state, p.shardings, p.stream, updates_per_step=p.updates_per_step)
+  if p.cfg.lora_rank:  # share the resumed base, or the starting one would stay live beside it
+    p.reference = lora.adapters_off(state.params)
   c = config.critic
   return p.run.train(
       state, functools.partial(step, p), p.stream, put=lambda b: b,
       eval_fn=functools.partial(grpo.evaluate, p), updates_per_step=p.updates_per_step,
       summary_extra=lambda: {"alarms": dict(p.alarms.raised), "kl/max": p.alarms.kl_max,
                              "reward_hacking_alarm": p.alarms.watching or "off"},
-      banner=f"ppo: actor {p.cfg.num_params:,} parameters, critic from {c.init} "
-             f"(lr {c.lr}, warm-up {c.warmup_steps} steps), {len(p.stream.records)} prompts, "
+      banner=f"ppo: actor {p.cfg.num_params:,} parameters{lora.describe(p.cfg)}, critic from "
+             f"{c.init}{lora.describe(p.critic_cfg)} (lr {c.lr}, warm-up {c.warmup_steps} "
+             f"steps), {len(p.stream.records)} prompts, "
              f"{r.prompts_per_step} x {r.group_size} samples per step, {config.train.steps} "
              f"steps; placement {p.run.placement.mode}")
 
@@ -224,6 +228,7 @@ class Parts(grpo.Parts):
   """GRPO's parts and the critic's: its graphdef, its value forward and its train step.
   `shardings` is the PPOState's."""
   critic_graphdef: Any = None
+  critic_cfg: Any = None      # the critic's ModelConfig (critic.lora)
   values_fn: Any = None       # jitted (critic params, batch) -> V [N, T]
   critic_step: Any = None     # jitted (critic state, batch) -> (state, metrics)
 
@@ -241,18 +246,20 @@ def setup(config, workdir: str, *, out=print) -> tuple[Parts, PPOState]:
                                 schedule, shardings, gp.shd, mesh=gp.mesh,
                                 accum_steps=config.optim.accum_steps)
   p = Parts(**{f.name: getattr(gp, f.name) for f in dataclasses.fields(gp)},
-            critic_graphdef=graphdef, values_fn=values_fn, critic_step=critic_step)
+            critic_graphdef=graphdef, critic_cfg=critic_config(config, gp.cfg),
+            values_fn=values_fn, critic_step=critic_step)
   p.shardings = PPOState(actor=gp.shardings, critic=shardings)
   return p, PPOState(actor=actor, critic=critic)
 
 
 def _check(config) -> None:
   """One sentence for what PPO does not support yet, before the run dir is touched."""
-  lora_section = config.model.get("lora") or {}
-  if lora_section.get("rank"):
-    raise ConfigError(f"model.lora.rank={lora_section['rank']}: PPO does not train LoRA "
-                      "adapters yet (the actor and the critic are full models): set "
-                      "model.lora.rank=0, or use jaxrl grpo for LoRA.")
+  rank = (config.model.get("lora") or {}).get("rank")
+  if rank and config.critic.lora == "actor" and config.critic.init != "policy":
+    raise ConfigError(f"critic.init={config.critic.init!r} with a LoRA critic (model.lora.rank="
+                      f"{rank}, critic.lora='actor'): a LoRA critic starts from the policy's "
+                      "base (critic.init=policy); set critic.lora=off to start a full critic "
+                      "from that run.")
   if config.algo.filter_zero_std and config.rollout.group_size == 1:
     raise ConfigError("algo.filter_zero_std=True drops groups whose samples all score the "
                       "same, which is every group at rollout.group_size=1: turn it off.")
