@@ -20,8 +20,10 @@ same samples as the defaults, because a token's key depends only on (seed, sampl
 With `kv_cache="paged"` the slots share a pool of `kv_pages` KV pages of `page_size` positions
 (docs/design.md, "The paged KV cache") instead of a dense [slots, window] cache: a group's
 prompt pages are shared by its samples, and a finished sample's pages go back to the pool. The
-driver admits a sample only while the pool has its prompt pages and one page to grow into, and
-none while a slot waits for a page. The samples are the dense cache's, token for token.
+driver admits a sample only while the unreserved pages hold its worst case (prompt + max_new
+tokens, its group's shared prompt pages counted once), so the number of live samples is bounded
+by pages, not by slots x max_len, and no slot ever waits for a page. The samples are the dense
+cache's, token for token.
 """
 
 from __future__ import annotations
@@ -122,23 +124,43 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
                prefill_tokens=0, decode_steps=0, slot_steps=0, live_slot_steps=0,
                live_peak=0, kv_cache=kv_cache)
   if is_paged:
-    stats.update(kv_pages=kv_pages, kv_pages_peak=0, page_size=page_size)
+    stats.update(kv_pages=kv_pages, kv_pages_peak=0, page_size=page_size, page_wait_calls=0)
   else:
     stats.update(kv_positions_peak=0)
   stalled = False  # a live slot waited for a page in the last decode call
   bar = tqdm(total=num, desc="sampling", unit="sample", disable=not progress, leave=False)
 
+  # Paged: the pages each live sample may still need, reserved at admission so that a slot
+  # never waits for a page (see _admit): sample -> (its own pages, its group), and group ->
+  # [live samples, shared prompt pages].
+  own_pages: dict[int, tuple[int, tuple]] = {}
+  groups: dict[tuple, list[int]] = {}
+  reserved = [0]
+  admissions = [0]
+
   def finish(s: int):
     finished[s] = True
     bar.update(1)
+    if s in own_pages:
+      own, g = own_pages.pop(s)
+      reserved[0] -= own
+      groups[g][0] -= 1
+      if not groups[g][0]:
+        reserved[0] -= groups.pop(g)[1]
 
   while queue or any(x >= 0 for x in slot_sample):
     free = [b for b in range(slots) if slot_sample[b] < 0]
     firsts = []
     count = min(len(free), len(queue))
     if is_paged and count and not stalled:
-      count = _admit(queue, count, prompts, n, share_prefix, page_size,
-                     kv_pages - engine.pages_in_use(state))
+      count, own, shared = _admit(queue, count, prompts, n, share_prefix, page_size,
+                                  kv_pages - reserved[0], sp.max_new_tokens, max_len)
+      admissions[0] += 1
+      for s, pages in own.items():
+        g = (admissions[0], s // n if share_prefix else s)
+        own_pages[s] = (pages, g)
+        groups.setdefault(g, [0, shared.get(g[1], 0)])[0] += 1
+      reserved[0] += sum(own.values()) + sum(shared.values())
       if not count and len(free) == slots:
         raise ConfigError(f"rollout.kv_pages={kv_pages} cannot hold the next prompt "
                           f"({len(prompts[queue[0] // n])} tokens) and a page to grow into: "
@@ -221,6 +243,7 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
       waited = [b for b in live_now if not out["valid"][:, b].all()
                 and not out["done"][:, b].any()]
       stalled = bool(waited)
+      stats["page_wait_calls"] += stalled
       if waited and len(waited) == len(live_now) and not out["valid"].any():
         raise ConfigError(f"rollout.kv_pages={kv_pages} is too small: every live sequence "
                           f"waits for a free KV page ({len(live_now)} live, pages of "
@@ -242,20 +265,26 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
   return _assemble(prompts, n, toks, lps, sp, pad_id, stats, wall)
 
 
-def _admit(queue, count, prompts, n, share_prefix, page_size, free):
-  """How many of the queue's first `count` samples the free pages admit: each takes its
-  prompt's pages (shared full pages counted once per prompt, see paged.prompt_pages) and one
-  page to grow into."""
-  seen, need = set(), 0
+def _admit(queue, count, prompts, n, share_prefix, page_size, free, max_new, max_len):
+  """How many of the queue's first `count` samples fit in `free` unreserved pages, reserving
+  each one's worst case so that no slot ever waits for a page: its prompt's full pages, shared
+  by the samples of a prompt placed together (paged.prompt_pages), and the pages of its own
+  from its partial prompt page to prompt + max_new tokens. Returns (count, {sample: own
+  pages}, {group key: shared pages}) for the admitted ones."""
+  own, shared, need = {}, {}, 0
   for i in range(count):
     s = queue[i]
     length = len(prompts[s // n])
-    first = not share_prefix or s // n not in seen
-    seen.add(s // n)
-    need += (length // page_size if first else 0) + (length % page_size > 0) + 1
-    if need > free:
-      return i
-  return count
+    key = s // n if share_prefix else s
+    full = length // page_size
+    mine = -(-min(length + max_new, max_len) // page_size) - full
+    extra = mine + (full if key not in shared else 0)
+    if need + extra > free:
+      return i, own, shared
+    need += extra
+    own[s] = mine
+    shared.setdefault(key, full)
+  return count, own, shared
 
 
 def _prefill_batches(keys, length_of, max_rows):
