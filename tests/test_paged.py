@@ -46,7 +46,8 @@ def _same(dense, pg):
 def test_paged_rollout_equals_dense_token_for_token_within_a_page_budget(model, mesh):
   cfg, graphdef, params = model
   engine = Engine(graphdef, cfg, mesh, sampling=SamplingParams(max_new_tokens=20, stop_ids=STOPS))
-  dense = generate(engine, params, PROMPTS, n=3, slots=4, steps_per_call=4, seed=5)
+  dense = generate(engine, params, PROMPTS, n=3, slots=4, steps_per_call=4, seed=5,
+                   grow_cache=False)  # one decode compile
   # 20 pages of 4 (a dense cache at max_len takes 4 x 13): the driver reserves each sample's
   # worst case, so fewer than the 4 slots are live at once, and no slot waits for a page.
   pg = generate(engine, params, PROMPTS, n=3, slots=4, steps_per_call=4, seed=5,
@@ -123,8 +124,26 @@ def test_paged_equals_dense_on_the_hf_fixtures(devices, family):
   sampling = SamplingParams(greedy=family == "qwen3", max_new_tokens=12)
   engine = Engine(graphdef, cfg, mesh, sampling=sampling)
   prompts = [[3, 17, 29, 41, 5], [7, 11], [2] + list(range(30, 40))]
-  dense = generate(engine, params, prompts, n=2, slots=4, steps_per_call=4, seed=3)
+  dense = generate(engine, params, prompts, n=2, slots=4, steps_per_call=4, seed=3,
+                   grow_cache=False)  # one decode compile
   pg = generate(engine, params, prompts, n=2, slots=4, steps_per_call=4, seed=3,
                 kv_cache="paged", page_size=4)
   assert pg.stats["kv_pages"] == 4 * -(-(16 + 12) // 4)  # the default: every slot at max_len
   _same(dense, pg)
+
+
+def test_a_slot_without_a_free_page_waits_unchanged(model, mesh):
+  cfg, graphdef, params = model
+  engine = Engine(graphdef, cfg, mesh, sampling=SamplingParams(greedy=True, max_new_tokens=20))
+  state = engine.init_paged_state(2, 32, pages=3, page_size=4)
+  tokens = np.zeros((1, 16), np.int32)
+  tokens[0, :4] = [1, 2, 3, 4]  # one full page, shared by both slots: no partial page
+  prefix = engine.prefill(params, tokens, np.array([4]), jax.random.key(0))
+  state, _ = engine.insert_group(prefix, state, [0, 1])
+  assert engine.pages_in_use(state) == 1
+  # Positions 4..7 take the two free pages; position 8 needs a fourth page, so both slots wait.
+  state, out = engine.generate_steps(params, state, jax.random.key(0), steps=6)
+  valid = np.asarray(out["valid"])
+  assert valid[:4].all() and not valid[4:].any()
+  assert (np.asarray(state["pos"]) == 8).all() and np.asarray(state["live"]).all()
+  assert engine.pages_in_use(state) == 3 and (np.asarray(out["pages_used"]) == 3).all()
