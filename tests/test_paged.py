@@ -14,7 +14,7 @@ from jaxrl.errors import ConfigError
 from jaxrl.io import hf
 from jaxrl.models import get_preset
 from jaxrl.parallel import init_params, make_mesh
-from jaxrl.sampler import Engine, SamplingParams, generate, paged
+from jaxrl.sampler import Engine, SamplingParams, generate, metrics, paged
 
 # Mixed lengths: partial last pages (page_size 4), a prompt of exactly two pages (8 tokens),
 # and two prefill buckets.
@@ -59,6 +59,9 @@ def test_paged_rollout_equals_dense_token_for_token_within_a_page_budget(model, 
   assert 0 < st["kv_pages_peak"] <= 20
   assert st["live_peak"] < 4 == dense.stats["live_peak"]
   assert dense.stats["kv_positions_peak"] > 0
+  m = metrics(pg)
+  assert m["sampler/kv_pages"] == 20 and m["sampler/kv_pages_peak"] == st["kv_pages_peak"]
+  assert m["sampler/live_peak"] == st["live_peak"] and "sampler/kv_pages" not in metrics(dense)
 
 
 def test_bad_paged_settings_are_one_sentence(model, mesh):

@@ -24,6 +24,11 @@ third of a batch-64 step, so the rollout driver keeps W just ahead of the longes
 max_len up front. A live slot that reaches the window's end stalls: its outputs are flagged
 invalid and its state waits, unchanged, until the window grows.
 
+The paged cache. `init_paged_state` gives a state whose cache is a pool of fixed-size pages
+with a page table per slot, a group's prompt pages shared by its slots (jaxrl/sampler/paged.py,
+docs/design.md "The paged KV cache"); every method below takes it as it takes a dense state,
+and returns the same samples.
+
 Decode-state fields, per slot b:
   tokens[b]  the last sampled token, the next step's input; it sits at position pos[b]
   pos[b]     that token's position (prompt length + tokens generated - 1)
