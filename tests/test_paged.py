@@ -16,9 +16,9 @@ from jaxrl.models import get_preset
 from jaxrl.parallel import init_params, make_mesh
 from jaxrl.sampler import Engine, SamplingParams, generate, metrics, paged
 
-# Mixed lengths: partial last pages (page_size 4), a prompt of exactly two pages (8 tokens),
-# and two prefill buckets.
-PROMPTS = [[1, 40, 41, 42], [1, 50], [1] + list(range(60, 78)), [1, 7, 8, 9, 10, 11, 12, 13]]
+# Mixed lengths in one prefill bucket (one compile): partial last pages (page_size 4), a prompt
+# of exactly two pages (8 tokens), and one of three.
+PROMPTS = [[1, 40, 41, 42], [1, 50], [1] + list(range(60, 71)), [1, 7, 8, 9, 10, 11, 12, 13]]
 STOPS = tuple(range(0, 512, 7))  # mixed completion lengths, so slots free at different times
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")
 
@@ -48,7 +48,7 @@ def test_paged_rollout_equals_dense_token_for_token_within_a_page_budget(model, 
   engine = Engine(graphdef, cfg, mesh, sampling=SamplingParams(max_new_tokens=20, stop_ids=STOPS))
   dense = generate(engine, params, PROMPTS, n=3, slots=4, steps_per_call=4, seed=5,
                    grow_cache=False)  # one decode compile
-  # 20 pages of 4 (a dense cache at max_len takes 4 x 13): the driver reserves each sample's
+  # 20 pages of 4 (a dense cache at max_len takes 4 x 9): the driver reserves each sample's
   # worst case, so fewer than the 4 slots are live at once, and no slot waits for a page.
   pg = generate(engine, params, PROMPTS, n=3, slots=4, steps_per_call=4, seed=5,
                 kv_cache="paged", page_size=4, kv_pages=20)
