@@ -150,3 +150,45 @@ def test_a_slot_without_a_free_page_waits_unchanged(model, mesh):
   assert valid[:4].all() and not valid[4:].any()
   assert (np.asarray(state["pos"]) == 8).all() and np.asarray(state["live"]).all()
   assert engine.pages_in_use(state) == 3 and (np.asarray(out["pages_used"]) == 3).all()
+
+
+def test_the_paged_decode_step_and_insert_compile_for_v5e():
+  """The paged programs AOT-compiled for v5e:2x2 (abstract TPU devices, no chip): the decode
+  scan (beside the dense one) and the insert."""
+  from jaxrl.models import abstract_model
+  from jaxrl.parallel.compile import topology_devices
+  from jaxrl.train import programs as pg
+
+  devs = topology_devices("v5e:2x2")
+  mesh = make_mesh(1, 2, 2, devices=devs)
+  cfg = get_preset("tiny-qwen2")
+  graphdef = abstract_model(cfg)[0]
+  params = pg.params_of(abstract_model(cfg), mesh, "sampler")
+  engine = Engine(graphdef, cfg, mesh, sampling=SamplingParams(max_new_tokens=48))
+  slots, max_len, page_size, pages = 8, 64, 16, 12
+  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=rep)
+
+  def abstract(state_fn, shardings):
+    return jax.tree.map(lambda x, s: pg.spec(x.shape, x.dtype, s), jax.eval_shape(state_fn),
+                        shardings)
+
+  paged_state = abstract(
+      lambda: engine._paged_init_fn(slots, max_len // page_size, pages, page_size)(
+          jnp.int32(max_len)), engine._paged_shardings(slots))
+  dense_state = abstract(lambda: engine._init_fn(slots, max_len)(jnp.int32(max_len)),
+                         engine._state_shardings(slots, max_len))
+  for state in (paged_state, dense_state):
+    compiled = jax.jit(lambda p, s, k: engine._steps_fn(p, s, k, steps=2),
+                       donate_argnums=1).lower(params, state, key).compile()
+    assert compiled.memory_analysis().argument_size_in_bytes > 0
+    assert {d.platform for d in compiled.input_shardings[0][1]["live"].device_set} == {"tpu"}
+  P = 2
+  prefix = {"kv": [(pg.spec((P, cfg.num_kv_heads, 16, cfg.head_dim), "float32", rep),) * 2
+                   for _ in range(cfg.num_layers)],
+            "logits": pg.spec((P, cfg.vocab_size), "float32", rep),
+            "length": pg.spec((P,), "int32", rep), "tokens": pg.spec((P,), "int32", rep),
+            "logprobs": pg.spec((P,), "float32", rep), "key": key}
+  idx = pg.spec((slots,), "int32", rep)
+  jax.jit(engine._insert_paged_fn, donate_argnums=0).lower(
+      paged_state, prefix, idx, idx, idx, idx, pg.spec((slots,), "bool", rep)).compile()
