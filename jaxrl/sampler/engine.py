@@ -316,7 +316,10 @@ class Engine:
     page_size = state["cache"][0][0].shape[2]
     n = state["pages"].shape[1]
     T = window(prefix)
-    tp = min(-(-T // page_size), n)
+    if T > n * page_size:
+      raise ValueError(f"insert: the prefix has {T} positions but a slot's page table only "
+                       f"{n * page_size}: make the state with a larger max_len")
+    tp = -(-T // page_size)
     refs, table_mj, write_mj = paged.prompt_pages(
         state["refs"], length_m, lead_m, valid_m, ~done_m, page_size=page_size, num_pages=tp)
     cache = []
