@@ -132,6 +132,9 @@ def test_paged_equals_dense_on_the_hf_fixtures(devices, family):
   pg = generate(engine, params, prompts, n=2, slots=4, steps_per_call=4, seed=3,
                 kv_cache="paged", page_size=4)
   assert pg.stats["kv_pages"] == 4 * -(-(16 + 12) // 4)  # the default: every slot at max_len
+  if family == "qwen3":  # the baselines' settings too: static batching, a prefill per sample
+    _same(dense, generate(engine, params, prompts, n=2, slots=4, steps_per_call=4, seed=3,
+                          kv_cache="paged", page_size=4, continuous=False, share_prefix=False))
   _same(dense, pg)
 
 
