@@ -128,6 +128,23 @@ def decode_attention(q_bkgh, keys_bksh, values_bksh, pos_b):
   return out_bkgh
 
 
+def paged_decode_attention(q_bkgh, keys_nkph, values_nkph, pages_bn, pos_b):
+  """decode_attention over a paged cache (jaxrl.sampler.paged): slot b's positions p <=
+  pos_b[b] live at [pages_bn[b, p // P], :, p % P] of the pools keys and values [N, K, P, H].
+  XLA's gather path: each slot's pages are gathered into a [B, K, n * P, H] view (an unheld
+  page, -1, reads page 0; it lies past pos_b, masked) and attended as the dense cache is, so
+  the result is the dense cache's. The TPU ragged paged attention kernel, which reads the pool
+  in place, is the next step (docs/guides/kernels.md)."""
+  B, n = pages_bn.shape
+  _, K, P, H = keys_nkph.shape
+  idx_bn = jnp.maximum(pages_bn, 0)
+
+  def view(pool_nkph):  # [B, n, K, P, H] -> [B, K, n * P, H]
+    return pool_nkph[idx_bn].transpose(0, 2, 1, 3, 4).reshape(B, K, n * P, H)
+
+  return xla_decode_attention(q_bkgh, view(keys_nkph), view(values_nkph), pos_b)
+
+
 def xla_attention(q_btkgh, keys_bksh, values_bksh, mask_bts):
   """XLA's attention over several positions (see attention), logits scaled by H^-1/2.
 

@@ -23,6 +23,7 @@ heads, K kv heads, G = N // K, H head dim, F mlp, V vocab.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,8 @@ import numpy as np
 from flax import nnx
 
 from jaxrl.models import quant
-from jaxrl.models.attention import Causal, attention, decode_attention, pin_rows
+from jaxrl.models.attention import (Causal, attention, decode_attention, paged_decode_attention,
+                                   pin_rows)
 from jaxrl.models.config import ModelConfig, RopeScaling
 from jaxrl.models.logprobs import chunked_token_logprobs, lm_head
 
@@ -40,6 +42,16 @@ from jaxrl.models.logprobs import chunked_token_logprobs, lm_head
 # [2, B, K, S, H] array before each attention dot: at batch 64 on the bench shape, one
 # layer's decode attention took 0.81 ms with the stacked array, 0.24 ms with the pair.
 KVCache = list[tuple[jax.Array, jax.Array]]
+
+
+class PagedKV(NamedTuple):
+  """One layer's paged KV cache (jaxrl.sampler.paged): keys and values are pools of pages
+  [N, K, P, H], and pages_bn [B, n] is each slot's page table (-1: no page), shared by every
+  layer. Position p of slot b lives at [pages_bn[b, p // P], :, p % P]. Only the decode step
+  (T = 1) takes it."""
+  keys: jax.Array
+  values: jax.Array
+  pages_bn: jax.Array
 
 def _dtype(name: str):
   return jnp.bfloat16 if name == "bfloat16" else jnp.float32
@@ -260,6 +272,10 @@ class Attention(_Adapted):
         causal = Causal(jnp.ones((B, T), jnp.int32), jnp.concatenate(
             [jnp.repeat(valid_ps, rows, axis=0).astype(jnp.int32), jnp.ones((B, T), jnp.int32)],
             axis=1))
+    elif isinstance(cache, PagedKV):
+      if T != 1:
+        raise ValueError(f"a paged KV cache takes one token per slot, not {T}")
+      return self._decode_paged(q, k, v, positions_bt[:, 0], cache, key)
     elif T == 1:
       return self._decode_one(q, k, v, positions_bt[:, 0], cache, key)
     else:
@@ -299,6 +315,33 @@ class Attention(_Adapted):
     qkv = (x_md @ w_dkch.reshape(d, -1)).reshape(B, 1, kh, g + 2, hd)
     q, k, v = qkv[:, :, :, :g], qkv[:, :, :, g], qkv[:, :, :, g + 1]
     return q.reshape(B, 1, n, hd), k, v
+
+  def _decode_paged(self, q_b1nh, k_b1kh, v_b1kh, pos_b, cache: PagedKV, key=None):
+    """_decode_one over a paged cache: the new K/V go to offset pos % P of the slot's page
+    pos // P (a slot without that page, or fed a position past its table, writes nothing),
+    and attention reads the slot's pages (attention.paged_decode_attention)."""
+    cfg = self.cfg
+    dt = q_b1nh.dtype
+    B = q_b1nh.shape[0]
+    num_pages, _, page_size, _ = cache.keys.shape
+    n_pages = cache.pages_bn.shape[1]
+    j_b = pos_b // page_size
+    page_b = jnp.take_along_axis(cache.pages_bn, jnp.clip(j_b, 0, n_pages - 1)[:, None],
+                                 axis=1)[:, 0]
+    # An unheld page (-1) or a position past the table goes to page N: the scatter drops it.
+    page_b = jnp.where((j_b < n_pages) & (page_b >= 0), page_b, num_pages)
+    off_b = pos_b % page_size
+    keys, values = (c.at[page_b, :, off_b].set(x[:, 0].astype(c.dtype), mode="drop")
+                    for c, x in ((cache.keys, k_b1kh), (cache.values, v_b1kh)))
+    keys, values = jax.lax.optimization_barrier((keys, values))
+    n, kh = cfg.num_heads, cfg.num_kv_heads
+    q_bkgh = q_b1nh.reshape(B, kh, n // kh, cfg.head_dim)
+    out_bkgh = paged_decode_attention(q_bkgh, keys.astype(dt), values.astype(dt),
+                                      cache.pages_bn, pos_b)
+    o_fd = self.weight("o", dt).reshape(n * cfg.head_dim, cfg.embed_dim)
+    out_bf = out_bkgh.reshape(B, n * cfg.head_dim)
+    out_bd = self.adapted("o", out_bf @ o_fd, out_bf, key)
+    return out_bd[:, None], PagedKV(keys, values, cache.pages_bn)
 
   def _decode_one(self, q_b1nh, k_b1kh, v_b1kh, pos_b, cache, key=None):
     """One new token per slot (the sampler's decode step), same result as the general path.

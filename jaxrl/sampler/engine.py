@@ -24,6 +24,11 @@ third of a batch-64 step, so the rollout driver keeps W just ahead of the longes
 max_len up front. A live slot that reaches the window's end stalls: its outputs are flagged
 invalid and its state waits, unchanged, until the window grows.
 
+The paged cache. `init_paged_state` gives a state whose cache is a pool of fixed-size pages
+with a page table per slot, a group's prompt pages shared by its slots (jaxrl/sampler/paged.py,
+docs/design.md "The paged KV cache"); every method below takes it as it takes a dense state,
+and returns the same samples.
+
 Decode-state fields, per slot b:
   tokens[b]  the last sampled token, the next step's input; it sits at position pos[b]
   pos[b]     that token's position (prompt length + tokens generated - 1)
@@ -44,12 +49,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.backends import compiler_options
 from jaxrl.models import ModelConfig, attention
-from jaxrl.models.llama import init_cache
+from jaxrl.models.llama import PagedKV, init_cache
 from jaxrl.parallel import batch_sharding, cache_sharding
+from jaxrl.sampler import paged
 from jaxrl.sampler.sampling import SamplingParams, is_stop, sample_logits, token_keys
 
 DecodeState = dict  # {"cache": [per-layer ([B,K,W,H], [B,K,W,H])], "tokens"|"pos"|"ngen"|"sample"|"max_len": [B] i32, "live": [B] bool}
@@ -79,6 +85,8 @@ class Engine:
     # Not donated: a wider cache cannot reuse the old buffers (they are freed when the caller
     # drops the old state).
     self._grow = jax.jit(self._grow_fn, static_argnames="length")
+    self._insert_paged = jax.jit(self._insert_paged_fn, donate_argnums=0)
+    self._paged_inits: dict[tuple[int, int, int, int], Callable] = {}
 
   # --------------------------------------------------------------------------- state
 
@@ -108,10 +116,56 @@ class Engine:
 
     return init
 
+  def init_paged_state(self, slots: int, max_len: int, *, pages: int, page_size: int = 16
+                       ) -> DecodeState:
+    """Empty slots for sequences of up to max_len positions over a paged KV cache of `pages`
+    pages of `page_size` positions (docs/design.md, "The paged KV cache"). insert, generate and
+    the rest take it as they take a dense state; grow leaves it as it is."""
+    if page_size < 1 or pages < 1:
+      raise ValueError(f"init_paged_state: pages={pages} and page_size={page_size} must be >= 1")
+    n = -(-max_len // page_size)
+    shape = (slots, max_len, pages, page_size)
+    if shape not in self._paged_inits:
+      self._paged_inits[shape] = self._paged_init_fn(slots, n, pages, page_size)
+    return self._paged_inits[shape](jnp.int32(max_len))
+
+  def _paged_init_fn(self, slots: int, n: int, pages: int, page_size: int):
+    cfg = self.cfg
+    dtype = init_cache(cfg, 1, 1)[0][0].dtype
+    pool = (pages, cfg.num_kv_heads, page_size, cfg.head_dim)
+
+    @functools.partial(jax.jit, out_shardings=self._paged_shardings(slots))
+    def init(max_len):
+      self.traces["init"] += 1
+      z = jnp.zeros((slots,), jnp.int32)
+      return {"cache": [(jnp.zeros(pool, dtype), jnp.zeros(pool, dtype))
+                        for _ in range(cfg.num_layers)],
+              "pages": jnp.full((slots, n), -1, jnp.int32),
+              "refs": jnp.zeros((pages,), jnp.int32), "tokens": z, "pos": z, "ngen": z,
+              "sample": z, "max_len": jnp.full((slots,), max_len, jnp.int32),
+              "live": jnp.zeros((slots,), bool)}
+
+    return init
+
+  def _paged_shardings(self, slots: int):
+    """The pool is replicated over the batch axes and split over KV heads as the dense cache
+    is; the page table follows the slots; refs are replicated."""
+    dense = cache_sharding(self.mesh, self.cfg, slots, 1).spec
+    pool = NamedSharding(self.mesh, PartitionSpec(None, dense[1] if len(dense) > 1 else None))
+    vec = batch_sharding(self.mesh, 1, "sampler")
+    return {"cache": [(pool, pool)] * self.cfg.num_layers,
+            "pages": batch_sharding(self.mesh, 2, "sampler"),
+            "refs": NamedSharding(self.mesh, PartitionSpec()),
+            "tokens": vec, "pos": vec, "ngen": vec, "sample": vec, "max_len": vec, "live": vec}
+
+  def pages_in_use(self, state: DecodeState) -> int:
+    """Host side: the pages a paged state's slots hold now (0 for a dense state)."""
+    return int(paged.count_used(state["refs"])) if is_paged(state) else 0
+
   def grow(self, state: DecodeState, length: int) -> DecodeState:
     """The state with its cache window widened to `length` positions (zeros past the old end);
-    the same state when it is already that wide."""
-    if length <= window(state):
+    the same state when it is already that wide (a paged state always is)."""
+    if is_paged(state) or length <= window(state):
       return state
     return self._grow(state, length=length)
 
@@ -130,6 +184,9 @@ class Engine:
   def _constrain(self, state: DecodeState) -> DecodeState:
     # Pin the state's layout inside each jit so the donated output keeps the input's shardings
     # (otherwise propagation may pick another layout and the next call recompiles).
+    if is_paged(state):
+      return jax.lax.with_sharding_constraint(
+          state, self._paged_shardings(state["live"].shape[0]))
     return jax.lax.with_sharding_constraint(
         state, self._state_shardings(state["live"].shape[0], window(state)))
 
@@ -194,12 +251,27 @@ class Engine:
     rows_m = np.asarray(list(rows) + [0] * pad, np.int32)
     slots_m = np.asarray(list(slots) + [num_slots] * pad, np.int32)
     samples_m = np.asarray(list(samples) + [0] * pad, np.int32)
+    if is_paged(state):
+      # Entry m's lead: the first entry of its prefix row in this call, which allocates the
+      # row's shared prompt pages (paged.prompt_pages).
+      first_of = {}
+      lead_m = np.asarray([first_of.setdefault(r, i) for i, r in enumerate(rows)] +
+                          list(range(m, num_slots)), np.int32)
+      lengths = np.asarray(jax.device_get(prefix["length"]))[list(rows)]
+      need = paged.pages_needed(lengths, lead_m[:m] == np.arange(m),
+                                page_size=state["cache"][0][0].shape[2])
+      free = state["refs"].shape[0] - self.pages_in_use(state)
+      if need > free:
+        raise ValueError(f"insert: these {m} prompts take {need} KV pages but only {free} are "
+                         f"free: insert fewer, or give the state more pages")
+      state, first = self._insert_paged(state, prefix, rows_m, slots_m, samples_m, lead_m,
+                                        np.arange(num_slots) < m)
+      return state, {k: v[:m] for k, v in first.items()}
     state, first = self._insert(state, prefix, rows_m, slots_m, samples_m)
     return state, {k: v[:m] for k, v in first.items()}
 
   def _insert_fn(self, state, prefix, rows_m, slots_m, samples_m):
     self.traces["insert"] += 1
-    sp = self.sampling
     T = window(prefix)
     if T > window(state):
       raise ValueError(f"insert: the prefix has {T} positions but the cache window only "
@@ -209,6 +281,11 @@ class Engine:
              for layer, prefix_layer in zip(state["cache"], prefix["kv"])]
     # Positions T.. of a reused slot keep the previous occupant's KV: harmless, since a query
     # only attends to positions <= its own and each step writes its position before reading.
+    return self._place_first(dict(state, cache=cache), prefix, rows_m, slots_m, samples_m)
+
+  def _first_tokens(self, state, prefix, rows_m, slots_m, samples_m):
+    """Each insert's first token, its logprob and done flag, and its prompt length."""
+    sp = self.sampling
     logits_mv = prefix["logits"][rows_m]
     keys_m = token_keys(prefix["key"], samples_m, jnp.zeros_like(samples_m))
     token_m, logprob_m = sample_logits(logits_mv, keys_m, sp)
@@ -216,15 +293,47 @@ class Engine:
     # (padding entries target slot B: any slot's limit will do, their results are dropped)
     max_len_m = state["max_len"][jnp.minimum(slots_m, state["live"].shape[0] - 1)]
     done_m = is_stop(token_m, sp) | (sp.max_new_tokens <= 1) | (length_m >= max_len_m)
+    return token_m, logprob_m, done_m, length_m
+
+  def _place_first(self, state, prefix, rows_m, slots_m, samples_m, first=None):
+    token_m, logprob_m, done_m, length_m = first or self._first_tokens(
+        state, prefix, rows_m, slots_m, samples_m)
 
     def put(x, v):
       return x.at[slots_m].set(v.astype(x.dtype), mode="drop")
 
-    state = {"cache": cache, "tokens": put(state["tokens"], token_m),
-             "pos": put(state["pos"], length_m), "ngen": put(state["ngen"], jnp.ones_like(token_m)),
-             "sample": put(state["sample"], samples_m), "max_len": state["max_len"],
-             "live": put(state["live"], ~done_m)}
+    state = dict(state, tokens=put(state["tokens"], token_m), pos=put(state["pos"], length_m),
+                 ngen=put(state["ngen"], jnp.ones_like(token_m)),
+                 sample=put(state["sample"], samples_m), live=put(state["live"], ~done_m))
     return self._constrain(state), {"tokens": token_m, "logprobs": logprob_m, "done": done_m}
+
+  def _insert_paged_fn(self, state, prefix, rows_m, slots_m, samples_m, lead_m, valid_m):
+    """insert over a paged state: each prefix row's full prompt pages written once and shared
+    by its slots, each slot's partial last page its own copy (paged.prompt_pages)."""
+    self.traces["insert"] += 1
+    first = self._first_tokens(state, prefix, rows_m, slots_m, samples_m)
+    done_m, length_m = first[2], first[3]
+    page_size = state["cache"][0][0].shape[2]
+    n = state["pages"].shape[1]
+    T = window(prefix)
+    if T > n * page_size:
+      raise ValueError(f"insert: the prefix has {T} positions but a slot's page table only "
+                       f"{n * page_size}: make the state with a larger max_len")
+    tp = -(-T // page_size)
+    refs, table_mj, write_mj = paged.prompt_pages(
+        state["refs"], length_m, lead_m, valid_m, ~done_m, page_size=page_size, num_pages=tp)
+    cache = []
+    for layer, prefix_layer in zip(state["cache"], prefix["kv"]):
+      # [P, tp, K, page, H] per row, written to the pages the entries allocated.
+      cache.append(tuple(
+          c.at[write_mj.reshape(-1)].set(
+              paged.to_pages(x, page_size)[rows_m, :tp].reshape(-1, *c.shape[1:]).astype(c.dtype),
+              mode="drop")
+          for c, x in zip(layer, prefix_layer)))
+    table_mn = jnp.pad(table_mj, ((0, 0), (0, n - tp)), constant_values=-1)
+    pages = state["pages"].at[slots_m].set(table_mn, mode="drop")
+    state = dict(state, cache=cache, pages=pages, refs=refs)
+    return self._place_first(state, prefix, rows_m, slots_m, samples_m, first)
 
   # --------------------------------------------------------------------------- generate
 
@@ -250,6 +359,8 @@ class Engine:
     self.traces["generate"] += 1
     model = nnx.merge(self.graphdef, params)
     width = window(state)
+    if is_paged(state):
+      return self._scan_steps(model, state, key, steps, width)
     with attention.tracing(decode=self._attention_kernel(state)):
       return self._scan_steps(model, state, key, steps, width)
 
@@ -266,13 +377,28 @@ class Engine:
   def _scan_steps(self, model, state, key, steps, width):
     sp = self.sampling
 
+    paged_cache = is_paged(state)
+
     def step(state, _):
       # A slot generates this step if it is live and its next write (at pos) fits the window;
       # any other slot is fed position `width`, outside the cache, where its write is dropped.
       active_b = state["live"] & (state["pos"] < width)
+      cache = state["cache"]
+      if paged_cache:
+        # A slot whose write starts a page takes a free one; with none left it stalls.
+        page_size = cache[0][0].shape[2]
+        pages_bn, pos_b = state["pages"], state["pos"]
+        j_b = jnp.minimum(pos_b // page_size, pages_bn.shape[1] - 1)
+        need_b = active_b & (jnp.take_along_axis(pages_bn, j_b[:, None], axis=1)[:, 0] < 0)
+        page_b, got_b = paged.allocate(state["refs"], need_b)
+        active_b = active_b & (~need_b | got_b)
+        rows_b = jnp.where(got_b, jnp.arange(pages_bn.shape[0]), pages_bn.shape[0])
+        pages_bn = pages_bn.at[rows_b, j_b].set(page_b, mode="drop")
+        state = dict(state, pages=pages_bn, refs=paged.hold(state["refs"], page_b, 1))
+        cache = [PagedKV(k, v, pages_bn) for k, v in cache]
       logits, cache = model(state["tokens"][:, None],
                             jnp.where(active_b, state["pos"], width)[:, None],
-                            cache=state["cache"])
+                            cache=cache)
       keys_b = token_keys(key, state["sample"], state["ngen"])
       # The barrier keeps the logits matmul a plain dot: XLA:CPU fused it with log_softmax's
       # max into one kernel that took 338 us per step at batch 64 (bench preset), ~4% of it.
@@ -283,7 +409,12 @@ class Engine:
                            (pos_b >= state["max_len"]))
       new = dict(state, cache=cache, tokens=jnp.where(active_b, token_b, state["tokens"]),
                  pos=pos_b, ngen=ngen_b, live=state["live"] & ~done_b)
-      return new, {"tokens": token_b, "logprobs": logprob_b, "done": done_b, "valid": active_b}
+      out = {"tokens": token_b, "logprobs": logprob_b, "done": done_b, "valid": active_b}
+      if paged_cache:
+        refs, pages_bn = paged.release(new["refs"], new["pages"], done_b)
+        new = dict(new, cache=[(c.keys, c.values) for c in cache], refs=refs, pages=pages_bn)
+        out["pages_used"] = paged.count_used(refs)
+      return new, out
 
     state, out = jax.lax.scan(step, state, None, length=steps)
     return self._constrain(state), out
@@ -292,8 +423,15 @@ class Engine:
 def window(state_or_prefix) -> int:
   """The positions a decode state's KV cache holds now (see "The cache window"), or a
   prefix's KV length."""
+  if is_paged(state_or_prefix):  # every position of the page table
+    return state_or_prefix["pages"].shape[1] * state_or_prefix["cache"][0][0].shape[2]
   kv = state_or_prefix["cache" if "cache" in state_or_prefix else "kv"]
   return kv[0][0].shape[2]
+
+
+def is_paged(state) -> bool:
+  """Whether a decode state holds a paged KV cache (Engine.init_paged_state)."""
+  return "refs" in state
 
 
 def bucket(n: int, *, minimum: int = 16) -> int:

@@ -16,6 +16,14 @@ With `continuous=False` the driver batches statically instead: it refills only w
 is free (the baseline the benchmark compares against). With `share_prefix=False` each sample
 prefills its own copy of the prompt (the baseline for group insert). Both settings return the
 same samples as the defaults, because a token's key depends only on (seed, sample, token).
+
+With `kv_cache="paged"` the slots share a pool of `kv_pages` KV pages of `page_size` positions
+(docs/design.md, "The paged KV cache") instead of a dense [slots, window] cache: a group's
+prompt pages are shared by its samples, and a finished sample's pages go back to the pool. The
+driver admits a sample only while the unreserved pages hold its worst case (prompt + max_new
+tokens, its group's shared prompt pages counted once), so the number of live samples is bounded
+by pages, not by slots x max_len, and no slot ever waits for a page. The samples are the dense
+cache's, token for token.
 """
 
 from __future__ import annotations
@@ -57,12 +65,14 @@ class Rollout:
 def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slots: int = 16,
              steps_per_call: int = 8, max_prompt_len: int | None = None,
              continuous: bool = True, share_prefix: bool = True, pad_id: int = 0,
-             grow_cache: bool = True, progress: bool = False) -> Rollout:
+             grow_cache: bool = True, progress: bool = False, kv_cache: str = "dense",
+             kv_pages: int | None = None, page_size: int = 16) -> Rollout:
   """Generates n samples per prompt (lists of token ids) with `engine`'s sampling settings.
 
   grow_cache=False allocates the whole cache up front: one decode compile instead of up to two
   per doubling of the sequence, for accelerators where a compile costs more than the reads
-  the growing window saves."""
+  the growing window saves. kv_cache="paged": a paged KV cache of kv_pages pages (default:
+  enough for every slot at max_len, so no slot ever waits for one) of page_size positions."""
   sp = engine.sampling
   prompts = [list(map(int, p)) for p in prompts]
   if n < 1:
@@ -81,14 +91,29 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
                       f"{max_prompt_len}: raise it or shorten the prompt.")
   max_len = max_prompt_len + sp.max_new_tokens
   num = len(prompts) * n
+  if kv_cache not in ("dense", "paged"):
+    raise ConfigError(f"rollout.kv_cache={kv_cache!r} is not valid: use 'dense' or 'paged'.")
+  is_paged = kv_cache == "paged"
+  pages_per_seq = -(-max_len // page_size)
+  if is_paged:
+    if page_size < 1:
+      raise ConfigError(f"rollout.page_size={page_size} is not valid: use at least 1.")
+    kv_pages = slots * pages_per_seq if kv_pages is None else kv_pages
+    if kv_pages < pages_per_seq:
+      raise ConfigError(f"rollout.kv_pages={kv_pages} cannot hold one sequence of {max_len} "
+                        f"positions ({pages_per_seq} pages of {page_size}): raise it to at "
+                        f"least {pages_per_seq}.")
   key = jax.random.key(seed)
 
   def fit(need: int) -> int:  # the cache window for `need` positions
     return min(max_len, window_bucket(need)) if grow_cache else max_len
 
   t_start = time.perf_counter()
-  state = engine.init_decode_state(slots, max_len,
-                                   length=fit(max_prompt_len + steps_per_call))
+  if is_paged:
+    state = engine.init_paged_state(slots, max_len, pages=kv_pages, page_size=page_size)
+  else:
+    state = engine.init_decode_state(slots, max_len,
+                                     length=fit(max_prompt_len + steps_per_call))
   queue = deque(range(num))
   prefixes: dict[int, tuple] = {}  # prompt -> (prefix batch, row), while samples still wait
   slot_sample = [-1] * slots
@@ -96,19 +121,53 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
   lps: list[list[float]] = [[] for _ in range(num)]
   finished = [False] * num
   stats = dict(prefill_s=0.0, decode_s=0.0, prefill_calls=0, prefill_prompts=0,
-               prefill_tokens=0, decode_steps=0, slot_steps=0, live_slot_steps=0)
+               prefill_tokens=0, decode_steps=0, slot_steps=0, live_slot_steps=0,
+               live_peak=0, kv_cache=kv_cache)
+  if is_paged:
+    stats.update(kv_pages=kv_pages, kv_pages_peak=0, page_size=page_size, page_wait_calls=0)
+  else:
+    stats.update(kv_positions_peak=0)
+  stalled = False  # a live slot waited for a page in the last decode call
   bar = tqdm(total=num, desc="sampling", unit="sample", disable=not progress, leave=False)
+
+  # Paged: the pages each live sample may still need, reserved at admission so that a slot
+  # never waits for a page (see _admit): sample -> (its own pages, its group), and group ->
+  # [live samples, shared prompt pages].
+  own_pages: dict[int, tuple[int, tuple]] = {}
+  groups: dict[tuple, list[int]] = {}
+  reserved = [0]
+  admissions = [0]
 
   def finish(s: int):
     finished[s] = True
     bar.update(1)
+    if s in own_pages:
+      own, g = own_pages.pop(s)
+      reserved[0] -= own
+      groups[g][0] -= 1
+      if not groups[g][0]:
+        reserved[0] -= groups.pop(g)[1]
 
   while queue or any(x >= 0 for x in slot_sample):
     free = [b for b in range(slots) if slot_sample[b] < 0]
     firsts = []
-    if queue and free and (continuous or len(free) == slots):
+    count = min(len(free), len(queue))
+    if is_paged and count and not stalled:
+      count, own, shared = _admit(queue, count, prompts, n, share_prefix, page_size,
+                                  kv_pages - reserved[0], sp.max_new_tokens, max_len)
+      admissions[0] += 1
+      for s, pages in own.items():
+        g = (admissions[0], s // n if share_prefix else s)
+        own_pages[s] = (pages, g)
+        groups.setdefault(g, [0, shared.get(g[1], 0)])[0] += 1
+      reserved[0] += sum(own.values()) + sum(shared.values())
+      if not count and len(free) == slots:
+        raise ConfigError(f"rollout.kv_pages={kv_pages} cannot hold the next prompt "
+                          f"({len(prompts[queue[0] // n])} tokens) and a page to grow into: "
+                          f"raise rollout.kv_pages.")
+    if count and (continuous or len(free) == slots) and not stalled:
       t0 = time.perf_counter()
-      take = [queue.popleft() for _ in range(min(len(free), len(queue)))]
+      take = [queue.popleft() for _ in range(count)]
       # Prefill what is needed: one row per prompt (shared by its group), or per sample.
       owners = {}  # sample -> the row key its prefix lives under
       need = []
@@ -153,6 +212,8 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
       for k in [k for k in prefixes if k not in waiting]:
         del prefixes[k]  # every sample of this prompt is placed: free its prefix
       firsts = to_host(firsts)
+      if is_paged:
+        stats["kv_pages_peak"] = max(stats["kv_pages_peak"], engine.pages_in_use(state))
       stats["prefill_s"] += time.perf_counter() - t0
       for bs, ss, first in firsts:
         for b, s, tok, lp, done in zip(bs, ss, first["tokens"], first["logprobs"],
@@ -170,8 +231,23 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
     need = max(len(prompts[s // n]) + len(toks[s]) - 1 + steps_per_call
                for s in slot_sample if s >= 0)
     state = engine.grow(state, fit(need))
+    live_now = [b for b in range(slots) if slot_sample[b] >= 0]
+    stats["live_peak"] = max(stats["live_peak"], len(live_now))
+    if not is_paged:
+      stats["kv_positions_peak"] = max(stats["kv_positions_peak"], slots * window(state))
     state, out = engine.generate_steps(params, state, key, steps=steps_per_call)
     out = to_host(out)  # the one host sync per steps_per_call tokens
+    if is_paged:
+      # Pages in use after each step's allocation and freeing; the peak of those.
+      stats["kv_pages_peak"] = max(stats["kv_pages_peak"], int(out["pages_used"].max()))
+      waited = [b for b in live_now if not out["valid"][:, b].all()
+                and not out["done"][:, b].any()]
+      stalled = bool(waited)
+      stats["page_wait_calls"] += stalled
+      if waited and len(waited) == len(live_now) and not out["valid"].any():
+        raise ConfigError(f"rollout.kv_pages={kv_pages} is too small: every live sequence "
+                          f"waits for a free KV page ({len(live_now)} live, pages of "
+                          f"{page_size} positions): raise rollout.kv_pages.")
     stats["decode_s"] += time.perf_counter() - t0
     stats["decode_steps"] += steps_per_call
     stats["slot_steps"] += steps_per_call * slots
@@ -187,6 +263,28 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
   bar.close()
   wall = time.perf_counter() - t_start
   return _assemble(prompts, n, toks, lps, sp, pad_id, stats, wall)
+
+
+def _admit(queue, count, prompts, n, share_prefix, page_size, free, max_new, max_len):
+  """How many of the queue's first `count` samples fit in `free` unreserved pages, reserving
+  each one's worst case so that no slot ever waits for a page: its prompt's full pages, shared
+  by the samples of a prompt placed together (paged.prompt_pages), and the pages of its own
+  from its partial prompt page to prompt + max_new tokens. Returns (count, {sample: own
+  pages}, {group key: shared pages}) for the admitted ones."""
+  own, shared, need = {}, {}, 0
+  for i in range(count):
+    s = queue[i]
+    length = len(prompts[s // n])
+    key = s // n if share_prefix else s
+    full = length // page_size
+    mine = -(-min(length + max_new, max_len) // page_size) - full
+    extra = mine + (full if key not in shared else 0)
+    if need + extra > free:
+      return i, own, shared
+    need += extra
+    own[s] = mine
+    shared.setdefault(key, full)
+  return count, own, shared
 
 
 def _prefill_batches(keys, length_of, max_rows):
@@ -238,4 +336,7 @@ def metrics(rollout: Rollout) -> dict:
           "sampler/prefill_s": st["prefill_s"], "sampler/decode_s": st["decode_s"],
           "sampler/slot_utilisation": st["slot_utilisation"],
           "response_length/clip_ratio": float(np.mean([r == "length" for r in rollout.finish_reasons])) if rollout.finish_reasons else 0.0,
-          "sampler/tokens_generated": st["tokens_generated"]}
+          "sampler/tokens_generated": st["tokens_generated"],
+          "sampler/live_peak": st.get("live_peak", 0),
+          **({"sampler/kv_pages": st["kv_pages"], "sampler/kv_pages_peak": st["kv_pages_peak"]}
+             if "kv_pages" in st else {})}

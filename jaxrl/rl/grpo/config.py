@@ -121,6 +121,10 @@ def default_config():
       # decode step, up to two decode compiles per doubling); False: allocated whole, one
       # compile (where compiles are slow, e.g. large models on TPU).
       grow_cache=True,
+      # "dense": one [slots, window] KV cache; "paged": a pool of kv_pages pages of page_size
+      # positions, a group's prompt pages shared by its samples (docs/design.md, "The paged KV
+      # cache"; the same samples). kv_pages 0: enough for every slot at max_len.
+      kv_cache="dense", kv_pages=0, page_size=16,
       # True: generation for step k+1 runs on the sampler devices while step k updates on the
       # learner's (one-step off-policy: staleness 1, corrected by algo.tis_cap when > 0).
       # Needs placement.mode="disaggregated".

@@ -1,0 +1,95 @@
+"""The paged KV cache's bookkeeping: page allocation, shared prompt pages, freeing
+(docs/design.md, "The paged KV cache").
+
+A paged decode state holds, beside the dense state's [B] vectors:
+  cache      per layer a (keys, values) pair of page pools [N, K, P, H]
+  pages      [B, n] int32, slot b's page table: position p lives on page pages[b, p // P]
+             at offset p % P; -1 where the slot holds no page
+  refs       [N] int32, how many slots hold each page; refs == 0 is the free list
+
+Everything here is a pure function of arrays, traced inside the engine's jitted insert and
+decode step, so allocating and freeing pages needs no host sync.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def allocate(refs_n, request_k):
+  """Free pages for the requests request_k [M] (bool): the k-th request (in order) takes the
+  k-th free page by page id. Returns (page_k, granted_k): page_k is N (one past the pool,
+  which scatters drop) where nothing was requested or no page was left."""
+  num_pages = refs_n.shape[0]
+  free_n = refs_n == 0
+  rank_k = jnp.cumsum(request_k.astype(jnp.int32)) - 1
+  # The r-th free page is the first index whose running count of free pages reaches r + 1.
+  page_k = jnp.searchsorted(jnp.cumsum(free_n.astype(jnp.int32)), rank_k + 1, side="left")
+  granted_k = request_k & (rank_k < free_n.sum())
+  return jnp.where(granted_k, page_k, num_pages).astype(jnp.int32), granted_k
+
+
+def hold(refs_n, pages_k, delta: int):
+  """refs_n with `delta` added for each page id in pages_k (any shape); ids < 0 or >= N are
+  skipped."""
+  num_pages = refs_n.shape[0]
+  idx = jnp.where(pages_k >= 0, pages_k, num_pages).reshape(-1)
+  return refs_n.at[idx].add(delta, mode="drop")
+
+
+def release(refs_n, pages_bn, done_b):
+  """Slots done_b [B] drop their pages: (refs, pages) with one reference fewer on each page of
+  their table rows, and those rows reset to -1. A shared prompt page is free when the last
+  slot of its group lets go of it."""
+  refs_n = hold(refs_n, jnp.where(done_b[:, None], pages_bn, -1), -1)
+  return refs_n, jnp.where(done_b[:, None], -1, pages_bn)
+
+
+def prompt_pages(refs_n, length_m, lead_m, valid_m, keep_m, *, page_size: int, num_pages: int):
+  """The pages of M inserts of prompts of length_m [M] positions, T = num_pages * page_size
+  positions of prefix at most.
+
+  Entry m shares the full pages (length // P of them) of its lead entry lead_m[m] (the first
+  entry of the same prefix row in this call; a lead is its own lead), which the lead allocates,
+  and gets a page of its own for its last, partial prompt page (copy-on-write: it writes its
+  completion there). Entries with valid_m False (padding) request nothing; entries with keep_m
+  False (done on their first token) hold nothing.
+
+  Returns (refs, table_mj [M, num_pages] each entry's page table row (-1 past its prompt),
+  write_mj [M, num_pages] the page each entry writes its prefix's page j to (N: none, for a
+  shared page that its lead writes)).
+  """
+  M = length_m.shape[0]
+  j = jnp.arange(num_pages)[None, :]
+  full_m = (length_m // page_size)[:, None]
+  part_m = (length_m % page_size > 0)[:, None]
+  is_lead = (lead_m == jnp.arange(M))[:, None]
+  request_mj = valid_m[:, None] & ((is_lead & (j < full_m)) | ((j == full_m) & part_m))
+  page_k, _ = allocate(refs_n, request_mj.reshape(-1))
+  write_mj = page_k.reshape(M, num_pages)
+  table_mj = jnp.where(j < full_m, write_mj[lead_m], jnp.where((j == full_m) & part_m,
+                                                                write_mj, -1))
+  table_mj = jnp.where((valid_m & keep_m)[:, None], table_mj, -1)
+  return hold(refs_n, table_mj, 1), table_mj, write_mj
+
+
+def pages_needed(lengths, leads, *, page_size: int) -> int:
+  """Host side: the free pages an insert of prompts of these lengths takes (see prompt_pages),
+  leads[m] True for the first entry of each prefix row."""
+  return sum((n // page_size if lead else 0) + (n % page_size > 0)
+             for n, lead in zip(lengths, leads))
+
+
+def to_pages(kv_pkth, page_size: int):
+  """A prefix's [P, K, T, H] keys or values as pages [P, ceil(T / P), K, page, H] (zeros past
+  T)."""
+  p, k, t, h = kv_pkth.shape
+  n = -(-t // page_size)
+  kv_pkth = jnp.pad(kv_pkth, ((0, 0), (0, 0), (0, n * page_size - t), (0, 0)))
+  return kv_pkth.reshape(p, k, n, page_size, h).transpose(0, 2, 1, 3, 4)
+
+
+def count_used(refs_n) -> jax.Array:
+  """Pages in use (held by at least one slot)."""
+  return (refs_n > 0).sum()
