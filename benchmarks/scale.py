@@ -35,6 +35,8 @@ FAMILIES = {"qwen3": ("0.6b", "1.7b", "4b", "8b"), "qwen2p5": ("1.5b", "7b"),
             "llama3": ("3.2-1b", "3.2-3b", "3.1-8b")}
 PRIORITY = ["qwen3:0.6b,grpo,v5e", "qwen3:8b,sft,v5p", "qwen3:0.6b,sft,v5e",
             "qwen3:8b,sft,v5e", "qwen3:8b,grpo,v5p"]
+# The LoRA / QLoRA variants (docs/guides/lora.md), after the full fine-tunes.
+LORA_ROWS = ["qwen3:8b,grpo,v5e,lora", "qwen3:8b,grpo,v5e,qlora", "llama3:3.1-8b,grpo,v5e,qlora"]
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "scale.jsonl")
 DOC = os.path.join(ROOT, "docs", "guides", "scale.md")
 GIB = 1 << 30
@@ -49,7 +51,7 @@ def all_rows() -> list[str]:
           row = f"{fam}:{model},{trainer},{chip}"
           if row not in rows:
             rows.append(row)
-  return rows
+  return rows + LORA_ROWS
 
 
 def load(row: str):

@@ -34,6 +34,10 @@ MODELS = {"3.2-1b": ("llama-3.2-1b", "checkpoints/Llama-3.2-1B-Instruct"),
 # (model, trainer, chip) -> memory knobs where the family default (full remat; 1, 4 or 8
 # micro-batches by size: jaxrl.config.family_config) does not fit; none so far.
 SIZING = {}
+# (model, trainer, chip) -> the QLoRA variant's sampler mesh (data, tensor) where the
+# family default (data=auto x tensor=2) does not fit: as configs/qwen3.py's 8B (8 KV heads, one
+# per chip at tensor=8; docs/guides/lora.md).
+QLORA_SAMPLER = {("3.1-8b", "grpo", "v5e"): (1, 8)}
 FIXTURE = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
                                         "tests", "fixtures", "hf", "llama"))
 
@@ -42,4 +46,11 @@ def get_config(arg=None):
   arg, lora = lora_arg(arg)
   c = family_config(arg, models=MODELS, default="3.2-1b", sft_config=sft.default_config,
                     grpo_config=grpo.default_config, fixture=FIXTURE, sizing=SIZING)
-  return with_lora(c, quantize="int8" if lora == "qlora" else "") if lora else c
+  if not lora:
+    return c
+  parts = [x.strip() for x in (arg or "3.2-1b").split(",")]
+  key = (parts[0], next((x for x in parts[1:] if x in ("sft", "grpo")), "grpo"),
+         next((x for x in parts[1:] if x in ("v5e", "v5p", "v6e")), "v5e"))
+  if lora == "qlora" and key in QLORA_SAMPLER:
+    c.placement.sampler_mesh.data, c.placement.sampler_mesh.tensor = QLORA_SAMPLER[key]
+  return with_lora(c, quantize="int8" if lora == "qlora" else "")

@@ -35,6 +35,15 @@ MODELS = {"0.6b": ("qwen3-0.6b", "checkpoints/Qwen3-0.6B"),
 # 16 micro-batches (which the log-prob forward now also runs in) the compiled train step needs
 # 19.1 GiB per chip with the reference beside it: it does not fit (docs/guides/scale.md).
 SIZING = {("4b", "grpo", "v5e"): {"accum_steps": 16}}
+# (model, trainer, chip) -> the QLoRA variant's sampler mesh (data, tensor) where the family
+# default (data=auto x tensor=2) does not fit. (The bf16 LoRA variant keeps the default: its
+# train step alone was refused by the TPU compiler, whatever the sampler holds.) 8B GRPO on a
+# v5e-8: at tensor=2 the sampler's bf16 copy is 7.6 GiB per chip (plus the 4.4 GiB int8 base),
+# so prefill and the decode loop compiled to 16.4 and 20.3 GiB peaks. Tensor-parallel over all
+# 8 chips (Qwen3-8B has 8 KV heads: one per chip) cuts both copies to a quarter and keeps the
+# full GRPO batch (16 prompts x G=8 = 128 completions of up to 1536 tokens after 512 prompt
+# tokens, 64 decode slots): docs/guides/lora.md has the compiled figures.
+QLORA_SAMPLER = {("8b", "grpo", "v5e"): (1, 8)}
 FIXTURE = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
                                         "tests", "fixtures", "hf", "qwen3"))
 
@@ -43,4 +52,11 @@ def get_config(arg=None):
   arg, lora = lora_arg(arg)
   c = family_config(arg, models=MODELS, default="0.6b", sft_config=sft.default_config,
                     grpo_config=grpo.default_config, fixture=FIXTURE, sizing=SIZING)
-  return with_lora(c, quantize="int8" if lora == "qlora" else "") if lora else c
+  if not lora:
+    return c
+  parts = [x.strip() for x in (arg or "0.6b").split(",")]
+  key = (parts[0], next((x for x in parts[1:] if x in ("sft", "grpo")), "grpo"),
+         next((x for x in parts[1:] if x in ("v5e", "v5p", "v6e")), "v5e"))
+  if lora == "qlora" and key in QLORA_SAMPLER:
+    c.placement.sampler_mesh.data, c.placement.sampler_mesh.tensor = QLORA_SAMPLER[key]
+  return with_lora(c, quantize="int8" if lora == "qlora" else "")
