@@ -245,6 +245,15 @@ class Checkpointer:
 
   def _fail(self, step: int | None, error: BaseException | None):
     self._caught.errors.clear()
+    # The failed write's partial files are no checkpoint; on a full disk they are also what
+    # keeps the run from writing its summary.json (an 8 MiB tmpfs: the half-written step filled
+    # it). Removed once no write is in flight; committed steps are never touched.
+    if jax.process_index() == 0:
+      try:
+        if not self.manager.is_saving_in_progress():
+          self._remove_leftovers()
+      except Exception:  # noqa: BLE001 - the failure below is what the user must read
+        pass
     good = [s for s in self.committed_steps() if s != step]
     last = (f"the last good checkpoint is step {good[-1]} in {self.directory}" if good
             else f"no checkpoint in {self.directory} is complete")

@@ -262,7 +262,13 @@ def train_loop(*, state, step_fn: Callable, batches, put: Callable, total_steps:
                  "metrics": last, "eval": evals, **(summary_extra() if summary_extra else {})}
       if ckpt is not None and ckpt.failed is not None:
         summary["error"] = str(ckpt.failed)
-      run.write_summary(summary)
+      try:
+        run.write_summary(summary)
+      except OSError:
+        # A failed checkpoint write (a full disk) is the sentence the user needs; a summary the
+        # same disk cannot take must not replace it with a traceback.
+        if failed is None and (ckpt is None or ckpt.failed is None):
+          raise
       if failed is not None:
         raise failed
   return {**summary, "state": state}
