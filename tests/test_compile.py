@@ -57,6 +57,12 @@ KNOWN_MISSES = {
     # is 7.5 GiB per chip) -- not yet confirmed from the HLO. Compiled with the collective matmul
     # on: the 0.6B SFT row's miss of this kind was its early allocations (scale.md); re-compile.
     "qwen3:4b,grpo,v5e",
+    # The other way: the plan is 32% over XLA's train step (8.18 GiB against 6.18) and 23% over
+    # the run's peak (9.35 against 7.57), compiled with the collective matmul off, which took
+    # the early buffer allocations the plan's terms had been calibrated against out of the
+    # program (scale.md). Conservative, so it never passes a run that does not fit; recalibrating
+    # the train step's terms on compiles without the collective matmul is open.
+    "llama3:3.1-8b,grpo,v5e,qlora",
 }
 
 
