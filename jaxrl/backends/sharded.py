@@ -14,6 +14,29 @@ from jax import shard_map
 from jax.sharding import PartitionSpec as P
 
 
+def row_and_kv_axes(mesh, *, batch, kv_heads):
+  """(row axes, KV-head axes) of `mesh` for a per-device attention kernel, from a layout's
+  `batch` and `kv_heads` rules (an axis name, a tuple of them or None); None where some mesh
+  axis is neither (e.g. a sequence axis). Every mesh axis is named in the specs, size-1 ones
+  with the rows: an axis a shard_map leaves out is one its transpose sums the gradients over."""
+  def names(rule):
+    return tuple(a for a in ((rule,) if isinstance(rule, str) else rule or ())
+                 if a in mesh.shape)
+
+  batch, kv = names(batch), names(kv_heads)
+  rows = batch + tuple(a for a in mesh.axis_names
+                       if mesh.shape[a] == 1 and a not in batch + kv)
+  if set(mesh.axis_names) - set(rows + kv):
+    return None
+  return rows, kv
+
+
+def divides(mesh, rows, kv, q_btkgh) -> bool:
+  """Whether the row and KV-head axes divide q [B, T, K, G, H]'s rows and KV heads."""
+  ways = lambda axes: int(np.prod([mesh.shape[a] for a in axes]))  # noqa: E731
+  return q_btkgh.shape[0] % ways(rows) == 0 and q_btkgh.shape[2] % ways(kv) == 0
+
+
 def per_device(kernel, mesh, *, batch, kv_heads):
   """kernel(q [B, T, K, G, H], keys, values [B, K, S, H], q_segment_ids [B, T] | None,
   kv_segment_ids [B, S] | None) -> [B, T, K, G, H], run on each device's rows and KV heads
@@ -22,21 +45,13 @@ def per_device(kernel, mesh, *, batch, kv_heads):
   if mesh.devices.size == 1:
     return kernel
 
-  def names(rule):
-    return tuple(a for a in ((rule,) if isinstance(rule, str) else rule or ())
-                 if a in mesh.shape)
-
-  batch, kv = names(batch), names(kv_heads)
-  # Every mesh axis is named in the specs (size-1 ones with the rows): an axis a shard_map
-  # leaves out is one its transpose sums the gradients over.
-  rows = batch + tuple(a for a in mesh.axis_names
-                       if mesh.shape[a] == 1 and a not in batch + kv)
-  ways = lambda axes: int(np.prod([mesh.shape[a] for a in axes]))  # noqa: E731
-  if set(mesh.axis_names) - set(rows + kv):  # e.g. a sequence axis: not this kernel's form
+  axes = row_and_kv_axes(mesh, batch=batch, kv_heads=kv_heads)
+  if axes is None:  # e.g. a sequence axis: not this kernel's form
     return lambda *args: None
+  rows, kv = axes
 
   def sharded(q_btkgh, keys_bksh, values_bksh, q_segment_ids, kv_segment_ids):
-    if q_btkgh.shape[0] % ways(rows) or q_btkgh.shape[2] % ways(kv):
+    if not divides(mesh, rows, kv, q_btkgh):
       return None
     q_spec, kv_spec, seg = P(rows, None, kv, None, None), P(rows, kv, None, None), P(rows, None)
     if q_segment_ids is None:  # shard_map's specs follow the arguments' structure

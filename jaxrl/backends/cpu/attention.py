@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
+
+from jaxrl.backends.sharded import divides, row_and_kv_axes
 
 DECODE = "jaxrl_decode_attention"
 FORWARD = "jaxrl_learner_attention"
@@ -118,23 +119,15 @@ def learner_sharded(mesh, *, batch, kv_heads):
     return lambda q, k, v, mask, causal=None: (
         learner(q, k, v, mask) if handles_learner(q.dtype, q.shape[-1]) else None)
 
-  def names(rule):
-    return tuple(a for a in ((rule,) if isinstance(rule, str) else rule or ())
-                 if a in mesh.shape)
-
-  batch, kv = names(batch), names(kv_heads)
-  # Every mesh axis is named in the specs (size-1 ones with the rows): an axis a shard_map
-  # leaves out is one its transpose sums the gradients over.
-  rows = batch + tuple(a for a in mesh.axis_names
-                       if mesh.shape[a] == 1 and a not in batch + kv)
-  ways = lambda axes: int(np.prod([mesh.shape[a] for a in axes]))  # noqa: E731
-  if set(mesh.axis_names) - set(rows + kv):
+  axes = row_and_kv_axes(mesh, batch=batch, kv_heads=kv_heads)
+  if axes is None:
     return lambda *args: None
+  rows, kv = axes
 
   def sharded(q_btkgh, keys_bksh, values_bksh, mask_bts, causal=None):
     del causal
-    if (not handles_learner(q_btkgh.dtype, q_btkgh.shape[-1]) or q_btkgh.shape[0] % ways(rows)
-        or q_btkgh.shape[2] % ways(kv)):
+    if (not handles_learner(q_btkgh.dtype, q_btkgh.shape[-1])
+        or not divides(mesh, rows, kv, q_btkgh)):
       return None
     q_spec, kv_spec = P(rows, None, kv, None, None), P(rows, kv, None, None)
     return jax.shard_map(learner, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec,
