@@ -599,3 +599,43 @@ def test_lora_grpo_raises_heldout_accuracy_above_sft(tmp_path, sft_slip):
   cfg = config_lib.model_config(config_lib.load_config(
       "configs/grpo_tiny.py", [f"{k}={v}" for k, v in over.items() if k != "init.checkpoint"]))
   assert cfg.num_lora_params <= 0.1 * (cfg.num_params - cfg.num_lora_params)
+
+
+def test_sample_and_eval_read_a_lora_run_without_naming_its_adapters(repo_root, tmp_path,
+                                                                     devices, monkeypatch,
+                                                                     capsys):
+  """`jaxrl sample` / `eval --checkpoint RUN` of a LoRA run take the run's model.lora from its
+  config.json (as PEFT reads adapter_config.json): the completions equal those of a config
+  that names the same adapters by hand, and a config with other adapters still gets
+  check_structure's one sentence."""
+  import json
+  import os
+
+  from jaxrl import cli
+  monkeypatch.chdir(repo_root)
+  run = tmp_path / "run"
+  _cli("sft", SFT, run, {**SFT_LORA, "train.steps": 2, "train.save_every": 2,
+                         "eval.every": 0})
+  prompts = tmp_path / "p.jsonl"
+  prompts.write_text('{"prompt": "12+34="}\n{"prompt": "7+8="}\n')
+  sample = ["sample", "--config", "configs/sample_tiny.py", "--prompts", str(prompts),
+            "--checkpoint", str(run), "--config.sampling.mode=greedy", "--n", "1",
+            "--config.sampling.max_new_tokens=4"]
+  capsys.readouterr()
+  cli.main(sample + ["--workdir", str(tmp_path / "adopted")])
+  assert "trained LoRA adapters (rank 4): using its model.lora" in capsys.readouterr().out
+  named = [f"--config.model.lora.{k.split('.')[-1]}={v}" for k, v in SFT_LORA.items()
+           if k.startswith("model.lora.")]
+  cli.main(sample + named + ["--workdir", str(tmp_path / "named")])
+  read = lambda d: [json.loads(x)["completion_ids"] for x in open(tmp_path / d /
+                                                                  "completions.jsonl")]
+  assert read("adopted") == read("named") and len(read("adopted")) == 2
+  with pytest.raises(SystemExit) as e:
+    cli.main(sample + ["--config.model.lora.rank=2", "--workdir", str(tmp_path / "other")])
+  assert e.value.code == 2 and "--checkpoint" in capsys.readouterr().err
+  data = tmp_path / "test.jsonl"
+  data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+  cli.main(["eval", "--config", SFT, "--checkpoint", str(run), "--data", str(data),
+            "--workdir", str(tmp_path / "eval"), "--config.eval.reward=exact_match"])
+  assert "using its model.lora" in capsys.readouterr().out
+  assert os.path.isfile(tmp_path / "eval" / "eval.json")

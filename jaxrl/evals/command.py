@@ -33,7 +33,7 @@ from jaxrl.parallel import mesh_from_config, tree_shardings
 from jaxrl.parallel.sync import sync
 from jaxrl.train import rundir
 from jaxrl.train.rundir import RunDir
-from jaxrl.train.run import adopt_hf_path
+from jaxrl.train.run import adopt_hf_path, adopt_lora
 
 # `jaxrl eval` reads any trainer's config: beyond the shared sections, only the eval section's
 # ranges, which jaxrl.config checks for every config (check_loop_sections).
@@ -138,6 +138,7 @@ def run(config, *, checkpoint: str | None, data: str | None = None,
   records, where = held_out(config, data, s)
   if checkpoint:  # a run started from model.hf_path: its tokenizer, template and shapes
     adopt_hf_path(config, checkpoint, key="--checkpoint", say=out)
+    adopt_lora(config, checkpoint, key="--checkpoint", say=out)
   cfg = config_lib.model_config(config)
   tokenizer = tokenizer_for(config)
   mesh = mesh_from_config(config.mesh)

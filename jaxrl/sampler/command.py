@@ -45,7 +45,7 @@ from jaxrl.sampler.rollout import generate, metrics
 from jaxrl.sampler.sampling import from_config
 from jaxrl.train import rundir
 from jaxrl.train.rundir import RunDir
-from jaxrl.train.run import adopt_hf_path
+from jaxrl.train.run import adopt_hf_path, adopt_lora
 
 EXAMPLE = '{"prompt": "2+2="} or {"messages": [{"role": "user", "content": "2+2="}]}'
 
@@ -81,6 +81,7 @@ def load_model(config, mesh, *, checkpoint: str | None, out=print):
     config.model.hf_path, checkpoint = checkpoint, None
   if checkpoint:
     adopt_hf_path(config, checkpoint, key="--checkpoint", say=out)
+    adopt_lora(config, checkpoint, key="--checkpoint", say=out)
   tokenizer = tokenizer_for(config)  # the checkpoint's own when model.hf_path is set
   cfg = config_lib.model_config(config)
   if checkpoint:

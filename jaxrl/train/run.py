@@ -78,6 +78,35 @@ def adopt_hf_path(config, run_dir: str, *, key: str, say=print) -> None:
         "and model shapes")
 
 
+def recorded_lora(run_dir: str) -> dict | None:
+  """The model.lora section a jaxrl run directory (or its checkpoints/) trained with, as its
+  config.json records it; None for a run without adapters (rank 0) or a directory that is no
+  run."""
+  path = run_dir.rstrip("/")
+  if os.path.basename(path) == "checkpoints":
+    path = os.path.dirname(path)
+  config = rundir.read_config(path) if os.path.isdir(path) else None
+  model = config.get("model") if isinstance(config, dict) else None
+  lora = model.get("lora") if isinstance(model, dict) else None
+  return lora if isinstance(lora, dict) and int(lora.get("rank") or 0) > 0 else None
+
+
+def adopt_lora(config, run_dir: str, *, key: str, say=print) -> None:
+  """Inference on a LoRA run (`sample` / `eval --checkpoint RUN`) without naming its adapters
+  takes the run's own model.lora (rank, alpha, targets, quantize), as PEFT's
+  `PeftModel.from_pretrained` reads adapter_config.json: the checkpoint holds base and
+  adapters, and the model must have the same leaves to read it. A config that names a LoRA
+  section of its own keeps it (a mismatch is then check_structure's one sentence)."""
+  if not run_dir or int(config.model.lora.get("rank") or 0) > 0:
+    return
+  lora = recorded_lora(run_dir)
+  if lora:
+    config.model.lora.update({k: v for k, v in lora.items() if k in config.model.lora})
+    say(f"note: {key}={run_dir!r} trained LoRA adapters (rank {lora['rank']}"
+        + (f", {lora['quantize']} base" if lora.get("quantize") not in (None, "", "none") else "")
+        + "): using its model.lora")
+
+
 def claim(workdir: str, command: str, cfg, *, steps: int | None = None,
           write: bool = True) -> None:
   """Checks that DIR is this run's to write (rundir.check_owner: the command, the model
