@@ -30,13 +30,16 @@ from jaxrl.backends import tpu as tpu_backend  # noqa: E402
 from jaxrl.parallel import compile as aot  # noqa: E402
 from jaxrl.parallel.plan import estimate  # noqa: E402
 
-TOPOLOGY = {"v5e": "v5e:2x4", "v5p": "v5p:2x2x1", "v6e": "v6e:2x4"}
+TOPOLOGY = {"v5e": "v5e:2x4", "v5p": "v5p:2x2x1", "v6e": "v6e:2x4",
+            "v5e-4": "v5e:2x2"}  # a 4-chip v5e slice: LoRA rows only (LORA_ROWS)
+SLICES = ("v5e", "v5p", "v6e")  # every family config is compiled for these 8-chip slices
 FAMILIES = {"qwen3": ("0.6b", "1.7b", "4b", "8b"), "qwen2p5": ("1.5b", "7b"),
             "llama3": ("3.2-1b", "3.2-3b", "3.1-8b")}
 PRIORITY = ["qwen3:0.6b,grpo,v5e", "qwen3:8b,sft,v5p", "qwen3:0.6b,sft,v5e",
             "qwen3:8b,sft,v5e", "qwen3:8b,grpo,v5p"]
 # The LoRA / QLoRA variants (docs/guides/lora.md), after the full fine-tunes.
-LORA_ROWS = ["qwen3:8b,grpo,v5e,lora", "qwen3:8b,grpo,v5e,qlora", "llama3:3.1-8b,grpo,v5e,qlora"]
+LORA_ROWS = ["qwen3:8b,grpo,v5e,lora", "qwen3:8b,grpo,v5e,qlora", "llama3:3.1-8b,grpo,v5e,qlora",
+             "qwen3:4b,grpo,v5e-4,qlora"]
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "scale.jsonl")
 DOC = os.path.join(ROOT, "docs", "guides", "scale.md")
 GIB = 1 << 30
@@ -47,7 +50,7 @@ def all_rows() -> list[str]:
   for fam, models in FAMILIES.items():
     for model in models:
       for trainer in ("grpo", "sft"):
-        for chip in TOPOLOGY:
+        for chip in SLICES:
           row = f"{fam}:{model},{trainer},{chip}"
           if row not in rows:
             rows.append(row)
@@ -130,9 +133,9 @@ def render(results: dict[str, dict], plans: dict[str, float] | None = None) -> s
     r = results.get(row)
     name = f"`{fam}.py:{arg}`"
     if r is None:
-      lines.append(f"| {name} | {chip}-8 | | not compiled yet | - | | | | |")
+      lines.append(f"| {name} | {_slice(chip)} | | not compiled yet | - | | | | |")
       continue
-    c = aot.CHIPS[chip]
+    c = aot.chip_of(TOPOLOGY[chip])
     progs = {p["name"]: p for p in r["programs"]}
     for p in progs.values():  # the roofline from the recorded figures (see Compiled.seconds)
       floor = p.get("floor_flops", p["model_flops"] / r["chips"] *
@@ -141,7 +144,7 @@ def render(results: dict[str, dict], plans: dict[str, float] | None = None) -> s
                          p["bytes_accessed"] / c.hbm_bytes_per_s)
     train = progs["train step"]
     if train.get("oom"):
-      lines.append(f"| {name} | {chip}-8 ({r['chips']} chips) | {r['remat']}, "
+      lines.append(f"| {name} | {_slice(chip)} ({r['chips']} chips) | {r['remat']}, "
                    f"{r['accum_steps']} | > {train['xla']['temp'] / GIB:.2f} (temporaries alone; "
                    "the compiler ran out of HBM) | **no** | | | | |")
       continue
@@ -150,10 +153,15 @@ def render(results: dict[str, dict], plans: dict[str, float] | None = None) -> s
     steps = dec["tokens"] // max(1, _slots(r)) if dec else 0
     dec_s = f"{dec['seconds'] / steps:.5f}" if dec else "-"
     dec_tps = f"{dec['tokens'] / dec['seconds'] / r['chips']:,.0f}" if dec else "-"
-    lines.append(f"| {name} | {chip}-8 ({r['chips']} chips) | {r['remat']}, {r['accum_steps']} "
+    lines.append(f"| {name} | {_slice(chip)} ({r['chips']} chips) | {r['remat']}, {r['accum_steps']} "
                  f"| {r['xla_peak'] / GIB:.2f} | {'yes' if r['fits'] else '**no**'} | "
                  f"{train['seconds']:.3f} | {100 * mfu:.0f}% | {dec_s} | {dec_tps} |")
   return "\n".join(lines)
+
+
+def _slice(chip: str) -> str:
+  """The slice's name: v5e -> v5e-8, v5e-4 as it is."""
+  return chip if "-" in chip else f"{chip}-8"
 
 
 def _slots(r) -> int:

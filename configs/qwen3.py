@@ -1,7 +1,7 @@
 """Qwen3 0.6B / 1.7B / 4B / 8B: SFT and GRPO on an 8-chip TPU slice (v5e-8, v5p-8, v6e-8).
 
 arg: "MODEL[,TRAINER][,CHIP][,lora|qlora]": MODEL 0.6b | 1.7b | 4b | 8b, TRAINER grpo (default) |
-sft, CHIP v5e (default) | v5p | v6e, lora: LoRA rank 16 on every linear weight, the frozen base
+sft, CHIP v5e (default) | v5p | v6e (8-chip slices) | v5e-4 (4 chips, the qlora variant), lora: LoRA rank 16 on every linear weight, the frozen base
 in bf16, lr x10; qlora: the same with the base's linear weights in int8 (jaxrl.config.with_lora,
 docs/guides/lora.md); or "fixture" (a GRPO pulse on
 tests/fixtures/hf/qwen3, CPU; "fixture,lora" / "fixture,qlora" with LoRA / QLoRA).
@@ -13,6 +13,7 @@ Until it is there the preset supplies the same shapes, so the plan and the compi
     jaxrl plan --config configs/qwen3.py:8b,sft,v5p --compile v5p:2x2x1
     jaxrl plan --config configs/qwen3.py:8b,grpo,v5e,lora --compile v5e:2x4
     jaxrl plan --config configs/qwen3.py:8b,grpo,v5e,qlora --compile v5e:2x4
+    jaxrl plan --config configs/qwen3.py:4b,grpo,v5e-4,qlora --compile v5e:2x2
     jaxrl sft  --config configs/qwen3.py:0.6b,sft --workdir runs/sft
     jaxrl grpo --config configs/qwen3.py:0.6b --config.init.checkpoint=runs/sft --workdir runs/grpo
 
@@ -22,7 +23,7 @@ docs/guides/scale.md lists the compiled bytes and roofline times of every varian
 
 import os
 
-from jaxrl.config import family_config, lora_arg, with_lora
+from jaxrl.config import REAL_CHIPS, family_config, lora_arg, with_lora
 from jaxrl.rl import grpo
 from jaxrl.train import sft
 
@@ -43,7 +44,10 @@ SIZING = {("4b", "grpo", "v5e"): {"accum_steps": 16}}
 # 8 chips (Qwen3-8B has 8 KV heads: one per chip) cuts both copies to a quarter and keeps the
 # full GRPO batch (16 prompts x G=8 = 128 completions of up to 1536 tokens after 512 prompt
 # tokens, 64 decode slots): docs/guides/lora.md has the compiled figures.
-QLORA_SAMPLER = {("8b", "grpo", "v5e"): (1, 8)}
+# 4B GRPO on a v5e-4 (4 chips): the same step (128 completions, 64 decode slots) with the
+# sampler tensor-parallel over the 4 chips; at data=2 x tensor=2 the plan put the decode loop at
+# 16.3 GiB per chip (the bf16 sampler copy 3.9 + the 64 slots' KV cache twice).
+QLORA_SAMPLER = {("8b", "grpo", "v5e"): (1, 8), ("4b", "grpo", "v5e-4"): (1, 4)}
 FIXTURE = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
                                         "tests", "fixtures", "hf", "qwen3"))
 
@@ -56,7 +60,7 @@ def get_config(arg=None):
     return c
   parts = [x.strip() for x in (arg or "0.6b").split(",")]
   key = (parts[0], next((x for x in parts[1:] if x in ("sft", "grpo")), "grpo"),
-         next((x for x in parts[1:] if x in ("v5e", "v5p", "v6e")), "v5e"))
+         next((x for x in parts[1:] if x in REAL_CHIPS), "v5e"))
   if lora == "qlora" and key in QLORA_SAMPLER:
     c.placement.sampler_mesh.data, c.placement.sampler_mesh.tensor = QLORA_SAMPLER[key]
   return with_lora(c, quantize="int8" if lora == "qlora" else "")

@@ -423,7 +423,9 @@ def iter_config_files(root: str = "configs") -> Iterator[str]:
 
 
 # The ready-made real-model configs' chips (8-chip slices) and their plan.device names.
-REAL_CHIPS = {"v5e": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e"}
+# CHIP -> plan.device. The mesh takes every chip the slice has (mesh.fsdp = -1), so "v5e-4" (a
+# 4-chip v5e slice, for the LoRA variants that fit one) differs from "v5e" only in its sizing.
+REAL_CHIPS = {"v5e": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e", "v5e-4": "tpu-v5e"}
 
 
 def hf_model_config(arg, *, preset: str, checkpoint: str, fixture: str, sft_config,
@@ -532,7 +534,7 @@ def family_config(arg, *, models: dict, default: str, sft_config, grpo_config, f
   chip = next((x for x in parts[1:] if x in REAL_CHIPS), "v5e")
   unknown = [x for x in parts[1:] if x not in ("sft", "grpo", *REAL_CHIPS)]
   if model not in models or unknown:
-    raise ValueError(f"unknown arg {arg!r}: use MODEL[,sft|grpo][,v5e|v5p|v6e] with MODEL one "
+    raise ValueError(f"unknown arg {arg!r}: use MODEL[,sft|grpo][,v5e|v5p|v6e|v5e-4] with MODEL one "
                      f"of {', '.join(models)}, or 'fixture'")
   preset, ckpt = models[model]
   # Full remat everywhere; micro-batches by size (a 4B model's activations at one micro-batch
