@@ -153,6 +153,7 @@ def paged_decode_attention(q_bkgh, keys_knph, values_knph, pages_bn, pos_b):
   """decode_attention over a paged cache (jaxrl.sampler.paged): slot b's positions p <=
   pos_b[b] live at [:, pages_bn[b, p // P], p % P] of the pools keys and values [K, N, P, H]
   (-1 in pages_bn: no page; a slot fed a position pos >= n * P is idle, its output unused).
+  The pools come as stored (their dtype may differ from q's: a kernel reads them in place).
   The scope's paged kernel where it takes the call (TPU and GPU Pallas paged attention,
   jaxrl.backends), else xla_paged_decode_attention."""
   kernel = _TRACING.get().paged
@@ -174,7 +175,8 @@ def xla_paged_decode_attention(q_bkgh, keys_knph, values_knph, pages_bn, pos_b):
   def view(pool_knph):  # [K, B, n, P, H] -> [B, K, n * P, H]
     return pool_knph[:, idx_bn].transpose(1, 0, 2, 3, 4).reshape(B, K, n * P, H)
 
-  return xla_decode_attention(q_bkgh, view(keys_knph), view(values_knph), pos_b)
+  return xla_decode_attention(q_bkgh, view(keys_knph).astype(q_bkgh.dtype),
+                              view(values_knph).astype(q_bkgh.dtype), pos_b)
 
 
 def xla_attention(q_btkgh, keys_bksh, values_bksh, mask_bts):

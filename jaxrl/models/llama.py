@@ -336,8 +336,9 @@ class Attention(_Adapted):
     keys, values = jax.lax.optimization_barrier((keys, values))
     n, kh = cfg.num_heads, cfg.num_kv_heads
     q_bkgh = q_b1nh.reshape(B, kh, n // kh, cfg.head_dim)
-    out_bkgh = paged_decode_attention(q_bkgh, keys.astype(dt), values.astype(dt),
-                                      cache.pages_bn, pos_b)
+    # The pools as stored: a kernel reads them in place (a cast here would copy each whole
+    # pool every step); the gather path casts what it gathers.
+    out_bkgh = paged_decode_attention(q_bkgh, keys, values, cache.pages_bn, pos_b)
     o_fd = self.weight("o", dt).reshape(n * cfg.head_dim, cfg.embed_dim)
     out_bf = out_bkgh.reshape(B, n * cfg.head_dim)
     out_bd = self.adapted("o", out_bf @ o_fd, out_bf, key)

@@ -21,6 +21,13 @@ Why this kernel and not ragged_paged_attention (jax 0.12), which the issue named
 Limits (checked by takes; other calls go to the gather path): head_dim a multiple of 128 (the
 Mosaic lowering's lane tiling: compiled for v5e, head_dim 32 fails to lower; Qwen3, Llama 3 and
 Qwen2.5-7B have 128), float32 or bfloat16.
+
+Precision: the kernel casts the keys and values it loads to bfloat16 (jax 0.12,
+MultiPageAsyncCopyDescriptor._maybe_dequantize), then multiplies with float32 accumulation. For
+a bfloat16 cache that is exact; for a float32 one it rounds the operands as a TPU's
+default-precision product does (one bfloat16 pass), so a float32 rollout through it is not
+bit-equal to XLA's gather path on CPU (tests/test_paged_kernels.py checks it against the gather
+path over bfloat16-rounded pools).
 """
 
 from __future__ import annotations
@@ -63,7 +70,8 @@ def paged_decode(q_bkgh, keys_knph, values_knph, pages_bn, pos_b, *, interpret: 
   page_indices = jnp.maximum(pages_bn, 0).astype(jnp.int32)
   mode = pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext()
   with mode:
-    out = paged_attention(q, keys_knph.astype(q.dtype), values_knph.astype(q.dtype),
-                          paged_lengths(pos_b, n, P), page_indices,
+    # The pools as stored, float32 or bfloat16: the kernel reads keys and values as bfloat16
+    # whatever their dtype (its own cast, after the DMA into VMEM).
+    out = paged_attention(q, keys_knph, values_knph, paged_lengths(pos_b, n, P), page_indices,
                           pages_per_compute_block=pages_per_block(n, P))
   return out.reshape(B, K, G, H).astype(q_bkgh.dtype)
