@@ -156,6 +156,7 @@ def _tiny_head_dim_128(name):
   return dataclasses.replace(get_preset(name), head_dim=128)
 
 
+@pytest.mark.slow  # ~20 s on 2 busy cores: the dense and paged rollouts' compiles
 def test_the_paged_engine_through_the_kernel_equals_dense(devices, monkeypatch):
   """A float32 rollout with kv_cache=paged whose decode attention runs the GPU kernel
   (interpreted) through the backend hook is the dense rollout token for token. (The TPU
