@@ -228,7 +228,10 @@ def test_the_paged_decode_step_compiles_with_the_kernel_for_v5e(monkeypatch):
   """Mosaic lowers the kernel in the engine's decode step, one call per layer; with
   JAXRL_TPU_PAGED=xla the step has none. The memory figures are in docs/guides/kernels.md."""
   pytest.importorskip("libtpu", reason='libtpu is in the test extra: pip install -e ".[test]"')
-  calls = lambda hlo: len(re.findall(r"%paged_attention[.\d]* = .*tpu_custom_call", hlo))  # noqa: E731
+
+  def calls(hlo):  # the kernel's Mosaic calls
+    return len(re.findall(r"%paged_attention[.\d]* = .*tpu_custom_call", hlo))
+
   with_kernel = _decode_step_hlo(monkeypatch, "pallas")
   assert calls(with_kernel.as_text()) == 2, with_kernel.as_text()[:3000]  # one per layer
   without = _decode_step_hlo(monkeypatch, "xla")

@@ -76,8 +76,9 @@ def paged_lengths(pos_b, pages_per_slot: int, page_size: int):
 
 def per_device_paged(kernel, mesh, cache_spec):
   """kernel(q [B, K, G, H], key and value pools [K, N, P, H], pages [B, n], pos [B]) ->
-  [B, K, G, H] (a paged decode kernel), run on each device's slots and KV heads of `mesh`: slots over the axes of cache_spec[0] (the sampler's
-  dense cache spec [B, K, W, H]), KV heads over cache_spec[1]. The pools hold every page on
+  [B, K, G, H] (a paged decode kernel), run on each device's slots and KV heads of `mesh`:
+  slots over the axes of cache_spec[0] (the sampler's dense cache spec [B, K, W, H]), KV heads
+  over cache_spec[1]. The pools hold every page on
   every slot device (the engine replicates them over the slot axes, split over KV heads), so
   a slot's page ids need no translation. No communication: decode attention mixes neither
   slots nor KV heads. Returns fn(same arguments) -> the output, or None where the mesh's axes
