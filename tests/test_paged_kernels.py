@@ -135,7 +135,10 @@ def test_what_the_kernels_leave_to_the_gather_path(devices, monkeypatch):
   q3, k3, v3, _, _ = _inputs(3, 1, 128)
   assert gpu_backend.paged_decode_kernel(mesh, P("fsdp", "tensor"))(
       q3, k3, v3, pages, pos) is None
-  assert not gpu_paged.takes(96, jnp.float32) and tpu_paged.takes(256, jnp.bfloat16)
+  assert not gpu_paged.takes(96, jnp.float32, 16) and not gpu_paged.takes(64, jnp.float32, 4)
+  assert tpu_paged.takes(256, jnp.bfloat16) and not tpu_paged.takes(64, jnp.bfloat16)
+  # Triton's blocks are powers of two: a 48-page table splits 16 ways into blocks of 1 page.
+  assert gpu_paged.blocks(48) == (16, 1) and gpu_paged.blocks(64) == (16, 4)
   monkeypatch.setenv(tpu_backend.PAGED_ENV, "xla")
   monkeypatch.setenv(gpu_backend.PAGED_ENV, "xla")
   assert tpu_backend.paged_decode_kernel(mesh, P("fsdp", "tensor")) is None

@@ -48,7 +48,7 @@ def paged_decode_kernel(mesh, cache_spec, *, interpret: bool = False):
                          cache_spec)
 
   def kernel(q_bkgh, keys_knph, values_knph, pages_bn, pos_b):
-    if not paged.takes(q_bkgh.shape[-1], q_bkgh.dtype):
+    if not paged.takes(q_bkgh.shape[-1], q_bkgh.dtype, keys_knph.shape[2]):
       return None
     return run(q_bkgh, keys_knph, values_knph, pages_bn, pos_b)
 

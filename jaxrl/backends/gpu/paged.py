@@ -20,15 +20,28 @@ MAX_BLOCK_PAGES = 8  # the kernel's default pages_per_compute_block
 BLOCK_H = 16  # query heads per program: the kernel's minimum (Triton's smallest dot)
 
 
-def takes(head_dim: int, dtype) -> bool:
-  """Whether the kernel takes a decode call: a power-of-two head_dim of at least 16 (Triton's
-  block shapes), a float dtype."""
-  return (head_dim >= 16 and head_dim & (head_dim - 1) == 0
+def takes(head_dim: int, dtype, page_size: int) -> bool:
+  """Whether the kernel takes a decode call: a power-of-two head_dim of at least 16 and pages of
+  a power of two of at least 16 positions (Triton's block shapes are powers of two, its
+  smallest dot 16), a float dtype."""
+  def pow2(n):
+    return n >= 16 and n & (n - 1) == 0
+  return (pow2(head_dim) and pow2(page_size)
           and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16, jnp.float16))
 
 
 def _largest_divisor(n: int, most: int) -> int:
   return max(d for d in range(1, min(most, n) + 1) if n % d == 0)
+
+
+def blocks(pages_per_slot: int) -> tuple[int, int]:
+  """(k_splits, pages_per_compute_block) for a table of this many pages: the most splits (up to
+  16) that divide it, then the largest power of two (up to 8 pages) that divides a split, so a
+  compute block (pages x P positions) stays a power of two for Triton."""
+  splits = _largest_divisor(pages_per_slot, MAX_SPLITS)
+  per_split = pages_per_slot // splits
+  block = max(b for b in (1, 2, 4, 8) if b <= MAX_BLOCK_PAGES and per_split % b == 0)
+  return splits, block
 
 
 def paged_decode(q_bkgh, keys_knph, values_knph, pages_bn, pos_b, *, interpret: bool = False):
@@ -40,8 +53,7 @@ def paged_decode(q_bkgh, keys_knph, values_knph, pages_bn, pos_b, *, interpret: 
   B, K, G, H = q_bkgh.shape
   P = keys_knph.shape[2]
   n = pages_bn.shape[1]
-  splits = _largest_divisor(n, MAX_SPLITS)
-  block = _largest_divisor(n // splits, MAX_BLOCK_PAGES)
+  splits, block = blocks(n)
   q = (q_bkgh * jnp.asarray(H**-0.5, q_bkgh.dtype)).reshape(B, K * G, H)
   out = pallas_gpu.paged_attention(
       q, keys_knph.astype(q.dtype), values_knph.astype(q.dtype),
