@@ -55,6 +55,8 @@ def paged_decode(q_bkgh, keys_knph, values_knph, pages_bn, pos_b, *, interpret: 
   n = pages_bn.shape[1]
   splits, block = blocks(n)
   q = (q_bkgh * jnp.asarray(H**-0.5, q_bkgh.dtype)).reshape(B, K * G, H)
+  # Triton's dots take one dtype: a no-op when the cache is in the model's dtype (the engine's
+  # default); a pool in another dtype would be copied whole each step.
   out = pallas_gpu.paged_attention(
       q, keys_knph.astype(q.dtype), values_knph.astype(q.dtype),
       jnp.maximum(pages_bn, 0).astype(jnp.int32), paged_lengths(pos_b, n, P),
