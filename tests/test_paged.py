@@ -92,11 +92,12 @@ def test_a_group_shares_its_prompt_pages_and_frees_them_when_done(model, mesh):
   assert len(set(own.tolist())) == 3 and (refs[own] == 1).all()
   assert (table[1] == -1).all() and (table[:, 3:] == -1).all()
   assert engine.pages_in_use(state) == 2 + 3
-  # The shared pages hold the prompt's keys: page j, offset o is prompt position 4j + o.
+  # The shared pages hold the prompt's keys: page j, offset o is prompt position 4j + o (the
+  # pool is [K, N, P, H]).
   keys = np.asarray(state["cache"][0][0])
   prompt_keys = np.asarray(prefix["kv"][0][0])[0]  # [K, T, H]
-  np.testing.assert_array_equal(keys[table[0, 1]], prompt_keys[:, 4:8])
-  np.testing.assert_array_equal(keys[own[1], :, :2], prompt_keys[:, 8:10])
+  np.testing.assert_array_equal(keys[:, table[0, 1]], prompt_keys[:, 4:8])
+  np.testing.assert_array_equal(keys[:, own[1], :2], prompt_keys[:, 8:10])
   # Decoding past position 11 takes one new page per slot; 6 tokens finish every slot, and
   # then every page is free again.
   state, out = engine.generate_steps(params, state, jax.random.key(0), steps=5)

@@ -5,8 +5,10 @@ here when a program is traced for a mesh; every learner and decode program compi
 options from `compiler_options`. Each asks the backend of the devices' platform:
 
   cpu     jaxrl.backends.cpu: C++ attention kernels, the dot-kernel choice, TCMalloc
-  tpu     jaxrl.backends.tpu: splash attention for the learner (Pallas, Mosaic; opt-in)
-  gpu     jaxrl.backends.gpu: flash attention for the learner (Pallas Triton; cuDNN opt-in)
+  tpu     jaxrl.backends.tpu: splash attention for the learner (Pallas, Mosaic; opt-in), paged
+          attention for the paged cache's decode step
+  gpu     jaxrl.backends.gpu: flash attention for the learner (Pallas Triton; cuDNN opt-in),
+          paged attention for the paged cache's decode step
   others  XLA's own attention and compile options
 
 A backend is a package beside cpu/ and one branch in each function below; jaxrl.models.llama
@@ -56,6 +58,21 @@ def decode_kernel(mesh, cache_spec):
   XLA."""
   if on_cpu(mesh.devices.flat):
     return cpu.decode_kernel(mesh, cache_spec)
+  return None
+
+
+def paged_decode_kernel(mesh, cache_spec):
+  """A kernel for the decode step's attention over a paged KV cache (jaxrl.sampler.paged) on
+  `mesh`, for a sampler whose dense cache would be laid out as `cache_spec` [B, K, W, H] (slots
+  over its first axes, KV heads over its second), or None: XLA's gather path. The kernel is a
+  function of (q [B, K, G, H], key and value pools [K, N, P, H], page tables [B, n], positions
+  [B]) that returns [B, K, G, H], or None for inputs it leaves to XLA. TPU: Pallas TPU paged
+  attention; GPU: Pallas (Triton) paged attention; CPU and others: none (the gather path)."""
+  platform = platform_of(mesh.devices.flat)
+  if platform == "tpu":
+    return tpu.paged_decode_kernel(mesh, cache_spec)
+  if platform == "gpu":
+    return gpu.paged_decode_kernel(mesh, cache_spec)
   return None
 
 

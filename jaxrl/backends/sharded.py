@@ -1,4 +1,5 @@
-"""Running a full-sequence attention kernel per device, for the TPU and GPU backends.
+"""Running a full-sequence attention kernel, or a paged decode kernel, per device, for the TPU
+and GPU backends.
 
 A Pallas kernel is one device's program: under jit on a mesh it must run inside shard_map,
 each device on its own rows and KV heads (the layout's `batch` and `kv_heads` rules), with no
@@ -9,6 +10,7 @@ comes as segment ids (jaxrl.models.attention.Causal) rather than a [B, T, S] arr
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 from jax import shard_map
 from jax.sharding import PartitionSpec as P
@@ -61,5 +63,41 @@ def per_device(kernel, mesh, *, batch, kv_heads):
     return shard_map(kernel, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg, seg),
                      out_specs=q_spec, check_vma=False)(
                          q_btkgh, keys_bksh, values_bksh, q_segment_ids, kv_segment_ids)
+
+  return sharded
+
+
+def paged_lengths(pos_b, pages_per_slot: int, page_size: int):
+  """The keys each slot reads: its positions 0..pos. A slot fed a position past its table
+  (idle: the engine feeds n * P) reads one, so the kernel fetches one page for it, not its
+  whole table; its output is not used."""
+  return jnp.where(pos_b < pages_per_slot * page_size, pos_b + 1, 1).astype(jnp.int32)
+
+
+def per_device_paged(kernel, mesh, cache_spec):
+  """kernel(q [B, K, G, H], key and value pools [K, N, P, H], pages [B, n], pos [B]) ->
+  [B, K, G, H] (a paged decode kernel), run on each device's slots and KV heads of `mesh`:
+  slots over the axes of cache_spec[0] (the sampler's dense cache spec [B, K, W, H]), KV heads
+  over cache_spec[1]. The pools hold every page on
+  every slot device (the engine replicates them over the slot axes, split over KV heads), so
+  a slot's page ids need no translation. No communication: decode attention mixes neither
+  slots nor KV heads. Returns fn(same arguments) -> the output, or None where the mesh's axes
+  do not divide the slots or KV heads."""
+  if mesh.devices.size == 1:
+    return kernel
+  b, k = (tuple(cache_spec) + (None, None))[:2]
+
+  def ways(axes):
+    axes = (axes,) if isinstance(axes, str) else axes or ()
+    return int(np.prod([mesh.shape[a] for a in axes]))
+
+  def sharded(q_bkgh, keys_knph, values_knph, pages_bn, pos_b):
+    if q_bkgh.shape[0] % ways(b) or q_bkgh.shape[1] % ways(k):
+      return None
+    q_spec, pool_spec = P(b, k, None, None), P(k, None, None, None)
+    return shard_map(kernel, mesh=mesh,
+                     in_specs=(q_spec, pool_spec, pool_spec, P(b, None), P(b)),
+                     out_specs=q_spec, check_vma=False)(
+                         q_bkgh, keys_knph, values_knph, pages_bn, pos_b)
 
   return sharded

@@ -14,7 +14,8 @@ is chosen while jax traces the layers. So the code that builds a program sets it
 around the traced function:
 
   jaxrl.parallel.shard_activations   learner programs: rows pinned, the full-sequence kernel
-  jaxrl.sampler.Engine               decode steps: the decode kernel
+  jaxrl.sampler.Engine               decode steps: the decode kernel (dense cache) or the
+                                     paged decode kernel (paged cache)
 
 The same scope carries the residual stream's row sharding (pin_rows), for the same reason.
 Anything traced outside a scope gets XLA's attention and unpinned rows.
@@ -67,6 +68,9 @@ class Tracing(NamedTuple):
   attention: Callable | None = None
   # (q [B, K, G, H], keys, values [B, K, S, H], pos [B]) -> [B, K, G, H] or None.
   decode: Callable | None = None
+  # (q [B, K, G, H], key and value pools [K, N, P, H], pages [B, n], pos [B]) -> [B, K, G, H]
+  # or None: the paged cache's decode step (paged_decode_attention).
+  paged: Callable | None = None
 
 
 _TRACING: contextvars.ContextVar[Tracing] = contextvars.ContextVar("jaxrl_tracing",
@@ -74,11 +78,11 @@ _TRACING: contextvars.ContextVar[Tracing] = contextvars.ContextVar("jaxrl_tracin
 
 
 @contextlib.contextmanager
-def tracing(*, pin_rows=None, attention=None, decode=None):
+def tracing(*, pin_rows=None, attention=None, decode=None, paged=None):
   """While tracing inside this scope, the model pins its residual stream's rows with `pin_rows`
-  and calls the `attention` and `decode` kernels (each None: XLA's). The scope sets all three:
-  an inner scope does not inherit an outer one's."""
-  token = _TRACING.set(Tracing(pin_rows, attention, decode))
+  and calls the `attention`, `decode` and `paged` (decode over a paged cache) kernels (each
+  None: XLA's). The scope sets all four: an inner scope does not inherit an outer one's."""
+  token = _TRACING.set(Tracing(pin_rows, attention, decode, paged))
   try:
     yield
   finally:
@@ -95,6 +99,13 @@ def decode_kernel(mesh, cache_spec):
   """The selected backend's decode-step kernel for a KV cache laid out as `cache_spec` on
   `mesh`, or None (jaxrl.backends)."""
   return backends.decode_kernel(mesh, cache_spec)
+
+
+def paged_decode_kernel(mesh, cache_spec):
+  """The selected backend's decode-step kernel over a paged cache, for a sampler whose dense
+  cache would be laid out as `cache_spec` [B, K, W, H] on `mesh` (slots over its first axes,
+  KV heads over its second), or None (jaxrl.backends)."""
+  return backends.paged_decode_kernel(mesh, cache_spec)
 
 
 def pin_rows(x):
@@ -128,21 +139,44 @@ def decode_attention(q_bkgh, keys_bksh, values_bksh, pos_b):
   return out_bkgh
 
 
-def paged_decode_attention(q_bkgh, keys_nkph, values_nkph, pages_bn, pos_b):
+def paged_write(pool_knph, page_b, off_b, x_bkh):
+  """The paged cache's one layout (jaxrl.sampler.paged): a layer's key or value pool is
+  [K, N, P, H], KV head first, so that the TPU and GPU paged attention kernels read it in place.
+  Returns the pool with slot b's new key or value x_bkh[b] at offset off_b[b] of page page_b[b]
+  (page N or beyond: dropped)."""
+  # Two adjacent advanced indices after a slice: the updated elements are [K, B, H].
+  return pool_knph.at[:, page_b, off_b].set(x_bkh.transpose(1, 0, 2).astype(pool_knph.dtype),
+                                             mode="drop")
+
+
+def paged_decode_attention(q_bkgh, keys_knph, values_knph, pages_bn, pos_b):
   """decode_attention over a paged cache (jaxrl.sampler.paged): slot b's positions p <=
-  pos_b[b] live at [pages_bn[b, p // P], :, p % P] of the pools keys and values [N, K, P, H].
-  XLA's gather path: each slot's pages are gathered into a [B, K, n * P, H] view (an unheld
-  page, -1, reads page 0; it lies past pos_b, masked) and attended as the dense cache is, so
-  the result is the dense cache's. The TPU ragged paged attention kernel, which reads the pool
-  in place, is the next step (docs/guides/kernels.md)."""
+  pos_b[b] live at [:, pages_bn[b, p // P], p % P] of the pools keys and values [K, N, P, H]
+  (-1 in pages_bn: no page; a slot fed a position pos >= n * P is idle, its output unused).
+  The pools come as stored (their dtype may differ from q's: a kernel reads them in place).
+  The scope's paged kernel where it takes the call (TPU and GPU Pallas paged attention,
+  jaxrl.backends), else xla_paged_decode_attention."""
+  kernel = _TRACING.get().paged
+  out_bkgh = None if kernel is None else kernel(q_bkgh, keys_knph, values_knph, pages_bn, pos_b)
+  if out_bkgh is None:
+    out_bkgh = xla_paged_decode_attention(q_bkgh, keys_knph, values_knph, pages_bn, pos_b)
+  return out_bkgh
+
+
+def xla_paged_decode_attention(q_bkgh, keys_knph, values_knph, pages_bn, pos_b):
+  """XLA's gather path for paged_decode_attention: each slot's pages are gathered into a
+  [B, K, n * P, H] view (an unheld page, -1, reads page 0; it lies past pos_b, masked) and
+  attended as the dense cache is, so the result is the dense cache's. It reads n * P positions
+  per slot, its whole table; the kernels read each slot up to its own length."""
   B, n = pages_bn.shape
-  _, K, P, H = keys_nkph.shape
+  K, _, P, H = keys_knph.shape
   idx_bn = jnp.maximum(pages_bn, 0)
 
-  def view(pool_nkph):  # [B, n, K, P, H] -> [B, K, n * P, H]
-    return pool_nkph[idx_bn].transpose(0, 2, 1, 3, 4).reshape(B, K, n * P, H)
+  def view(pool_knph):  # [K, B, n, P, H] -> [B, K, n * P, H]
+    return pool_knph[:, idx_bn].transpose(1, 0, 2, 3, 4).reshape(B, K, n * P, H)
 
-  return xla_decode_attention(q_bkgh, view(keys_nkph), view(values_nkph), pos_b)
+  return xla_decode_attention(q_bkgh, view(keys_knph).astype(q_bkgh.dtype),
+                              view(values_knph).astype(q_bkgh.dtype), pos_b)
 
 
 def xla_attention(q_btkgh, keys_bksh, values_bksh, mask_bts):

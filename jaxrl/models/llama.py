@@ -32,7 +32,7 @@ from flax import nnx
 
 from jaxrl.models import quant
 from jaxrl.models.attention import (Causal, attention, decode_attention, paged_decode_attention,
-                                   pin_rows)
+                                   paged_write, pin_rows)
 from jaxrl.models.config import ModelConfig, RopeScaling
 from jaxrl.models.logprobs import chunked_token_logprobs, lm_head
 
@@ -46,8 +46,8 @@ KVCache = list[tuple[jax.Array, jax.Array]]
 
 class PagedKV(NamedTuple):
   """One layer's paged KV cache (jaxrl.sampler.paged): keys and values are pools of pages
-  [N, K, P, H], and pages_bn [B, n] is each slot's page table (-1: no page), shared by every
-  layer. Position p of slot b lives at [pages_bn[b, p // P], :, p % P]. Only the decode step
+  [K, N, P, H], and pages_bn [B, n] is each slot's page table (-1: no page), shared by every
+  layer. Position p of slot b lives at [:, pages_bn[b, p // P], p % P]. Only the decode step
   (T = 1) takes it."""
   keys: jax.Array
   values: jax.Array
@@ -323,7 +323,7 @@ class Attention(_Adapted):
     cfg = self.cfg
     dt = q_b1nh.dtype
     B = q_b1nh.shape[0]
-    num_pages, _, page_size, _ = cache.keys.shape
+    _, num_pages, page_size, _ = cache.keys.shape
     n_pages = cache.pages_bn.shape[1]
     j_b = pos_b // page_size
     page_b = jnp.take_along_axis(cache.pages_bn, jnp.clip(j_b, 0, n_pages - 1)[:, None],
@@ -331,13 +331,14 @@ class Attention(_Adapted):
     # An unheld page (-1) or a position past the table goes to page N: the scatter drops it.
     page_b = jnp.where((j_b < n_pages) & (page_b >= 0), page_b, num_pages)
     off_b = pos_b % page_size
-    keys, values = (c.at[page_b, :, off_b].set(x[:, 0].astype(c.dtype), mode="drop")
+    keys, values = (paged_write(c, page_b, off_b, x[:, 0])
                     for c, x in ((cache.keys, k_b1kh), (cache.values, v_b1kh)))
     keys, values = jax.lax.optimization_barrier((keys, values))
     n, kh = cfg.num_heads, cfg.num_kv_heads
     q_bkgh = q_b1nh.reshape(B, kh, n // kh, cfg.head_dim)
-    out_bkgh = paged_decode_attention(q_bkgh, keys.astype(dt), values.astype(dt),
-                                      cache.pages_bn, pos_b)
+    # The pools as stored: a kernel reads them in place (a cast here would copy each whole
+    # pool every step); the gather path casts what it gathers.
+    out_bkgh = paged_decode_attention(q_bkgh, keys, values, cache.pages_bn, pos_b)
     o_fd = self.weight("o", dt).reshape(n * cfg.head_dim, cfg.embed_dim)
     out_bf = out_bkgh.reshape(B, n * cfg.head_dim)
     out_bd = self.adapted("o", out_bf @ o_fd, out_bf, key)

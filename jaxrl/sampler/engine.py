@@ -132,7 +132,7 @@ class Engine:
   def _paged_init_fn(self, slots: int, n: int, pages: int, page_size: int):
     cfg = self.cfg
     dtype = init_cache(cfg, 1, 1)[0][0].dtype
-    pool = (pages, cfg.num_kv_heads, page_size, cfg.head_dim)
+    pool = paged.pool_shape(pages, cfg.num_kv_heads, page_size, cfg.head_dim)
 
     @functools.partial(jax.jit, out_shardings=self._paged_shardings(slots))
     def init(max_len):
@@ -151,7 +151,7 @@ class Engine:
     """The pool is replicated over the batch axes and split over KV heads as the dense cache
     is; the page table follows the slots; refs are replicated."""
     dense = cache_sharding(self.mesh, self.cfg, slots, 1).spec
-    pool = NamedSharding(self.mesh, PartitionSpec(None, dense[1] if len(dense) > 1 else None))
+    pool = NamedSharding(self.mesh, PartitionSpec(dense[1] if len(dense) > 1 else None))
     vec = batch_sharding(self.mesh, 1, "sampler")
     return {"cache": [(pool, pool)] * self.cfg.num_layers,
             "pages": batch_sharding(self.mesh, 2, "sampler"),
@@ -322,14 +322,10 @@ class Engine:
     tp = -(-T // page_size)
     refs, table_mj, write_mj = paged.prompt_pages(
         state["refs"], length_m, lead_m, valid_m, ~done_m, page_size=page_size, num_pages=tp)
-    cache = []
-    for layer, prefix_layer in zip(state["cache"], prefix["kv"]):
-      # [P, tp, K, page, H] per row, written to the pages the entries allocated.
-      cache.append(tuple(
-          c.at[write_mj.reshape(-1)].set(
-              paged.to_pages(x, page_size)[rows_m, :tp].reshape(-1, *c.shape[1:]).astype(c.dtype),
-              mode="drop")
-          for c, x in zip(layer, prefix_layer)))
+    # Each row's prompt pages, written to the pages the entries allocated.
+    cache = [tuple(paged.write_prompt(c, x, rows_m, write_mj)
+                   for c, x in zip(layer, prefix_layer))
+             for layer, prefix_layer in zip(state["cache"], prefix["kv"])]
     table_mn = jnp.pad(table_mj, ((0, 0), (0, n - tp)), constant_values=-1)
     pages = state["pages"].at[slots_m].set(table_mn, mode="drop")
     state = dict(state, cache=cache, pages=pages, refs=refs)
@@ -360,7 +356,8 @@ class Engine:
     model = nnx.merge(self.graphdef, params)
     width = window(state)
     if is_paged(state):
-      return self._scan_steps(model, state, key, steps, width)
+      with attention.tracing(paged=self._paged_kernel(state)):
+        return self._scan_steps(model, state, key, steps, width)
     with attention.tracing(decode=self._attention_kernel(state)):
       return self._scan_steps(model, state, key, steps, width)
 
@@ -373,6 +370,13 @@ class Engine:
     slots, width = state["live"].shape[0], window(state)
     return attention.decode_kernel(
         self.mesh, cache_sharding(self.mesh, self.cfg, slots, width).spec)
+
+  def _paged_kernel(self, state: DecodeState):
+    """The backend's paged decode attention kernel (Pallas paged attention on TPU and GPU,
+    jaxrl.backends), or None: XLA's gather path (attention.xla_paged_decode_attention)."""
+    slots = state["live"].shape[0]
+    return attention.paged_decode_kernel(
+        self.mesh, cache_sharding(self.mesh, self.cfg, slots, 1).spec)
 
   def _scan_steps(self, model, state, key, steps, width):
     sp = self.sampling

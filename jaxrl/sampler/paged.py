@@ -2,7 +2,9 @@
 (docs/design.md, "The paged KV cache").
 
 A paged decode state holds, beside the dense state's [B] vectors:
-  cache      per layer a (keys, values) pair of page pools [N, K, P, H]
+  cache      per layer a (keys, values) pair of page pools [K, N, P, H]: KV head first, the
+             layout jax's TPU and GPU paged attention kernels read in place
+             (jaxrl.models.attention.paged_write writes one position)
   pages      [B, n] int32, slot b's page table: position p lives on page pages[b, p // P]
              at offset p % P; -1 where the slot holds no page
   refs       [N] int32, how many slots hold each page; refs == 0 is the free list
@@ -79,6 +81,23 @@ def pages_needed(lengths, leads, *, page_size: int) -> int:
   leads[m] True for the first entry of each prefix row."""
   return sum((n // page_size if lead else 0) + (n % page_size > 0)
              for n, lead in zip(lengths, leads))
+
+
+def pool_shape(num_pages: int, kv_heads: int, page_size: int, head_dim: int):
+  """One layer's key (or value) pool: [K, N, P, H]."""
+  return (kv_heads, num_pages, page_size, head_dim)
+
+
+def write_prompt(pool_knph, kv_pkth, rows_m, write_mj):
+  """The pool with entry m's prefix row rows_m[m] of kv_pkth [P, K, T, H] written page by page:
+  its page j (positions j*P..) to page write_mj[m, j] (N: not written, e.g. a shared page its
+  lead writes). write_mj [M, tp] covers the prefix's first tp pages."""
+  K, _, page, H = pool_knph.shape
+  tp = write_mj.shape[1]
+  pages_mjkph = to_pages(kv_pkth, page)[rows_m, :tp]
+  pages_kxph = pages_mjkph.transpose(2, 0, 1, 3, 4).reshape(K, -1, page, H)
+  return pool_knph.at[:, write_mj.reshape(-1)].set(pages_kxph.astype(pool_knph.dtype),
+                                                   mode="drop")
 
 
 def to_pages(kv_pkth, page_size: int):

@@ -2,13 +2,17 @@
 gradient (attention.py). jaxrl.backends asks it on GPU devices only.
 
   JAXRL_GPU_ATTENTION=pallas|cudnn|xla   the learner's attention (default: pallas)
+  JAXRL_GPU_PAGED=pallas|xla             the paged KV cache's decode attention (default:
+                                         pallas, the Pallas Triton paged attention kernel,
+                                         paged.py; xla: the gather path)
 
 pallas: jax's Pallas (Triton) flash attention, for causal rows with or without packed
 segments, in any float dtype. cudnn: cuDNN's fused attention (jax.nn.dot_product_attention)
 where it takes the call (bfloat16/float16 rows without packing), Pallas for the other rows.
 Pallas is the default because it is the one checked here, against XLA's attention in Pallas's
 interpreter (tests/test_kernels.py); no GPU was available to time either, and cuDNN's path
-has not run. Decoding keeps XLA's attention on GPU (no decode kernel yet).
+has not run. Decoding over the dense cache keeps XLA's attention on GPU; over the paged cache
+it runs the Pallas paged attention kernel (checked in the interpreter only, never on a GPU).
 """
 
 from __future__ import annotations
@@ -18,11 +22,37 @@ import os
 
 from jaxrl.backends.gpu.attention import (cudnn_attention, handles_cudnn, handles_pallas,
                                           pallas_attention)
-from jaxrl.backends.sharded import per_device
+from jaxrl.backends.gpu import paged
+from jaxrl.backends.sharded import per_device, per_device_paged
 from jaxrl.errors import check_choice
 
 ENV = "JAXRL_GPU_ATTENTION"
 CHOICES = ("pallas", "cudnn", "xla")
+PAGED_ENV = "JAXRL_GPU_PAGED"
+
+
+def paged_choice() -> str:
+  """The paged cache's decode attention JAXRL_GPU_PAGED names (default pallas)."""
+  return check_choice(PAGED_ENV, os.environ.get(PAGED_ENV, "pallas").strip().lower(),
+                      ("pallas", "xla"))
+
+
+def paged_decode_kernel(mesh, cache_spec, *, interpret: bool = False):
+  """The Pallas GPU paged attention kernel for the paged cache's decode step on `mesh`, per
+  device under shard_map; None with JAXRL_GPU_PAGED=xla. The kernel returns None (XLA's gather
+  path) for calls paged.takes refuses and where the mesh's axes do not divide the slots or KV
+  heads. interpret: Pallas's interpreter (tests on CPU devices)."""
+  if paged_choice() == "xla":
+    return None
+  run = per_device_paged(functools.partial(paged.paged_decode, interpret=interpret), mesh,
+                         cache_spec)
+
+  def kernel(q_bkgh, keys_knph, values_knph, pages_bn, pos_b):
+    if not paged.takes(q_bkgh.shape[-1], q_bkgh.dtype, keys_knph.shape[2]):
+      return None
+    return run(q_bkgh, keys_knph, values_knph, pages_bn, pos_b)
+
+  return kernel
 
 
 def choice() -> str:
@@ -68,5 +98,7 @@ def describe() -> dict[str, str]:
                "for the learner's other causal self-attention",
       "xla": f"xla ({ENV}=xla)"}[which]
   if which != "xla":
-    attention += "; xla for decoding, cached forwards and grouped-prompt completions"
+    attention += "; xla for dense-cache decoding, cached forwards and grouped-prompt completions"
+  attention += ("; pallas paged attention for paged-cache decoding" if paged_choice() == "pallas"
+                else f"; xla paged gather ({PAGED_ENV}=xla)")
   return {"attention": attention, "dots": "xla"}

@@ -3,6 +3,9 @@ attention, forward and gradient. jaxrl.backends asks it on TPU devices only (rea
 topology's abstract devices when `jaxrl plan --compile` compiles for one on a CPU machine).
 
   JAXRL_TPU_ATTENTION=splash|xla   the learner's attention (default: xla)
+  JAXRL_TPU_PAGED=pallas|xla       the paged KV cache's decode attention (default: pallas, the
+                                   Pallas TPU paged attention kernel, paged.py; xla: the
+                                   gather path)
   JAXRL_TPU_COLLECTIVE_MATMUL=off|on
                                    XLA's windowed einsum (collective matmul) for the FSDP
                                    all-gathers of learner programs (default: off, see
@@ -12,7 +15,8 @@ Splash is opt-in until it has been timed on a TPU and the memory plan is recalib
 compiled for a v5e-8, Qwen3-0.6B's GRPO train step held 10.77 GiB per chip with splash
 against 10.65 with XLA's attention (whose TPU compiler already fuses the masked softmax into
 online-softmax calls), and the plan, within 15% of the XLA-attention step, came out 34% under
-the splash one (docs/guides/kernels.md). Decoding keeps XLA's attention on TPU.
+the splash one (docs/guides/kernels.md). Decoding over the dense cache keeps XLA's attention
+on TPU; over the paged cache (rollout.kv_cache=paged) it runs the paged attention kernel.
 """
 
 from __future__ import annotations
@@ -20,13 +24,40 @@ from __future__ import annotations
 import functools
 import os
 
-from jaxrl.backends.sharded import per_device
+from jaxrl.backends.sharded import per_device, per_device_paged
+from jaxrl.backends.tpu import paged
 from jaxrl.backends.tpu.attention import splash_attention, takes
 from jaxrl.errors import check_choice
 
 ENV = "JAXRL_TPU_ATTENTION"
 CHOICES = ("splash", "xla")
 COLLECTIVE_MATMUL_ENV = "JAXRL_TPU_COLLECTIVE_MATMUL"
+PAGED_ENV = "JAXRL_TPU_PAGED"
+
+
+def paged_choice() -> str:
+  """The paged cache's decode attention JAXRL_TPU_PAGED names (default pallas)."""
+  return check_choice(PAGED_ENV, os.environ.get(PAGED_ENV, "pallas").strip().lower(),
+                      ("pallas", "xla"))
+
+
+def paged_decode_kernel(mesh, cache_spec, *, interpret: bool = False):
+  """The Pallas TPU paged attention kernel for the paged cache's decode step on `mesh` (slots
+  and KV heads laid out as the sampler's dense `cache_spec` would be), per device under
+  shard_map; None with JAXRL_TPU_PAGED=xla. The kernel returns None (XLA's gather path) for
+  calls paged.takes refuses (head_dim not a multiple of 128) and where the mesh's axes do not
+  divide the slots or KV heads. interpret: Pallas's TPU interpreter (tests on CPU devices)."""
+  if paged_choice() == "xla":
+    return None
+  run = per_device_paged(functools.partial(paged.paged_decode, interpret=interpret), mesh,
+                         cache_spec)
+
+  def kernel(q_bkgh, keys_knph, values_knph, pages_bn, pos_b):
+    if not paged.takes(q_bkgh.shape[-1], q_bkgh.dtype):
+      return None
+    return run(q_bkgh, keys_knph, values_knph, pages_bn, pos_b)
+
+  return kernel
 
 
 def choice() -> str:
@@ -85,7 +116,9 @@ def compiler_options(program: str) -> dict | None:
 def describe() -> dict[str, str]:
   """The attention and dot kernels this process runs on TPU, for run records."""
   attention = ("splash (pallas tpu) for the learner's causal full-sequence attention; xla for "
-               "decoding and cached forwards" if choice() == "splash" else
+               "dense-cache decoding and cached forwards" if choice() == "splash" else
                f"xla ({ENV}=xla)")
+  attention += ("; pallas tpu paged attention for paged-cache decoding (head_dim % 128 == 0)"
+                if paged_choice() == "pallas" else f"; xla paged gather ({PAGED_ENV}=xla)")
   return {"attention": attention, "dots": "xla",
           "collective_matmul": f"{collective_matmul()} ({COLLECTIVE_MATMUL_ENV})"}
