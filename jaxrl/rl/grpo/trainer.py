@@ -11,8 +11,9 @@ Each step:
   1. sync the policy's weights into the sampler layout (timed: sync/ms);
   2. sample B prompts x G completions with the engine (continuous batching, one prefill per
      group); with dynamic sampling, groups whose G rewards are all equal are dropped and more
-     prompts are sampled to refill the batch. With rollout.async_generation, steps 1-3 for step
-     k+1 run on the sampler's devices during step k's update (one step stale);
+     prompts are sampled to refill the batch. With rollout.async_generation, a producer thread
+     (producer.py) runs steps 2-3 ahead on the sampler's devices into a bounded queue, up to
+     rollout.max_staleness versions stale, and the step takes B groups from it;
   3. score the completions with the configured reward functions (host Python) and, when
      reward_model.checkpoints names any, with frozen reward models on the learner mesh
      (rewards.py);
@@ -33,7 +34,7 @@ defaults to token-mean (DAPO) rather than the paper's per-sequence mean; the KL 
 estimator in the loss, as in the paper, but clamped at 10 (as verl); the advantage divides by
 the group's unbiased std plus eps = 1e-6 (as TRL) and is clipped to +-5; the clip range is
 eps_low = eps_high = 0.2 (eps_high > eps_low is DAPO's clip-higher). The sampler's log-probs
-differ from the learner's only by numerics (and staleness when overlapped); their ratio is
+differ from the learner's only by numerics (and staleness when async); their ratio is
 logged as is_ratio/mean and can correct the loss by truncated importance sampling (tis_cap).
 """
 
