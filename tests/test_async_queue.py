@@ -56,7 +56,7 @@ def test_versions_are_fixed_by_position_and_never_more_than_k_stale(k):
   B, calls, released = 3, [], []
   stream = PromptStream(_records(20), B, seed=0)
   order = [x["id"] for x in PromptStream(_records(20), 6 * B, seed=0).__next__()]
-  q = _queue(_records(20), B, k, calls, stream=stream, release=released.append)
+  q = _queue(_records(20), B, k, calls, stream=stream, release=released.append, end_step=6)
   try:
     taken = _run(q, 6)
   finally:
@@ -69,8 +69,8 @@ def test_versions_are_fixed_by_position_and_never_more_than_k_stale(k):
     assert 0.0 <= t.metrics["perf/sampler_busy"] <= 1.0 and t.metrics["timing_s/gen_wait"] >= 0
     assert t.metrics["rollout/queue_len"] <= k * B
   # The sampler ran on the version the position says, with the stream's prompts in order.
-  assert [c[0] for c in calls[:6]] == [max(0, n - k) for n in range(6)]
-  assert [i for c in calls[:6] for i in c[1]] == order
+  assert [c[0] for c in calls] == [max(0, n - k) for n in range(6)]  # none past the end
+  assert [i for c in calls for i in c[1]] == order
   # Every copy a unit no longer needs was freed, the rest at close.
   assert sorted(released) == sorted(set(released)) and set(released) == set(range(6))
 

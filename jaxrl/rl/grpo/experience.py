@@ -176,7 +176,8 @@ def queued_rollouts(p: Parts, state, step: int):
         sample=lambda params, prompts, unit: sample(p, params, prompts, unit, 0),
         stream=stream.clone(), batch=r.prompts_per_step, group=r.group_size,
         max_staleness=r.get("max_staleness", 1), filter_zero_std=a.filter_zero_std,
-        max_refill_rounds=a.max_refill_rounds, start_step=step, resume=stream.resume_queue,
+        max_refill_rounds=a.max_refill_rounds, start_step=step,
+        end_step=p.config.train.steps, resume=stream.resume_queue,
         snapshot=stream.snapshot, release=p.weight_sync.release)
   # 1. This step's weights, published after its groups are taken (they need version
   # step - max_staleness or older), so that with max_staleness=1 the sync never runs beside a

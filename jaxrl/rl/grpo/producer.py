@@ -97,16 +97,18 @@ class RolloutQueue:
   one unit; `stream` is a PromptStream whose position the producer advances (the learner's own
   stream stays the checkpointed one); `snapshot()` returns the host state scoring changes (the
   reward normaliser) for a resume; `release(params)` frees a sampler copy no unit needs any
-  more."""
+  more. No unit is started for `end_step` (the run's train.steps) or later."""
 
   def __init__(self, *, sample: Callable, stream, batch: int, group: int, max_staleness: int,
                filter_zero_std: bool = False, max_refill_rounds: int = 3, start_step: int = 0,
-               resume: dict | None = None, snapshot: Callable[[], dict] = dict,
+               end_step: int | None = None, resume: dict | None = None,
+               snapshot: Callable[[], dict] = dict,
                release: Callable[[Any], None] = lambda params: None):
     self.sample, self.stream, self.B, self.G = sample, stream, batch, group
     self.k, self.filter, self.rounds = max_staleness, filter_zero_std, max_refill_rounds
     self.snapshot, self.release = snapshot, release
     self.floor = start_step  # the oldest version this run will have: the one it starts with
+    self.end_step = end_step  # no unit is started for this step or later (the run's end)
     self.unit = int((resume or {}).get("unit", start_step))
     self.skip = int((resume or {}).get("skip", 0))
     if self.skip:
@@ -183,7 +185,8 @@ class RolloutQueue:
     g = self.last
     if g is None:
       return {}
-    u = self._units[g.unit]
+    with self._cond:
+      u = self._units[g.unit]
     done = g.index + 1 == self.B
     if done:
       return {**u.end, "unit": g.unit + 1, "skip": 0}
@@ -209,6 +212,8 @@ class RolloutQueue:
     try:
       while True:
         step = self.filled // self.B
+        if self.end_step is not None and step >= self.end_step:
+          return
         nominal = self._nominal(step)
         if self.skip:  # the partly handled unit a resume samples again: as it was decided
           step, nominal = self.resumed_step, self.resumed_nominal
