@@ -34,12 +34,20 @@ def test_async_k2_with_frozen_weights_is_the_synchronous_run(repo_root, tmp_path
   """With the weights frozen, a k = 2 run samples step n with version n - 2's weights, which
   are the same weights: its rewards are the synchronous run's group for group (the logged
   means, and the loss, which reads every group's advantages), staleness is min(n, 2) and never
-  above k."""
+  above k. With partial rollouts too (newer weights between decode calls: the same values)."""
   common = FROZEN + ["train.steps=3"]
   _run(repo_root, tmp_path / "sync", common)
   _run(repo_root, tmp_path / "k2", common + ["rollout.async_generation=True",
                                             "rollout.max_staleness=2"])
+  _run(repo_root, tmp_path / "k2p", common + ["rollout.async_generation=True",
+                                             "rollout.max_staleness=2",
+                                             "rollout.partial_rollouts=True"])
   sync, k2 = _rows(tmp_path / "sync"), _rows(tmp_path / "k2")
+  partial = _rows(tmp_path / "k2p")
+  for s, a in zip(sync, partial):
+    for key in ("reward/mean", "reward/std", "response_length/mean", "loss"):
+      assert a[key] == pytest.approx(s[key], rel=1e-5), (a["step"], key)
+    assert a["staleness/max"] <= 2 and 0.0 <= a["rollout/partial_frac"] <= 1.0
   assert [r["step"] for r in k2] == [1, 2, 3]
   assert [r["staleness/mean"] for r in k2] == [0.0, 1.0, 2.0]
   assert all(r["staleness/max"] <= 2 for r in k2)

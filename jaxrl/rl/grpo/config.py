@@ -133,7 +133,12 @@ def default_config():
       # With async_generation: how many policy versions a group may lag the step that trains
       # on it (k). Step n's groups are sampled with version n - k's weights (reproducible, not
       # "the newest at hand"); 1 is one-step overlap. Up to k + 1 sampler copies are alive.
-      max_staleness=1))
+      max_staleness=1,
+      # With async_generation: a sequence in flight when newer weights are published continues
+      # under them from the next decode call (its KV cache as written; each token keeps its
+      # own sampler log-prob and version, and algo.tis_cap corrects per token). Fresher, but
+      # the switch points follow thread timing: reproducible only with frozen weights.
+      partial_rollouts=False))
   c.algo = algo_section()
   c.rewards = "task"  # "task" = the task's checker; else e.g. "exact_match:1.0,format:0.1";
                       # "none" (or "task:0", which still logs `accuracy`) with a reward model

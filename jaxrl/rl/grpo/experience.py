@@ -173,10 +173,11 @@ def queued_rollouts(p: Parts, state, step: int):
   if p.queue is None:  # the first step of this run, fresh or resumed
     stream = p.stream
     p.queue = RolloutQueue(
-        sample=lambda params, prompts, unit: sample(p, params, prompts, unit, 0),
+        sample=lambda params, prompts, unit, **kw: sample(p, params, prompts, unit, 0, **kw),
         stream=stream.clone(), batch=r.prompts_per_step, group=r.group_size,
         max_staleness=r.get("max_staleness", 1), filter_zero_std=a.filter_zero_std,
         max_refill_rounds=a.max_refill_rounds, start_step=step,
+        partial=bool(r.get("partial_rollouts", False)),
         end_step=p.config.train.steps, resume=stream.resume_queue,
         snapshot=stream.snapshot, release=p.weight_sync.release)
   # 1. This step's weights, published after its groups are taken (they need version
@@ -235,9 +236,9 @@ def sample_and_score(p: Parts, params_s, prompts: list[dict], step: int) -> Scor
   return Scored(rollout, rewards_bg, reward_stats, gen_stats, frac_zero, t_gen)
 
 
-def sample(p: Parts, params_s, prompts: list[dict], step: int, round_: int):
+def sample(p: Parts, params_s, prompts: list[dict], step: int, round_: int, weights=None):
   """(rollout, [N] rewards, reward stats) of `prompts` x G, with a seed drawn from (seed, step,
-  round)."""
+  round). `weights` (partial rollouts): newer (version, params) between decode calls."""
   r = p.config.rollout
   ids = [p.run.prompts.ids(x) for x in prompts]  # chat-templated for instruct checkpoints
   seed = int(jax.random.randint(jax.random.fold_in(jax.random.key(p.config.seed),
@@ -246,7 +247,7 @@ def sample(p: Parts, params_s, prompts: list[dict], step: int, round_: int):
                      steps_per_call=r.steps_per_call, max_prompt_len=p.prompt_len,
                      grow_cache=r.grow_cache, pad_id=p.tokenizer.pad_id,
                      kv_cache=r.get("kv_cache", "dense"), kv_pages=r.get("kv_pages", 0) or None,
-                     page_size=r.get("page_size", 16))
+                     page_size=r.get("page_size", 16), weights=weights)
   rewards, reward_stats = score_rollout(p, rollout, prompts)
   return rollout, rewards, reward_stats
 
@@ -275,9 +276,9 @@ def _concat_groups(parts, G: int):
   lp = max(ro.prompt_ids.shape[1] for ro, _ in rows)
   lc = max(ro.completion_ids.shape[1] for ro, _ in rows)
 
-  def stack(name, width):
+  def stack(name, width, fill=0):
     arrs = [getattr(ro, name)[s] for ro, s in rows]
-    out = np.zeros((len(rows), width), arrs[0].dtype)
+    out = np.full((len(rows), width), fill, arrs[0].dtype)
     for i, a in enumerate(arrs):
       out[i, :len(a)] = a
     return out
@@ -289,7 +290,8 @@ def _concat_groups(parts, G: int):
       prompt_lengths=np.array([ro.prompt_lengths[s] for ro, s in rows]),
       lengths=np.array([ro.lengths[s] for ro, s in rows]),
       finish_reasons=[ro.finish_reasons[s] for ro, s in rows],
-      prompt_index=np.arange(len(rows)) // G)
+      prompt_index=np.arange(len(rows)) // G,
+      versions=stack("versions", lc, fill=-1) if first.versions is not None else None)
 
 
 # ----------------------------------------------------------------------------- prompts

@@ -62,6 +62,7 @@ class Group:
   version: int            # the policy version that sampled it
   step: int               # the learner step that takes it
   zero_std: bool          # its G rewards are all equal (kept only to fill a step)
+  partial: float = 0.0    # the fraction of its G sequences sampled by more than one version
 
 
 @dataclasses.dataclass
@@ -101,11 +102,13 @@ class RolloutQueue:
 
   def __init__(self, *, sample: Callable, stream, batch: int, group: int, max_staleness: int,
                filter_zero_std: bool = False, max_refill_rounds: int = 3, start_step: int = 0,
+               partial: bool = False,
                end_step: int | None = None, resume: dict | None = None,
                snapshot: Callable[[], dict] = dict,
                release: Callable[[Any], None] = lambda params: None):
     self.sample, self.stream, self.B, self.G = sample, stream, batch, group
     self.k, self.filter, self.rounds = max_staleness, filter_zero_std, max_refill_rounds
+    self.partial = partial
     self.snapshot, self.release = snapshot, release
     self.floor = start_step  # the oldest version this run will have: the one it starts with
     self.end_step = end_step  # no unit is started for this step or later (the run's end)
@@ -174,6 +177,8 @@ class RolloutQueue:
         # Groups of equal rewards the step trains on (zero advantage): with dynamic sampling,
         # only when a step ran out of refill rounds.
         "rollout/zero_std_taken": float(np.mean([g.zero_std for g in groups])),
+        **({"rollout/partial_frac": float(np.mean([g.partial for g in groups]))}
+           if self.partial else {}),
         "timing_s/gen_wait": now - t0,
         # Generation seconds over wall seconds between two takes (capped: a unit counted when
         # it ends may have started in the previous window).
@@ -218,17 +223,21 @@ class RolloutQueue:
         if self.skip:  # the partly handled unit a resume samples again: as it was decided
           step, nominal = self.resumed_step, self.resumed_nominal
           self.units_for_step[step] = self.resumed_round - 1
-        params = self._wait_for(max(self.floor, nominal))
+        version, params = self._wait_for(max(self.floor, nominal))
         if params is None:
           return
         start = {"epoch": self.stream.epoch, "pos": self.stream.pos, **self.snapshot()}
         prompts = next(self.stream)
         t0 = time.perf_counter()
-        rollout, rewards, reward_stats = self.sample(params, prompts, self.unit)
+        if self.partial:  # newer weights as they come, between decode calls
+          rollout, rewards, reward_stats = self.sample(params, prompts, self.unit,
+                                                       weights=self._newest)
+        else:
+          rollout, rewards, reward_stats = self.sample(params, prompts, self.unit)
         t_gen = time.perf_counter() - t0 - reward_stats.get("timing_s/reward", 0.0)
         self.units_for_step[step] += 1
         end = {"epoch": self.stream.epoch, "pos": self.stream.pos, **self.snapshot()}
-        self._put(Unit(self.unit, max(self.floor, nominal), rollout, np.asarray(rewards).reshape(-1, self.G),
+        self._put(Unit(self.unit, version, rollout, np.asarray(rewards).reshape(-1, self.G),
                        reward_stats, t_gen, start, end, step, nominal,
                        self.units_for_step[step]), step, nominal)
         self.unit += 1
@@ -245,16 +254,29 @@ class RolloutQueue:
     return step - self.k + (self.k > 1 and self.filled % self.B != 0)
 
   def _wait_for(self, version: int):
-    """The sampler copy of `version`, once published; frees older ones (no unit needs them:
-    versions only grow). None when closed."""
+    """(version, the sampler copy of it) once published: with partial rollouts the newest
+    published, which may be later. Frees older copies (no unit needs them: versions only
+    grow). (version, None) when closed."""
     with self._cond:
-      while version not in self._weights and not self._closed:
+      # (Partial: any later one will do; the older ones may already be freed.)
+      while not self._closed and not (
+          version in self._weights or self.partial and max(self._weights, default=-1) > version):
         self._cond.wait()
       if self._closed:
-        return None
+        return version, None
+    return self._newest() if self.partial else self._use(version)
+
+  def _newest(self):
+    """(version, params) of the newest copy published; frees the older ones. Partial
+    rollouts call it before every decode call (jaxrl.sampler.generate's `weights`)."""
+    with self._cond:
+      return self._use(max(self._weights))
+
+  def _use(self, version: int):
+    with self._cond:
       for v in [v for v in self._weights if v < version]:
         self.release(self._weights.pop(v))
-      return self._weights[version]
+      return version, self._weights[version]
 
   def _put(self, u: Unit, step: int, nominal: int) -> None:
     """Filters, assigns and queues the unit's groups (see the module docstring)."""
@@ -262,6 +284,7 @@ class RolloutQueue:
     # The last unit a step may start keeps its all-equal groups, to fill the step.
     keep_zero = not self.filter or self.units_for_step[step] > self.rounds
     groups, dropped = [], collections.Counter()
+    versions = getattr(u.rollout, "versions", None)  # per token, with partial rollouts
     for i in range(self.B):
       if u.index == self.unit and i < self.skip:
         continue  # handled before the resume this unit is regenerated for
@@ -271,7 +294,12 @@ class RolloutQueue:
       if s - nominal > self.k:  # by position, not the floor: a resume decides the same
         dropped[s] += 1
         continue
-      groups.append(Group(u.index, i, u.version, s, bool(zero[i])))
+      version, partial = u.version, 0.0
+      if versions is not None:  # the group is as old as its oldest token
+        rows = versions[i * self.G:(i + 1) * self.G]
+        version = int(rows[rows >= 0].min())
+        partial = float(np.mean([len(set(r[r >= 0].tolist())) > 1 for r in rows]))
+      groups.append(Group(u.index, i, version, s, bool(zero[i]), partial))
       self.filled += 1
     self.skip = 0
     with self._cond:

@@ -359,6 +359,10 @@ def _check(config) -> None:
     raise ConfigError(f"rollout.max_staleness={k} bounds async generation, which "
                       "is off: set rollout.async_generation=True too, or leave max_staleness "
                       "at 1.")
+  if r.get("partial_rollouts") and not r.async_generation:
+    raise ConfigError("rollout.partial_rollouts=True changes weights under sequences the "
+                      "async producer has in flight, and async generation is off: set "
+                      "rollout.async_generation=True too, or turn partial_rollouts off.")
   if r.async_generation and k > 1 and jax.process_count() > 1:
     raise ConfigError(f"rollout.max_staleness={k} runs in one process for now "
                       f"(this run has {jax.process_count()}): set rollout.max_staleness=1, "
