@@ -30,6 +30,12 @@ non-equal rewards; the (1 + algo.max_refill_rounds)-th unit started for one step
 all-equal groups too (zero advantage), as the synchronous refill does, so a task the policy
 always solves cannot stall the run.
 
+Partial rollouts (partial=True): a unit starts on the newest version published (at least its
+own), and generate() asks for the newest again before every decode call, so a sequence in
+flight continues under newer weights; each token carries its version (Rollout.versions) and a
+group is dated by its oldest token, which keeps it within k. The switch points follow thread
+timing: reproducible only with frozen weights.
+
 Resume rule (checkpoint_state / RolloutQueue(resume=...)): a checkpoint after step n records
 the unit that step n's last group came from (its index, the stream position before it, the
 reward normaliser's state before it) and how many of its groups the learner has handled. A
