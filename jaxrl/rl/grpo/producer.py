@@ -100,16 +100,15 @@ class Taken:
 class RolloutQueue:
   """The producer thread and its bounded queue of finished groups (see the module docstring).
 
-  `sample(params, prompts, unit) -> (rollout, rewards [B*G], reward_stats)` samples and scores
-  one unit; `stream` is a PromptStream whose position the producer advances (the learner's own
+  `sample(params, prompts, unit[, weights=]) -> (rollout, rewards [B*G], reward_stats)`
+  samples and scores one unit (`weights` only with partial rollouts); `stream` is a PromptStream whose position the producer advances (the learner's own
   stream stays the checkpointed one); `snapshot()` returns the host state scoring changes (the
   reward normaliser) for a resume; `release(params)` frees a sampler copy no unit needs any
   more. No unit is started for `end_step` (the run's train.steps) or later."""
 
   def __init__(self, *, sample: Callable, stream, batch: int, group: int, max_staleness: int,
-               filter_zero_std: bool = False, max_refill_rounds: int = 3, start_step: int = 0,
-               partial: bool = False,
-               end_step: int | None = None, resume: dict | None = None,
+               filter_zero_std: bool = False, max_refill_rounds: int = 3, partial: bool = False,
+               start_step: int = 0, end_step: int | None = None, resume: dict | None = None,
                snapshot: Callable[[], dict] = dict,
                release: Callable[[Any], None] = lambda params: None):
     self.sample, self.stream, self.B, self.G = sample, stream, batch, group
