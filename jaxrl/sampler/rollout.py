@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -60,19 +61,27 @@ class Rollout:
   finish_reasons: list[str]
   prompt_index: np.ndarray
   stats: dict
+  # [N, Lc] the policy version that sampled each token (-1 on padding), when generate() was
+  # given `weights` (partial rollouts: the weights may change between decode calls).
+  versions: np.ndarray | None = None
 
 
 def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slots: int = 16,
              steps_per_call: int = 8, max_prompt_len: int | None = None,
              continuous: bool = True, share_prefix: bool = True, pad_id: int = 0,
              grow_cache: bool = True, progress: bool = False, kv_cache: str = "dense",
-             kv_pages: int | None = None, page_size: int = 16) -> Rollout:
+             kv_pages: int | None = None, page_size: int = 16,
+             weights: Callable[[], tuple[int, Any]] | None = None) -> Rollout:
   """Generates n samples per prompt (lists of token ids) with `engine`'s sampling settings.
 
   grow_cache=False allocates the whole cache up front: one decode compile instead of up to two
   per doubling of the sequence, for accelerators where a compile costs more than the reads
   the growing window saves. kv_cache="paged": a paged KV cache of kv_pages pages (default:
-  enough for every slot at max_len, so no slot ever waits for one) of page_size positions."""
+  enough for every slot at max_len, so no slot ever waits for one) of page_size positions.
+  weights: called before every prefill and decode call, returns (version, params) to use from
+  there on instead of `params` (partial rollouts: a sequence in flight continues under newer
+  weights, its KV cache as it was written); Rollout.versions then says which version sampled
+  each token."""
   sp = engine.sampling
   prompts = [list(map(int, p)) for p in prompts]
   if n < 1:
@@ -119,6 +128,8 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
   slot_sample = [-1] * slots
   toks: list[list[int]] = [[] for _ in range(num)]
   lps: list[list[float]] = [[] for _ in range(num)]
+  vers: list[list[int]] = [[] for _ in range(num)]
+  version, prefix_version = -1, {}
   finished = [False] * num
   stats = dict(prefill_s=0.0, decode_s=0.0, prefill_calls=0, prefill_prompts=0,
                prefill_tokens=0, decode_steps=0, slot_steps=0, live_slot_steps=0,
@@ -150,7 +161,7 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
 
   while queue or any(x >= 0 for x in slot_sample):
     free = [b for b in range(slots) if slot_sample[b] < 0]
-    firsts = []
+    firsts, first_versions = [], []
     count = min(len(free), len(queue))
     if is_paged and count and not stalled:
       count, own, shared = _admit(queue, count, prompts, n, share_prefix, page_size,
@@ -185,7 +196,10 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
         lengths = np.ones((P,), np.int32)
         for r, p in enumerate(ids):
           tokens[r, :len(p)], lengths[r] = p, len(p)
+        if weights is not None:
+          version, params = weights()
         prefix = engine.prefill(params, tokens, lengths, key)
+        prefix_version[id(prefix)] = version  # its first tokens' (a prefix may wait a round)
         stats["prefill_calls"] += 1
         stats["prefill_prompts"] += len(ids)
         stats["prefill_tokens"] += int(sum(map(len, ids)))
@@ -208,6 +222,7 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
       for prefix, rows, bs, ss in by_prefix.values():
         state, first = engine.insert_many(prefix, state, rows=rows, slots=bs, samples=ss)
         firsts.append((bs, ss, first))
+        first_versions.append(prefix_version[id(prefix)])
       waiting = {s // n if share_prefix else ("s", s) for s in queue}
       for k in [k for k in prefixes if k not in waiting]:
         del prefixes[k]  # every sample of this prompt is placed: free its prefix
@@ -215,11 +230,12 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
       if is_paged:
         stats["kv_pages_peak"] = max(stats["kv_pages_peak"], engine.pages_in_use(state))
       stats["prefill_s"] += time.perf_counter() - t0
-      for bs, ss, first in firsts:
+      for (bs, ss, first), v in zip(firsts, first_versions):
         for b, s, tok, lp, done in zip(bs, ss, first["tokens"], first["logprobs"],
                                        first["done"]):
           toks[s].append(int(tok))
           lps[s].append(float(lp))
+          vers[s].append(v)
           if done:
             finish(s)
             slot_sample[b] = -1
@@ -235,6 +251,8 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
     stats["live_peak"] = max(stats["live_peak"], len(live_now))
     if not is_paged:
       stats["kv_positions_peak"] = max(stats["kv_positions_peak"], slots * window(state))
+    if weights is not None:
+      version, params = weights()
     state, out = engine.generate_steps(params, state, key, steps=steps_per_call)
     out = to_host(out)  # the one host sync per steps_per_call tokens
     if is_paged:
@@ -257,12 +275,19 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
         s = slot_sample[b]
         toks[s].append(int(out["tokens"][t, b]))
         lps[s].append(float(out["logprobs"][t, b]))
+        vers[s].append(version)
         if out["done"][t, b]:
           finish(s)
           slot_sample[b] = -1
   bar.close()
   wall = time.perf_counter() - t_start
-  return _assemble(prompts, n, toks, lps, sp, pad_id, stats, wall)
+  rollout = _assemble(prompts, n, toks, lps, sp, pad_id, stats, wall)
+  if weights is not None:
+    versions = np.full(rollout.completion_ids.shape, -1, np.int32)
+    for s, v in enumerate(vers):
+      versions[s, :len(v)] = v
+    rollout = dataclasses.replace(rollout, versions=versions)
+  return rollout
 
 
 def _admit(queue, count, prompts, n, share_prefix, page_size, free, max_new, max_len):

@@ -22,7 +22,8 @@ def check_rollout(config) -> None:
   """The rollout section's ranges, at config load."""
   r = config.rollout
   config_lib.check_at_least(config, 1, "rollout.prompts_per_step", "rollout.group_size",
-                            "rollout.max_new_tokens", "rollout.slots", "rollout.steps_per_call")
+                            "rollout.max_new_tokens", "rollout.slots", "rollout.steps_per_call",
+                            "rollout.max_staleness")
   config_lib.check_at_least(config, 0, "rollout.top_k", "rollout.prompt_len")
   config_lib.check_positive(config, "rollout.temperature", example="1.0")
   config_lib.check_unit(config, "rollout.top_p", off="1.0 turns it off")
@@ -125,10 +126,19 @@ def default_config():
       # positions, a group's prompt pages shared by its samples (docs/design.md, "The paged KV
       # cache"; the same samples). kv_pages 0: enough for every slot at max_len.
       kv_cache="dense", kv_pages=0, page_size=16,
-      # True: generation for step k+1 runs on the sampler devices while step k updates on the
-      # learner's (one-step off-policy: staleness 1, corrected by algo.tis_cap when > 0).
-      # Needs placement.mode="disaggregated".
-      async_generation=False))
+      # True: a producer thread keeps generating on the sampler devices into a bounded queue
+      # while the learner updates on its own (off-policy by up to max_staleness versions,
+      # corrected by algo.tis_cap when > 0). Needs placement.mode="disaggregated".
+      async_generation=False,
+      # With async_generation: how many policy versions a group may lag the step that trains
+      # on it (k). Step n's groups are sampled with version n - k's weights (reproducible, not
+      # "the newest at hand"); 1 is one-step overlap. Up to k + 1 sampler copies are alive.
+      max_staleness=1,
+      # With async_generation: a sequence in flight when newer weights are published continues
+      # under them from the next decode call (its KV cache as written; each token keeps its
+      # own sampler log-prob and version, and algo.tis_cap corrects per token). Fresher, but
+      # the switch points follow thread timing: reproducible only with frozen weights.
+      partial_rollouts=False))
   c.algo = algo_section()
   c.rewards = "task"  # "task" = the task's checker; else e.g. "exact_match:1.0,format:0.1";
                       # "none" (or "task:0", which still logs `accuracy`) with a reward model

@@ -31,7 +31,8 @@ class Experience:
   """One step's scored rollouts, as the update consumes them. Host arrays, the same on every
   process; N = prompts x G rows, rows p*G .. p*G+G-1 answering prompt p."""
   step: int
-  version: int            # the step whose weights sampled it: step, or step - 1 when async
+  version: int            # the oldest version that sampled it: step, or up to
+                          # rollout.max_staleness less when async
   rollout: Rollout
   rewards_bg: np.ndarray  # [B, G] the rewards, before any KL shaping
   # The learner batch: the model inputs in either layout (learner_batch or
@@ -151,29 +152,62 @@ class Scored:
 
 def scored_rollouts(p: Parts, state, prompts: list[dict], step: int):
   """Steps 1-3: (version, Scored, seconds waited). Synchronous: sync the weights, then
-  generate and score. With rollout.async_generation, this step's rollout was started during
-  the previous step's update on the sampler's own devices (weights one step old), and the
-  next step's is started now, to overlap this step's update."""
-  params_s = None
-  if p.pending and p.pending["prompts"] == prompts:
-    t0 = time.perf_counter()
-    version, scored = p.pending.pop("future").result()
-    t_wait = time.perf_counter() - t0
-  else:  # synchronous, or the first step of an async run (or after a resume)
-    p.pending.clear()
-    params_s = p.sampler_copy.refresh(state.params)  # 1
-    scored = sample_and_score(p, params_s, prompts, step)  # 2-3
-    version, t_wait = step, scored.t_gen
-  p.stream.mark()  # the host state as of this step's scoring, before step k+1's starts
-  if p.overlap is not None:
-    next_prompts = p.stream.peek()
-    if params_s is None:
-      params_s = p.sampler_copy.refresh(state.params)
-    p.pending.update(prompts=next_prompts, future=p.overlap.submit(
-        sample_and_score, p, params_s, next_prompts, step + 1, version=step))
+  generate and score. With rollout.async_generation, the rollout producer (producer.py) has
+  been generating into its queue on the sampler's own devices, up to rollout.max_staleness
+  versions behind: this step publishes its weights to it and takes B groups."""
+  if p.config.rollout.async_generation:
+    return queued_rollouts(p, state, step)
+  params_s = p.sampler_copy.refresh(state.params)  # 1
+  scored = sample_and_score(p, params_s, prompts, step)  # 2-3
+  p.stream.mark()
+  p.sampler_copy.before_update()  # colocated: its memory goes to the update
+  return step, scored, scored.t_gen
+
+
+def queued_rollouts(p: Parts, state, step: int):
+  """Async steps 1-3: take B groups from the queue and publish this step's weights (a fresh
+  sampler copy of version `step`, which the producer frees once no unit needs it); the prompt
+  stream then checkpoints the queue's resume point (producer.py's resume rule)."""
+  from jaxrl.rl.grpo.producer import RolloutQueue
+  r, a = p.config.rollout, p.config.algo
+  if p.queue is None:  # the first step of this run, fresh or resumed
+    stream = p.stream
+    p.queue = RolloutQueue(
+        sample=lambda params, prompts, unit, **kw: sample(p, params, prompts, unit, 0, **kw),
+        stream=stream.clone(), batch=r.prompts_per_step, group=r.group_size,
+        max_staleness=r.get("max_staleness", 1), filter_zero_std=a.filter_zero_std,
+        max_refill_rounds=a.max_refill_rounds, start_step=step,
+        partial=bool(r.get("partial_rollouts", False)),
+        end_step=p.config.train.steps, resume=stream.resume_queue,
+        snapshot=stream.snapshot, release=p.weight_sync.release)
+  # 1. This step's weights, published after its groups are taken (they need version
+  # step - max_staleness or older), so that with max_staleness=1 the sync never runs beside a
+  # rollout, as before the queue; only the queue's first step needs its own version.
+  first_step = step == p.queue.floor
+  if first_step:
+    p.queue.publish(step, p.weight_sync(state.params))
+  taken = p.queue.take(step)  # 2-3, done in the background
+  if not first_step:
+    p.queue.publish(step, p.weight_sync(state.params))
+  p.stream.queue_state = p.queue.checkpoint_state()
+  groups, G = taken.groups, r.group_size
+  first = taken.units[groups[0].unit]
+  if all(g.unit == first.index for g in groups) and [g.index for g in groups] == list(
+      range(len(groups))):  # one unit whole, as without dynamic sampling: its own arrays
+    rollout, rewards_bg = first.rollout, first.rewards_bg
   else:
-    p.sampler_copy.before_update()  # colocated: its memory goes to the update
-  return version, scored, t_wait
+    parts = [(taken.units[g.unit].rollout, taken.units[g.unit].rewards_bg, g.index)
+             for g in groups]
+    rollout, rewards_bg = _concat_groups(parts, G), np.stack([rw[i] for _, rw, i in parts])
+  t_gen = sum(u.t_gen for u in taken.new)
+  zero = np.asarray(adv_lib.zero_std_groups(rewards_bg=first.rewards_bg))
+  # Train-side stats (accuracy, response lengths) of the first unit the step takes from, as
+  # the synchronous refill reports its first round's: before filtering.
+  gen_stats = {**rollout_metrics(first.rollout), **taken.metrics,
+               "perf/tflops/gen": sum(rollout_flops(p.cfg, u.rollout) for u in taken.new)
+               / max(t_gen, 1e-9) / 1e12}
+  scored = Scored(rollout, rewards_bg, first.reward_stats, gen_stats, float(zero.mean()), t_gen)
+  return min(g.version for g in groups), scored, taken.metrics["timing_s/gen_wait"]
 
 
 def sample_and_score(p: Parts, params_s, prompts: list[dict], step: int) -> Scored:
@@ -202,9 +236,9 @@ def sample_and_score(p: Parts, params_s, prompts: list[dict], step: int) -> Scor
   return Scored(rollout, rewards_bg, reward_stats, gen_stats, frac_zero, t_gen)
 
 
-def sample(p: Parts, params_s, prompts: list[dict], step: int, round_: int):
+def sample(p: Parts, params_s, prompts: list[dict], step: int, round_: int, weights=None):
   """(rollout, [N] rewards, reward stats) of `prompts` x G, with a seed drawn from (seed, step,
-  round)."""
+  round). `weights` (partial rollouts): newer (version, params) between decode calls."""
   r = p.config.rollout
   ids = [p.run.prompts.ids(x) for x in prompts]  # chat-templated for instruct checkpoints
   seed = int(jax.random.randint(jax.random.fold_in(jax.random.key(p.config.seed),
@@ -213,7 +247,7 @@ def sample(p: Parts, params_s, prompts: list[dict], step: int, round_: int):
                      steps_per_call=r.steps_per_call, max_prompt_len=p.prompt_len,
                      grow_cache=r.grow_cache, pad_id=p.tokenizer.pad_id,
                      kv_cache=r.get("kv_cache", "dense"), kv_pages=r.get("kv_pages", 0) or None,
-                     page_size=r.get("page_size", 16))
+                     page_size=r.get("page_size", 16), weights=weights)
   rewards, reward_stats = score_rollout(p, rollout, prompts)
   return rollout, rewards, reward_stats
 
@@ -242,9 +276,9 @@ def _concat_groups(parts, G: int):
   lp = max(ro.prompt_ids.shape[1] for ro, _ in rows)
   lc = max(ro.completion_ids.shape[1] for ro, _ in rows)
 
-  def stack(name, width):
+  def stack(name, width, fill=0):
     arrs = [getattr(ro, name)[s] for ro, s in rows]
-    out = np.zeros((len(rows), width), arrs[0].dtype)
+    out = np.full((len(rows), width), fill, arrs[0].dtype)
     for i, a in enumerate(arrs):
       out[i, :len(a)] = a
     return out
@@ -256,10 +290,15 @@ def _concat_groups(parts, G: int):
       prompt_lengths=np.array([ro.prompt_lengths[s] for ro, s in rows]),
       lengths=np.array([ro.lengths[s] for ro, s in rows]),
       finish_reasons=[ro.finish_reasons[s] for ro, s in rows],
-      prompt_index=np.arange(len(rows)) // G)
+      prompt_index=np.arange(len(rows)) // G,
+      versions=stack("versions", lc, fill=-1) if first.versions is not None else None)
 
 
 # ----------------------------------------------------------------------------- prompts
+
+
+# What a checkpoint of async generation adds to the stream's state (producer.py's resume rule).
+RESUME_KEYS = ("unit", "skip", "unit_step", "nominal", "round")
 
 
 class PromptStream:
@@ -280,6 +319,12 @@ class PromptStream:
     self.extras = dict(extras or {})
     self.learner_state = dict(learner_state or {})
     self._marked: dict | None = None  # the extras' state at the last mark()
+    # Async generation (producer.py): where the producer starts (the position this stream was
+    # created or restored at, and the queue's unit/skip from a checkpoint), and the queue's
+    # resume point, which get_state() then saves instead of this stream's own position.
+    self.origin = (0, 0)
+    self.resume_queue: dict = {}
+    self.queue_state: dict | None = None
 
   def _order(self):
     return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.records))
@@ -315,7 +360,21 @@ class PromptStream:
     save never reads a half-updated state."""
     self._marked = {k: copy.deepcopy(v.get_state()) for k, v in self.extras.items()}
 
+  def clone(self) -> "PromptStream":
+    """A stream of the same records and order at the position this one started or resumed
+    at (the producer's own cursor), without the host state."""
+    other = PromptStream(self.records, self.batch, self.seed)
+    other.epoch, other.pos = self.origin
+    return other
+
+  def snapshot(self) -> dict:
+    """The extras' state now, copied (what scoring changes: a resume restores it)."""
+    return {k: copy.deepcopy(v.get_state()) for k, v in self.extras.items()}
+
   def get_state(self) -> dict:
+    if self.queue_state:
+      return {**self.queue_state,
+              **{k: v.get_state() for k, v in self.learner_state.items()}}
     extras = (self._marked if self._marked is not None
               else {k: v.get_state() for k, v in self.extras.items()})
     return {"epoch": self.epoch, "pos": self.pos, **extras,
@@ -323,6 +382,8 @@ class PromptStream:
 
   def set_state(self, state: dict) -> None:
     self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+    self.origin = (self.epoch, self.pos)
+    self.resume_queue = {k: int(state[k]) for k in RESUME_KEYS if k in state}
     # A key missing from an older checkpoint leaves that state as configured.
     for k, v in {**self.extras, **self.learner_state}.items():
       if k in state:

@@ -11,8 +11,9 @@ Each step:
   1. sync the policy's weights into the sampler layout (timed: sync/ms);
   2. sample B prompts x G completions with the engine (continuous batching, one prefill per
      group); with dynamic sampling, groups whose G rewards are all equal are dropped and more
-     prompts are sampled to refill the batch. With rollout.async_generation, steps 1-3 for step
-     k+1 run on the sampler's devices during step k's update (one step stale);
+     prompts are sampled to refill the batch. With rollout.async_generation, a producer thread
+     (producer.py) runs steps 2-3 ahead on the sampler's devices into a bounded queue, up to
+     rollout.max_staleness versions stale, and the step takes B groups from it;
   3. score the completions with the configured reward functions (host Python) and, when
      reward_model.checkpoints names any, with frozen reward models on the learner mesh
      (rewards.py);
@@ -33,7 +34,7 @@ defaults to token-mean (DAPO) rather than the paper's per-sequence mean; the KL 
 estimator in the loss, as in the paper, but clamped at 10 (as verl); the advantage divides by
 the group's unbiased std plus eps = 1e-6 (as TRL) and is clipped to +-5; the clip range is
 eps_low = eps_high = 0.2 (eps_high > eps_low is DAPO's clip-higher). The sampler's log-probs
-differ from the learner's only by numerics (and staleness when overlapped); their ratio is
+differ from the learner's only by numerics (and staleness when async); their ratio is
 logged as is_ratio/mean and can correct the loss by truncated importance sampling (tis_cap).
 """
 
@@ -59,7 +60,7 @@ from jaxrl.models import abstract_model, lora
 from jaxrl.models.flops import rollout_flops
 from jaxrl.parallel import batch_sharding
 from jaxrl.parallel.distributed import global_array
-from jaxrl.parallel.sync import Overlap, SamplerCopy, WeightSync, sync
+from jaxrl.parallel.sync import SamplerCopy, WeightSync, sync
 from jaxrl.rewards import RewardSpec
 from jaxrl.rewards import model as rm_lib
 from jaxrl.rl.grpo.config import CHOICES, default_config, grouped_forward, prompt_length
@@ -169,7 +170,7 @@ def evaluate(p: Parts, params, step: int) -> dict:
 class Parts:
   """A run's fixed parts, built once by setup(): what make_experience, update, step_metrics and
   evaluate read. Only the host state (the stream, beta, the alarms, the reward models'
-  normaliser, async generation's pending rollout) changes between steps."""
+  normaliser, async generation's rollout queue) changes between steps."""
   run: Run                    # the run dir, learner mesh, placement, checkpointer
   task: Any                   # the built-in task (its checker), or None
   shardings: Any              # the train state's
@@ -179,8 +180,8 @@ class Parts:
   engine: Engine
   weight_sync: WeightSync
   sampler_copy: SamplerCopy
-  overlap: Overlap | None     # async generation's background thread
-  pending: dict               # {"prompts", "future"}: the next step's rollout, under way
+  queue: Any                  # async generation's RolloutQueue (producer.py), made on its
+                              # first step; None until then and when synchronous
   stream: PromptStream
   specs: list[RewardSpec]
   rms: rm_lib.RewardModels | None
@@ -291,17 +292,15 @@ def setup(config, workdir: str, *, out=print, command: str = "grpo", choices=Non
                         learner_state={"kl_coef": beta, "alarms": alarms})
   run.checkpointer()
   evaluator = _evaluator(run, graphdef, held_out, task, weight_sync, alarms)
-  overlap = Overlap() if r.async_generation else None
-  if overlap is not None:
-    run.closers.append(overlap.close)
   parts = Parts(
       run=run, task=task, shardings=shardings, shd=shd, updates_per_step=updates_per_step,
       engine=engine, weight_sync=weight_sync, sampler_copy=sampler_copy,
-      overlap=overlap, pending={}, stream=stream, specs=specs, rms=rms, rm_norm=rm_norm,
+      queue=None, stream=stream, specs=specs, rms=rms, rm_norm=rm_norm,
       prompt_len=prompt_len, length=prompt_len + r.max_new_tokens,  # fixed: jits compile once
       grouped=grouped, old_from_update=old_from_update, logprobs_fn=logprobs_fn,
       train_step=train_step, reference=reference, beta=beta, alarms=alarms,
       evaluator=evaluator)
+  run.closers.append(lambda: parts.queue is not None and parts.queue.close())
   return parts, state
 
 
@@ -354,6 +353,17 @@ def _check(config) -> None:
     raise ConfigError("rollout.async_generation=True needs placement.mode=disaggregated (the "
                       "sampler overlaps the update on its own devices): set both, or turn "
                       "async_generation off.")
-  if config.rollout.async_generation and config.algo.filter_zero_std:
-    raise ConfigError("rollout.async_generation=True cannot refill groups "
-                      "(algo.filter_zero_std=True) yet: turn one of them off.")
+  r = config.rollout
+  k = r.get("max_staleness", 1)
+  if k != 1 and not r.async_generation:
+    raise ConfigError(f"rollout.max_staleness={k} bounds async generation, which "
+                      "is off: set rollout.async_generation=True too, or leave max_staleness "
+                      "at 1.")
+  if r.get("partial_rollouts") and not r.async_generation:
+    raise ConfigError("rollout.partial_rollouts=True changes weights under sequences the "
+                      "async producer has in flight, and async generation is off: set "
+                      "rollout.async_generation=True too, or turn partial_rollouts off.")
+  if r.async_generation and k > 1 and jax.process_count() > 1:
+    raise ConfigError(f"rollout.max_staleness={k} runs in one process for now "
+                      f"(this run has {jax.process_count()}): set rollout.max_staleness=1, "
+                      "whose producer works across processes.")

@@ -1,0 +1,316 @@
+"""Async GRPO's rollout producer: a background thread on the sampler's devices that keeps
+generating finished groups into a bounded queue, at most `max_staleness` (k) policy versions
+behind the learner step that consumes them.
+
+    queue = RolloutQueue(sample=..., stream=..., batch=B, max_staleness=k, ...)
+    queue.publish(version, sampler_params)   # the learner, at the start of each step
+    taken = queue.take(step)                 # the learner: step's B groups, in order
+
+The producer works in *units*: unit j is the prompt stream's next B prompts, sampled with the
+seed of (run seed, j) (the synchronous run's step-j seed) and scored. Each finished group is
+then filtered (dynamic sampling drops groups whose G rewards are all equal), assigned to the
+learner step its queue position falls in (the step of kept group q is q // B), and tagged with
+the policy version that sampled it.
+
+Reproducibility. Nothing here depends on thread timing: the producer is sequential, and the
+version a unit is sampled with is fixed by the queue position of its first group (step s),
+    version(unit) = max(floor, s - k), or max(floor, s - k + 1) when k > 1 and the unit starts
+    mid-step (dynamic sampling), so that its tail, which may fall in step s + 1, is k stale
+(floor: the version the run started or resumed at), never "the newest weights at hand". The
+producer waits for that version to be published: this is the bound that keeps the queue
+(about (k + 1) x B groups) and the sampler copies alive (up to k + 1) bounded. A group whose
+step minus that version (before the floor) would exceed k is dropped and counted
+(rollout/dropped_stale): it happens only with k = 1 and dynamic sampling, when a unit
+straddles two steps (its version could not be one later: that is the step being filled). With
+k = 1 and no filtering this is the previous async mode exactly: step n's rollout is sampled
+with step n-1's weights.
+
+Dynamic sampling: a step's groups come from as many units as it takes to fill B with groups of
+non-equal rewards; the (1 + algo.max_refill_rounds)-th unit started for one step keeps its
+all-equal groups too (zero advantage), as the synchronous refill does, so a task the policy
+always solves cannot stall the run.
+
+Partial rollouts (partial=True): a unit starts on the newest version published (at least its
+own), and generate() asks for the newest again before every decode call, so a sequence in
+flight continues under newer weights; each token carries its version (Rollout.versions) and a
+group is dated by its oldest token, which keeps it within k. The switch points follow thread
+timing: reproducible only with frozen weights.
+
+Resume rule (checkpoint_state / RolloutQueue(resume=...)): a checkpoint after step n records
+the unit that step n's last group came from (its index, the stream position before it, the
+reward normaliser's state before it) and how many of its groups the learner has handled. A
+resumed run generates that unit again, whole (same prompts, same seed), and discards its
+first `skip` groups; every later unit follows. Prompts are thus neither lost nor used twice;
+the groups in flight are regenerated with the resumed weights (so with a moving policy the
+first steps after a resume are fresher than they would have been; with frozen weights the
+resumed run is the uninterrupted one, group for group).
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from jaxrl.objectives import advantages as adv_lib
+
+
+@dataclasses.dataclass
+class Group:
+  """One prompt's G completions, as the learner takes them."""
+  unit: int               # the unit that sampled it
+  index: int              # its prompt's index in the unit (0..B-1)
+  version: int            # the policy version that sampled it
+  step: int               # the learner step that takes it
+  zero_std: bool          # its G rewards are all equal (kept only to fill a step)
+  partial: float = 0.0    # the fraction of its G sequences sampled by more than one version
+
+
+@dataclasses.dataclass
+class Unit:
+  """B prompts sampled and scored together, and what a resume needs to sample them again."""
+  index: int
+  version: int
+  rollout: Any            # the Rollout of B x G rows
+  rewards_bg: np.ndarray  # [B, G]
+  reward_stats: dict
+  t_gen: float            # its generation's wall time, scoring excluded
+  start: dict             # the prompt stream's state before it: epoch, pos, extras
+  end: dict | None = None  # ... and after it (the next unit's start)
+  step: int = 0           # the step its first group fell in
+  nominal: int = 0        # the version the drop rule holds it to (before the floor)
+  round: int = 1          # it is the round-th unit started for that step
+
+
+@dataclasses.dataclass
+class Taken:
+  """A learner step's B groups (`units` holds every unit they came from) and the queue's
+  metrics since the previous take."""
+  groups: list[Group]
+  units: dict[int, Unit]
+  new: list[Unit]         # the units first taken from now (their generation is this step's)
+  metrics: dict
+
+
+class RolloutQueue:
+  """The producer thread and its bounded queue of finished groups (see the module docstring).
+
+  `sample(params, prompts, unit[, weights=]) -> (rollout, rewards [B*G], reward_stats)`
+  samples and scores one unit (`weights` only with partial rollouts); `stream` is a PromptStream whose position the producer advances (the learner's own
+  stream stays the checkpointed one); `snapshot()` returns the host state scoring changes (the
+  reward normaliser) for a resume; `release(params)` frees a sampler copy no unit needs any
+  more. No unit is started for `end_step` (the run's train.steps) or later."""
+
+  def __init__(self, *, sample: Callable, stream, batch: int, group: int, max_staleness: int,
+               filter_zero_std: bool = False, max_refill_rounds: int = 3, partial: bool = False,
+               start_step: int = 0, end_step: int | None = None, resume: dict | None = None,
+               snapshot: Callable[[], dict] = dict,
+               release: Callable[[Any], None] = lambda params: None):
+    self.sample, self.stream, self.B, self.G = sample, stream, batch, group
+    self.k, self.filter, self.rounds = max_staleness, filter_zero_std, max_refill_rounds
+    self.partial = partial
+    self.snapshot, self.release = snapshot, release
+    self.floor = start_step  # the oldest version this run will have: the one it starts with
+    self.end_step = end_step  # no unit is started for this step or later (the run's end)
+    self.unit = int((resume or {}).get("unit", start_step))
+    self.skip = int((resume or {}).get("skip", 0))
+    if self.skip:
+      self.resumed_step = int(resume["unit_step"])
+      self.resumed_nominal = int(resume["nominal"])
+      self.resumed_round = int(resume["round"])
+    self.filled = start_step * batch  # kept groups assigned to steps, counted from step 0
+    self.units_for_step: dict[int, int] = collections.Counter()
+    self._cond = threading.Condition()
+    self._weights: dict[int, Any] = {}
+    self._queue: collections.deque[Group] = collections.deque()
+    self._units: dict[int, Unit] = {}
+    self._dropped: dict[int, int] = collections.Counter()  # step -> groups dropped for it
+    self._busy_s = 0.0  # the producer's generation seconds since the last take
+    self._since = time.perf_counter()
+    self._error: BaseException | None = None
+    self._closed = False
+    self.last: Group | None = None  # the last group taken
+    self._thread = threading.Thread(target=self._run, name="jaxrl-sampler", daemon=True)
+    self._thread.start()
+
+  # ------------------------------------------------------------------------- the learner side
+
+  def publish(self, version: int, params) -> None:
+    """Makes the sampler's copy of policy `version` available to the producer."""
+    with self._cond:
+      self._weights[version] = params
+      self._cond.notify_all()
+
+  def take(self, step: int) -> Taken:
+    """Blocks until step's B groups are queued and takes them (queue order: unit, index)."""
+    t0 = time.perf_counter()
+    with self._cond:
+      while not self._ready(step):
+        if self._error is not None:
+          raise self._error
+        if self._closed:
+          raise RuntimeError("the rollout producer is closed")
+        self._cond.wait(timeout=1.0)
+      if self._queue[0].step != step:
+        raise RuntimeError(f"the learner asked for step {step}'s groups, but the queue "
+                           f"starts at step {self._queue[0].step}")
+      groups = [self._queue.popleft() for _ in range(self.B)]
+      dropped = sum(n for s, n in self._dropped.items() if s <= step)
+      for s in [s for s in self._dropped if s <= step]:
+        del self._dropped[s]
+      units = {g.unit: self._units[g.unit] for g in groups}
+      # A unit none of whose groups are queued any more is done with.
+      left = {g.unit for g in self._queue}
+      for u in [u for u in self._units if u <= groups[-1].unit and u not in left
+                and u != groups[-1].unit]:
+        del self._units[u]
+      new = [u for u in units.values() if self.last is None or u.index > self.last.unit]
+      busy, now = self._busy_s, time.perf_counter()
+      self._busy_s, since, self._since = 0.0, self._since, now
+      queue_len = len(self._queue)
+      self._cond.notify_all()
+    self.last = groups[-1]
+    staleness = np.array([step - g.version for g in groups], np.float64)
+    return Taken(groups, units, new, {
+        "staleness/mean": float(staleness.mean()), "staleness/max": float(staleness.max()),
+        "rollout/queue_len": float(queue_len), "rollout/dropped_stale": float(dropped),
+        # Groups of equal rewards the step trains on (zero advantage): with dynamic sampling,
+        # only when a step ran out of refill rounds.
+        "rollout/zero_std_taken": float(np.mean([g.zero_std for g in groups])),
+        **({"rollout/partial_frac": float(np.mean([g.partial for g in groups]))}
+           if self.partial else {}),
+        "timing_s/gen_wait": now - t0,
+        # Generation seconds over wall seconds between two takes (capped: a unit counted when
+        # it ends may have started in the previous window).
+        "perf/sampler_busy": min(busy / max(now - since, 1e-9), 1.0)})
+
+  def checkpoint_state(self) -> dict:
+    """Where a resumed run's producer starts: the unit of the last group taken (its stream
+    position and host state before it) and how many of its groups are handled."""
+    g = self.last
+    if g is None:
+      return {}
+    with self._cond:
+      u = self._units[g.unit]
+    done = g.index + 1 == self.B
+    if done:
+      return {**u.end, "unit": g.unit + 1, "skip": 0}
+    return {**u.start, "unit": g.unit, "skip": g.index + 1, "unit_step": u.step,
+            "nominal": u.nominal, "round": u.round}
+
+  def close(self) -> None:
+    """Stops the producer after the unit under way and frees the sampler copies it holds."""
+    with self._cond:
+      self._closed = True
+      self._cond.notify_all()
+    self._thread.join()
+    for params in self._weights.values():
+      self.release(params)
+    self._weights.clear()
+
+  def _ready(self, step: int) -> bool:
+    return len(self._queue) >= self.B and self._queue[self.B - 1].step == step
+
+  # ------------------------------------------------------------------------- the producer side
+
+  def _run(self) -> None:
+    try:
+      while True:
+        step = self.filled // self.B
+        if self.end_step is not None and step >= self.end_step:
+          return
+        nominal = self._nominal(step)
+        if self.skip:  # the partly handled unit a resume samples again: as it was decided
+          step, nominal = self.resumed_step, self.resumed_nominal
+          self.units_for_step[step] = self.resumed_round - 1
+        version, params = self._wait_for(max(self.floor, nominal))
+        if params is None:
+          return
+        start = {"epoch": self.stream.epoch, "pos": self.stream.pos, **self.snapshot()}
+        prompts = next(self.stream)
+        t0 = time.perf_counter()
+        if self.partial:  # newer weights as they come, between decode calls
+          rollout, rewards, reward_stats = self.sample(params, prompts, self.unit,
+                                                       weights=self._newest)
+        else:
+          rollout, rewards, reward_stats = self.sample(params, prompts, self.unit)
+        t_gen = time.perf_counter() - t0 - reward_stats.get("timing_s/reward", 0.0)
+        self.units_for_step[step] += 1
+        end = {"epoch": self.stream.epoch, "pos": self.stream.pos, **self.snapshot()}
+        self._put(Unit(self.unit, version, rollout, np.asarray(rewards).reshape(-1, self.G),
+                       reward_stats, t_gen, start, end, step, nominal,
+                       self.units_for_step[step]), step, nominal)
+        self.unit += 1
+    except BaseException as e:  # the learner re-raises it from take()
+      with self._cond:
+        self._error = e
+        self._cond.notify_all()
+
+  def _nominal(self, step: int) -> int:
+    """The version a unit whose first group falls in `step` is sampled with, before the
+    floor: step - k; one later when it starts mid-step (it may then reach into step + 1, which
+    must not see it more than k stale) and k > 1 (with k = 1 that version is published only
+    after this step's groups are taken)."""
+    return step - self.k + (self.k > 1 and self.filled % self.B != 0)
+
+  def _wait_for(self, version: int):
+    """(version, the sampler copy of it) once published: with partial rollouts the newest
+    published, which may be later. Frees older copies (no unit needs them: versions only
+    grow). (version, None) when closed."""
+    with self._cond:
+      # (Partial: any later one will do; the older ones may already be freed.)
+      while not self._closed and not (
+          version in self._weights or self.partial and max(self._weights, default=-1) > version):
+        self._cond.wait()
+      if self._closed:
+        return version, None
+    return self._newest() if self.partial else self._use(version)
+
+  def _newest(self):
+    """(version, params) of the newest copy published; frees the older ones. Partial
+    rollouts call it before every decode call (jaxrl.sampler.generate's `weights`)."""
+    with self._cond:
+      return self._use(max(self._weights))
+
+  def _use(self, version: int):
+    with self._cond:
+      for v in [v for v in self._weights if v < version]:
+        self.release(self._weights.pop(v))
+      return version, self._weights[version]
+
+  def _put(self, u: Unit, step: int, nominal: int) -> None:
+    """Filters, assigns and queues the unit's groups (see the module docstring)."""
+    zero = np.asarray(adv_lib.zero_std_groups(rewards_bg=u.rewards_bg))
+    # The last unit a step may start keeps its all-equal groups, to fill the step.
+    keep_zero = not self.filter or self.units_for_step[step] > self.rounds
+    groups, dropped = [], collections.Counter()
+    versions = getattr(u.rollout, "versions", None)  # per token, with partial rollouts
+    for i in range(self.B):
+      if u.index == self.unit and i < self.skip:
+        continue  # handled before the resume this unit is regenerated for
+      if zero[i] and not keep_zero:
+        continue
+      s = self.filled // self.B
+      if s - nominal > self.k:  # by position, not the floor: a resume decides the same
+        dropped[s] += 1
+        continue
+      version, partial = u.version, 0.0
+      if versions is not None:  # the group is as old as its oldest token
+        rows = versions[i * self.G:(i + 1) * self.G]
+        version = int(rows[rows >= 0].min())
+        partial = float(np.mean([len(set(r[r >= 0].tolist())) > 1 for r in rows]))
+      groups.append(Group(u.index, i, version, s, bool(zero[i]), partial))
+      self.filled += 1
+    self.skip = 0
+    with self._cond:
+      self._units[u.index] = u
+      self._queue.extend(groups)
+      for s, n in dropped.items():
+        self._dropped[s] += n
+      self._busy_s += u.t_gen
+      self._cond.notify_all()

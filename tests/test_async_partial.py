@@ -1,0 +1,97 @@
+"""Partial rollouts (rollout.partial_rollouts): a sequence in flight when newer weights arrive
+continues under them from the next decode call, each token tagged with the version that
+sampled it; the rollout queue then dates a group by its oldest token."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from jaxrl.models import get_preset
+from jaxrl.parallel import init_params, make_mesh
+from jaxrl.rl.grpo.experience import PromptStream
+from jaxrl.rl.grpo.producer import RolloutQueue
+from jaxrl.sampler import Engine, SamplingParams, generate
+
+PROMPTS = [[1, 40, 41, 42], [1, 50], [1, 7, 8, 9, 10, 11, 12], [1, 60, 61]]
+
+
+@pytest.fixture(scope="module")
+def model(devices):
+  mesh = make_mesh(1, 2, 4)
+  cfg = get_preset("tiny-qwen2")
+  graphdef, p0 = init_params(cfg, mesh, "sampler", seed=0)
+  _, p1 = init_params(cfg, mesh, "sampler", seed=1)
+  # Spread the logits (as tests/test_sampler.py does) so greedy choices are not float ties.
+  return mesh, cfg, graphdef, dict(p0, embed=p0["embed"] * 5.0), dict(p1, embed=p1["embed"] * 5.0)
+
+
+def test_weights_change_between_decode_calls_and_tokens_keep_their_versions(model):
+  """Version 0 for the prefill and the first decode call, version 1 after: every sequence's
+  first 1 + steps_per_call tokens (and their log-probs) are the all-version-0 run's, tagged 0,
+  the rest are sampled by version 1 over the cache version 0 wrote, tagged 1, with no
+  recompile and no restart."""
+  mesh, cfg, graphdef, p0, p1 = model
+  engine = Engine(graphdef, cfg, mesh, sampling=SamplingParams(greedy=True, max_new_tokens=13,
+                                                               eos_id=None))
+  plain = generate(engine, p0, PROMPTS, n=1, slots=4, steps_per_call=4)
+  traces = dict(engine.traces)
+  calls = []
+
+  def weights():  # one prefill call (one length bucket), then the decode calls
+    calls.append(len(calls))
+    return (0, p0) if len(calls) <= 2 else (1, p1)
+
+  r = generate(engine, p0, PROMPTS, n=1, slots=4, steps_per_call=4, weights=weights)
+  assert dict(engine.traces) == traces  # the new weights needed no compile
+  assert len(calls) == 4  # prefill + 3 decode calls of 4 tokens: 1 + 12 = 13 tokens
+  assert r.versions.shape == r.completion_ids.shape
+  np.testing.assert_array_equal(r.versions, np.array([[0] * 5 + [1] * 8] * 4))
+  np.testing.assert_array_equal(r.completion_ids[:, :5], plain.completion_ids[:, :5])
+  np.testing.assert_allclose(r.logprobs[:, :5], plain.logprobs[:, :5], rtol=1e-6)
+  # After the switch version 1 chose: the continuations are not version 0's.
+  assert (r.completion_ids[:, 5:] != plain.completion_ids[:, 5:]).any()
+  assert plain.versions is None  # without `weights` nothing changes
+
+
+def test_partial_rollouts_are_dated_by_their_oldest_token():
+  """The queue with partial rollouts: a unit starts on the newest published version, picks up
+  newer ones between decode calls (the stand-in sampler waits for one mid-unit), and each
+  group's version is its oldest token's, so staleness stays within k; rollout/partial_frac
+  counts the sequences that span versions."""
+  B, G, k = 2, 2, 2
+  started, published = threading.Event(), threading.Event()
+
+  def sample(params, prompts, unit, weights):
+    v_start, _ = weights()
+    if unit == 2:  # wait, mid-unit, for the learner's next version (published after take 0)
+      started.set()
+      assert published.wait(timeout=30)
+    v_end, _ = weights()
+    versions = np.array([[v_start] * 3 + [v_end] * 2, [v_start] * 5] * B, np.int32)
+    rollout = type("R", (), {"versions": versions})()
+    rewards = np.random.default_rng(unit).random(B * G)
+    return rollout, rewards, {}
+
+  records = [{"prompt": str(i)} for i in range(40)]
+  q = RolloutQueue(sample=sample, stream=PromptStream(records, B, seed=0), batch=B, group=G,
+                   max_staleness=k, partial=True, end_step=4)
+  try:
+    q.publish(0, "v0")
+    taken = [q.take(0)]
+    assert started.wait(timeout=30)  # units 1 and 2 began on version 0
+    q.publish(1, "v1")
+    published.set()
+    for step in (1, 2, 3):
+      taken.append(q.take(step))
+      q.publish(step + 1, f"v{step + 1}")
+  finally:
+    q.close()
+  # Unit 2 started on version 0 and finished on 1: its groups are dated 0 (the oldest token),
+  # half their sequences span two versions.
+  assert [g.version for g in taken[2].groups] == [0, 0]
+  assert taken[2].metrics["rollout/partial_frac"] == 0.5
+  assert taken[2].metrics["staleness/max"] == 2
+  for step, t in enumerate(taken):
+    assert all(step - g.version <= k for g in t.groups)
+    assert "rollout/partial_frac" in t.metrics
