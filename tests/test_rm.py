@@ -464,18 +464,20 @@ def test_alarm_watches_the_raw_reward_model_score():
 @pytest.mark.slow
 def test_reward_models_learn_their_labellers(reward_models):
   """From the SFT policy: the honest RM ranks the correct sum above a near miss on held-out
-  pairs above chance (the fixture trains it 1600 steps as `jaxrl rm` on one device: measured
-  0.523 -> 0.621 on 512 pairs, 0.582 / 0.568 / 0.617 at steps 400 / 800 / 1200; in-process on
-  8 fake devices 800 steps gave 0.520 -> 0.619; from the older 600-step SFT policy it was
-  0.50 -> 0.55-0.58, too close to the 0.55 asked here: a 2-layer model must redo the sum at the
-  last token to tell 46 from 47); the biased RM learns its labeller's taste at once (1.0 by
-  step 100)."""
+  pairs well above chance; the biased RM learns its labeller's taste at once. Over RM seeds
+  0-4 from the fixture's sft_addition policy (lr 1e-3, SFT seed 0), as the fixture trains them
+  (`jaxrl rm`, 1 device, AMD EPYC, YNNPACK dots, 2026-12-03; docs/guides/recipes.md): the
+  honest RM after 1600 steps, median 0.812 (0.750-0.834) on 512 pairs, up from 0.46-0.53 at step
+  0 by +0.27 to +0.37, margin 5.4-6.7 (it plateaus near 0.8 by step 400-600); bars 0.70 and a
+  gain of 0.20. (From the older lr-3e-3 SFT policy it reached only 0.62: a 2-layer model must
+  redo the sum at the last token to tell 46 from 47, and that policy's features did it worse.)
+  The biased RM after 100 steps: 1.0 in 5 of 5 seeds; bar 0.95."""
   from jaxrl.train.rundir import read_metrics
   honest = json.load(open(os.path.join(reward_models["honest"], "summary.json")))
   start = read_metrics(reward_models["honest"])[0]["eval/accuracy"]
   assert honest["status"] == "completed"
-  assert honest["eval"]["eval/accuracy"] >= 0.55, (start, honest["eval"])
-  assert honest["eval"]["eval/accuracy"] >= start + 0.05
+  assert honest["eval"]["eval/accuracy"] >= 0.70, (start, honest["eval"])
+  assert honest["eval"]["eval/accuracy"] >= start + 0.20
   assert honest["eval"]["eval/margin"] > 0
   assert honest["data"]["train"]["fingerprint"].startswith("sha256:")
   biased = json.load(open(os.path.join(reward_models["biased"], "summary.json")))
