@@ -497,12 +497,13 @@ def test_grpo_against_a_biased_reward_model_fires_the_alarm(reward_models, sft_a
   The policy is pushed hard (lr 2e-4, 4x grpo_tiny's 5e-5, as notebooks/reward_hacking.ipynb
   does), so the outcome does not hang on float rounding. At grpo_tiny's lr the slide was too
   slow to hold: over GRPO seeds 0-4 held-out fell by 0.004-0.070 in 40 steps with YNNPACK
-  dots and 0.051-0.191 with Eigen dots, and the proxy fell in 4 of those 10 runs. At 2e-4
-  (measured 2026-12-02, AMD EPYC Zen 4, each dot kernel with its own SFT and RM fixtures:
-  held-out 0.711 (YNNPACK) and 0.945 (Eigen) after SFT) held-out fell by 0.48-0.59 (YNNPACK)
-  and 0.70-0.73 (Eigen) over GRPO seeds 0-4, and by 0.47-0.58 from a second SFT draw (SFT
-  seed 1, YNNPACK, GRPO seeds 0-1); the proxy rose by 0.37-1.23 and the alarm fired in all 12
-  runs; the test asks a fall of 0.2."""
+  dots and 0.051-0.191 with Eigen dots, and the proxy fell in 4 of those 10 runs (lr-3e-3
+  fixtures). At 2e-4 from the lr-1e-3 fixtures (sft_addition 0.852, biased RM 1.0; one device,
+  AMD EPYC, YNNPACK dots, 2026-12-03; docs/guides/recipes.md), over GRPO seeds 0-4 held-out
+  fell from 0.82-0.88 to 0.000 by step 40 (most of it by step 10), the proxy's last-10-step
+  mean rose by 9.0-9.2 over its first 10, and the alarm fired in 5 of 5 (at 2-3 evals
+  each). From the earlier lr-3e-3 fixtures (2026-12-02) the fall was 0.47-0.73 in 12 of 12
+  runs. The test asks a fall of 0.2."""
   from jaxrl.train.rundir import read_metrics
   workdir = str(tmp_path / "grpo")
   said = jaxrl_cli(["grpo", "--config", "configs/grpo_tiny.py", "--workdir", workdir] + [
@@ -528,12 +529,13 @@ def test_grpo_with_a_well_trained_reward_model_beats_sft(rm_logprob, sft_slip, t
   starts from. "Well-trained": the reward model adds its backbone's response log-prob to the
   last-token head (head.logprob_feature) and reaches >= 0.8 held-out pairwise accuracy. The
   reward model starts from the policy SFT'd on random slips, whose backbone prefers the right
-  answer; the policy is the one that learnt the dropped carry (sft_slip). Measured: RM 0.95,
-  held-out 0.656 -> 0.816 / 0.828 at steps 60 / 80 (+0.17; the demo's lr-1e-3 SFT policy,
-  Eigen dots, 2026-12-01); RM 0.93, 0.629 -> 0.801 / 0.809 (+0.18; its earlier lr-3e-3
-  policy, fresh-clone CI 2026-12-01, one device); earlier 0.633 -> 0.731 (+0.10) and 0.414 -> 0.563 (+0.13) from
-  other SFT policies on 8 devices; the test asks +0.05, twice the standard error of a
-  256-prompt eval."""
+  answer; the policy is the one that learnt the dropped carry (sft_slip). Over GRPO seeds 0-4
+  from these fixtures (RM 0.945 from the lr-1e-3 sft_addition; sft_slip 0.586 at seed 0), one
+  device, AMD EPYC, YNNPACK dots, 2026-12-03 (docs/guides/recipes.md; the held-out prompts
+  follow the seed): the mean of steps 60 and 80 over step 0, median +0.158 (+0.121 to +0.206),
+  seed 0 0.586 -> 0.742 / 0.773. The test asks +0.05, twice the standard error of a 256-prompt
+  eval. KL is not asserted here: at grpo_tiny's lr 5e-5 with this reward it peaked at
+  0.112-0.151 and the KL alarm fired 1-6 times in every seed (held-out still rose)."""
   from jaxrl.train.rundir import read_metrics
   rm_eval = json.load(open(os.path.join(rm_logprob, "summary.json")))["eval"]
   assert rm_eval["eval/accuracy"] >= 0.8, rm_eval
