@@ -117,8 +117,9 @@ def sft_addition(tmp_path_factory):
 def sft_slip(tmp_path_factory):
   """The demo's SFT policy, trained with the demo's own SFT settings (jaxrl.demo.SFT_OVERRIDES:
   1000 steps at lr 1e-3 on demonstrations that drop the carry on 60% of the sums with one).
-  SFT learns the slip (held-out 0.47-0.66 over seeds 0-5; 0.656 on the AMD CI machine with its
-  default Eigen dots, 2026-12-01), so RL that rewards the right answer has a real fix to make.
+  SFT learns the slip (held-out 0.586 at seed 0, 0.500-0.637 over seeds 0-4; 1 device, AMD
+  EPYC, YNNPACK dots, 2026-12-03; docs/guides/recipes.md), so RL that rewards the right answer
+  has a real fix to make.
   The demo test resumes `jaxrl demo` from a copy of it."""
   from jaxrl.demo import SFT_OVERRIDES
   return _shared_sft(tmp_path_factory, "sft_slip", SFT_OVERRIDES)
