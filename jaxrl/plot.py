@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
 from jaxrl.errors import ConfigError
-from jaxrl.train.rundir import read_metrics
+from jaxrl.train.rundir import infer_command, read_metrics, read_run
 
 PANELS = (("reward/mean", "reward (train batch)"), ("kl", "KL to reference"),
           ("eval/accuracy", "held-out accuracy"))
@@ -220,19 +221,48 @@ def _flat(d: dict, prefix: str = "") -> dict:
   return out
 
 
-def _setting(workdir: str) -> dict:
+@functools.lru_cache(maxsize=None)
+def _default_config(command: str | None) -> dict:
+  """Today's defaults of the config a `command` run reads (its trainer's default_config()), or
+  the shared sections alone when the command is unknown, as config.json would hold them (JSON
+  types: a tuple default reads as the list a run wrote). Imported here, not at the top: the
+  trainers' modules cost `jaxrl compare` about 2 s to import. Callers must not mutate it."""
+  import json
+  from jaxrl import config as config_lib
+  if command == "sft":
+    from jaxrl.train.sft import default_config
+  elif command == "rm":
+    from jaxrl.train.rm import default_config
+  elif command == "dpo":
+    from jaxrl.train.dpo import default_config
+  elif command == "grpo":
+    from jaxrl.rl.grpo.config import default_config
+  elif command == "ppo":
+    from jaxrl.rl.ppo.config import default_config
+  else:
+    default_config = config_lib.base_config
+  return json.loads(json.dumps(default_config().to_dict(), default=str))
+
+
+def _setting(workdir: str, defaults=None) -> dict:
   """What a run is, apart from its seed: its config.json flattened, without `seed` and without
   the backend's descriptions, but with its device count (1 and 8 devices are different
-  settings)."""
+  settings). A key the run's config.json lacks takes today's default (`defaults(command)`,
+  jaxrl's own by default): a run written before a code change added a section (model.lora, say)
+  ran as that section's defaults do, so it groups with the seeds of its sweep run after the
+  change, while a key both name with different values still tells them apart."""
   import json
   path = os.path.join(workdir, "config.json")
   if not os.path.isfile(path):  # not a trainer's run dir: a setting of its own
     return {"run": os.path.abspath(workdir)}
   with open(path, encoding="utf-8") as f:
     config = json.load(f)
-  backend = config.pop("backend", None) or {}
+  command = (read_run(workdir) or {}).get("command") or infer_command(config)
+  base = {k: v for k, v in (defaults or _default_config)(command).items()
+          if k not in ("seed", "backend")}
   config.pop("seed", None)
-  flat = _flat(config)
+  backend = config.pop("backend", None) or {}
+  flat = {**_flat(base), **_flat(config)}
   flat["devices"] = backend.get("devices", "?")
   return flat
 

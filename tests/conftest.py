@@ -97,19 +97,19 @@ def _shared_run(tmp_path_factory, name: str, command: str, config: str, settings
 
 def _shared_sft(tmp_path_factory, name: str, overrides: dict) -> str:
   """A tiny SFT policy on addition (configs/sft_tiny.py, 1000 steps) with `overrides`."""
-  # lr 3e-3, sft_tiny's old rate, pinned: the RM, DPO and reward-hacking bars downstream were
-  # measured on policies trained at it (re-measuring them at the new 1e-3 is [recipes] work).
+  # sft_tiny's own lr (1e-3), inside the region where every seed learns (docs/guides/
+  # recipes.md); the old 3e-3 spiked and float rounding picked the policy every test below got.
   settings = {"train.steps": 1000, "train.log_every": 100, "train.save_every": 1000,
-              "eval.every": 1000, "optim.lr": 3e-3, **overrides}
+              "eval.every": 1000, **overrides}
   return _shared_run(tmp_path_factory, name, "sft", "sft_tiny.py", settings)
 
 
 @pytest.fixture(scope="session")
 def sft_addition(tmp_path_factory):
-  """A tiny SFT policy on addition from demonstrations with 20% random slips (1000 steps):
-  held-out greedy accuracy 0.76-0.84 (on the AMD CI machine 0.758 with YNNPACK dots, 0.816 with
-  its default Eigen dots), the right answer each prompt's mode. Reward models and DPO start
-  from it (its features are good enough for an honest RM to reach ~0.7)."""
+  """A tiny SFT policy on addition from demonstrations with 20% random slips (1000 steps at
+  sft_tiny's lr 1e-3, seed 0): held-out greedy accuracy 0.852 (median 0.852, 0.617-0.859 over
+  SFT seeds 0-4; 1 device, AMD EPYC, YNNPACK dots, 2026-12-03), the right answer each prompt's
+  mode. Reward models and DPO start from it (an honest RM reaches 0.81-0.83 from it)."""
   return _shared_sft(tmp_path_factory, "sft_addition", {"data.error_rate": 0.2})
 
 
@@ -117,8 +117,9 @@ def sft_addition(tmp_path_factory):
 def sft_slip(tmp_path_factory):
   """The demo's SFT policy, trained with the demo's own SFT settings (jaxrl.demo.SFT_OVERRIDES:
   1000 steps at lr 1e-3 on demonstrations that drop the carry on 60% of the sums with one).
-  SFT learns the slip (held-out 0.47-0.66 over seeds 0-5; 0.656 on the AMD CI machine with its
-  default Eigen dots, 2026-12-01), so RL that rewards the right answer has a real fix to make.
+  SFT learns the slip (held-out 0.586 at seed 0, 0.500-0.637 over seeds 0-4; 1 device, AMD
+  EPYC, YNNPACK dots, 2026-12-03; docs/guides/recipes.md), so RL that rewards the right answer
+  has a real fix to make.
   The demo test resumes `jaxrl demo` from a copy of it."""
   from jaxrl.demo import SFT_OVERRIDES
   return _shared_sft(tmp_path_factory, "sft_slip", SFT_OVERRIDES)
@@ -131,7 +132,7 @@ def reward_models(sft_addition, tmp_path_factory):
   (configs/rm_tiny.py: chosen = the correct sum) and "biased" (:biased, a labeller preferring
   longer answers). Tests must only read them."""
   return {
-      # 0.523 -> 0.582 / 0.568 / 0.617 / 0.621 at steps 400 / 800 / 1200 / 1600 (~40 s)
+      # seed 0: 0.525 -> 0.793 / 0.803 / 0.805 / 0.814 at steps 400 / 800 / 1200 / 1600
       "honest": _shared_run(tmp_path_factory, "rm_honest", "rm", "rm_tiny.py", {
           "init.checkpoint": sft_addition, "train.log_every": 100, "train.steps": 1600,
           "train.save_every": 1600}),
@@ -144,8 +145,10 @@ def reward_models(sft_addition, tmp_path_factory):
 @pytest.fixture(scope="session")
 def rm_logprob(sft_addition, tmp_path_factory):
   """A well-trained reward model (configs/rm_tiny.py:logprob, 400 steps from sft_addition: its
-  head adds the backbone's response log-prob; held-out pairwise accuracy 0.93 at step 0 and at
-  400 on the AMD CI machine, 2026-12-01: the log-prob feature carries it from the start)."""
+  head adds the backbone's response log-prob; held-out pairwise accuracy 0.957 at step 0, 0.945
+  at 400, from the lr-1e-3 sft_addition, 2026-12-03; rm_tiny over seeds 0-4 from sft_tiny's
+  policy: 0.963-0.973 (docs/guides/recipes.md): the log-prob feature carries it from the
+  start)."""
   return _shared_run(tmp_path_factory, "rm_logprob", "rm", "rm_tiny.py:logprob", {
       "init.checkpoint": sft_addition, "train.log_every": 100})
 

@@ -192,16 +192,17 @@ def test_dpo_raises_heldout_preference_accuracy_from_sft(sft_addition, tmp_path)
   rises from 0 (the policy is the reference: every margin is 0) to well above chance, and the
   held-out loss (DPO's, ln 2 at step 0, plus the NLL) falls.
 
-  Over seeds 0-4 from the 600-step SFT policy (docs/guides/recipes.md) this recipe reached
-  preference accuracy 0.750-0.785 on 1 device (0.758-0.809 on 8), margins 0.038-0.044, and its
-  held-out loss fell by 0.046-0.072 from step 0.
+  Over DPO seeds 0-4 from this fixture (sft_addition, lr 1e-3, SFT seed 0: held-out 0.852), as
+  run here (one device, AMD EPYC, YNNPACK dots, 2026-12-03; docs/guides/recipes.md): preference
+  accuracy median 0.867 (0.848-0.895), margins 0.077-0.090, held-out loss down by 0.074-0.102,
+  greedy exact match +0.000 to +0.035 from step 0 (the held-out prompts follow the seed). Bars:
+  0.75, 0.05, 0.05 and a greedy fall of at most 0.05, each below the worst seed. From the older
+  600-step SFT policy (0.711) it reached 0.750-0.785 (0.758-0.809 on 8 devices).
 
   Greedy exact match is not asserted to rise here, because whether it does depends on the
-  policy: from the 1000-step fixture (0.777; 0.766 when trained on 8 devices) 100 DPO steps
-  reached 0.793 (0.797), but from the earlier 600-step fixture (0.711) they fell to about 0.66,
-  as did IPO,
-  KTO, SimPO, ORPO and even plain NLL on the correct answers (measured 2026-11-30). The check
-  below only guards against a collapse.
+  policy: from the earlier 600-step fixture (0.711) 100 plain DPO steps fell to about 0.66, as
+  did IPO, KTO, SimPO, ORPO and even plain NLL on the correct answers (measured 2026-11-30).
+  The check below only guards against a collapse.
   """
   workdir = str(tmp_path / "dpo")
   jaxrl_cli(["dpo", "--config", "configs/dpo_tiny.py", "--workdir", workdir,
@@ -212,7 +213,7 @@ def test_dpo_raises_heldout_preference_accuracy_from_sft(sft_addition, tmp_path)
   start, end = rows[0], rows[-1]
   assert (start["step"], end["step"]) == (0, 100) and summary["ref_mode"] == "live"
   assert start["eval/rewards/accuracies"] == 0.0
-  assert end["eval/rewards/accuracies"] > 0.65, end
-  assert end["eval/rewards/margins"] > 0.02, end
-  assert end["eval/loss"] < start["eval/loss"] - 0.02, (start, end)
-  assert end["eval/accuracy"] > start["eval/accuracy"] - 0.15, (start, end)
+  assert end["eval/rewards/accuracies"] > 0.75, end
+  assert end["eval/rewards/margins"] > 0.05, end
+  assert end["eval/loss"] < start["eval/loss"] - 0.05, (start, end)
+  assert end["eval/accuracy"] > start["eval/accuracy"] - 0.05, (start, end)

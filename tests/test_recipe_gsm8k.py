@@ -62,8 +62,10 @@ def test_gsm8k_recipe_runs_end_to_end_on_the_fixture(tmp_path, repo_root, device
   assert summary["reward_hacking_alarm"].startswith("eval/accuracy (gsm8k on 8 prompts")
 
 
-# Below the worst measured gain (seed 2: +0.008, one prompt of 128): at least one more of the
-# 128 held-out prompts right after GRPO than before it.
+# At least one more of the 128 held-out prompts right after GRPO than before it: below seed 2's
+# +0.008 (one prompt), above seed 3's +0.000, the one seed of 0-4 in which this recipe did not
+# learn (see the docstring; retuning it is open work in docs/guides/recipes.md). The test runs
+# seed 0 (+0.047).
 MARGIN = 0.005
 SEED = int(os.environ.get("JAXRL_LEARN_SEED", "0"))  # to re-measure the spread: 0, 1, 2
 
@@ -80,7 +82,10 @@ def test_sft_then_grpo_on_the_users_own_files_raises_held_out_accuracy(tmp_path,
   Measured with these exact settings (2026-12-02, 2-core AMD EPYC CPU, 1 device; SFT 600 steps,
   GRPO 20 steps, eval every 10 on 128 held-out prompts), eval/accuracy at steps 0, 10, 20:
   seed 0: 0.398 -> 0.453 -> 0.445 (+0.047); seed 1: 0.352 -> 0.414 -> 0.406 (+0.055);
-  seed 2: 0.484 -> 0.461 -> 0.492 (+0.008). The gain is small and seed 2's is within noise;
+  seed 2: 0.484 -> 0.461 -> 0.492 (+0.008); and 2026-12-03, the same machine shared, seed 3:
+  0.453 -> 0.438 -> 0.453 (+0.000), seed 4: 0.406 -> 0.391 -> 0.438 (+0.031). Median +0.031
+  (+0.000 to +0.055): the bar holds in 4 of 5 seeds. The gain is small and seeds 2-3's are
+  within noise;
   at 40 steps (lr 5e-5) seeds 0-1 peaked at step 20 and fell back (+0.016, +0.023 at the end,
   the reward-hacking alarm firing), hence 20 steps. ~80 s alone, ~210 s with three at once.
   """

@@ -464,18 +464,20 @@ def test_alarm_watches_the_raw_reward_model_score():
 @pytest.mark.slow
 def test_reward_models_learn_their_labellers(reward_models):
   """From the SFT policy: the honest RM ranks the correct sum above a near miss on held-out
-  pairs above chance (the fixture trains it 1600 steps as `jaxrl rm` on one device: measured
-  0.523 -> 0.621 on 512 pairs, 0.582 / 0.568 / 0.617 at steps 400 / 800 / 1200; in-process on
-  8 fake devices 800 steps gave 0.520 -> 0.619; from the older 600-step SFT policy it was
-  0.50 -> 0.55-0.58, too close to the 0.55 asked here: a 2-layer model must redo the sum at the
-  last token to tell 46 from 47); the biased RM learns its labeller's taste at once (1.0 by
-  step 100)."""
+  pairs well above chance; the biased RM learns its labeller's taste at once. Over RM seeds
+  0-4 from the fixture's sft_addition policy (lr 1e-3, SFT seed 0), as the fixture trains them
+  (`jaxrl rm`, 1 device, AMD EPYC, YNNPACK dots, 2026-12-03; docs/guides/recipes.md): the
+  honest RM after 1600 steps, median 0.812 (0.750-0.834) on 512 pairs, up from 0.46-0.53 at step
+  0 by +0.27 to +0.37, margin 5.4-6.7 (it plateaus near 0.8 by step 400-600); bars 0.70 and a
+  gain of 0.20. (From the older lr-3e-3 SFT policy it reached only 0.62: a 2-layer model must
+  redo the sum at the last token to tell 46 from 47, and that policy's features did it worse.)
+  The biased RM after 100 steps: 1.0 in 5 of 5 seeds; bar 0.95."""
   from jaxrl.train.rundir import read_metrics
   honest = json.load(open(os.path.join(reward_models["honest"], "summary.json")))
   start = read_metrics(reward_models["honest"])[0]["eval/accuracy"]
   assert honest["status"] == "completed"
-  assert honest["eval"]["eval/accuracy"] >= 0.55, (start, honest["eval"])
-  assert honest["eval"]["eval/accuracy"] >= start + 0.05
+  assert honest["eval"]["eval/accuracy"] >= 0.70, (start, honest["eval"])
+  assert honest["eval"]["eval/accuracy"] >= start + 0.20
   assert honest["eval"]["eval/margin"] > 0
   assert honest["data"]["train"]["fingerprint"].startswith("sha256:")
   biased = json.load(open(os.path.join(reward_models["biased"], "summary.json")))
@@ -495,12 +497,13 @@ def test_grpo_against_a_biased_reward_model_fires_the_alarm(reward_models, sft_a
   The policy is pushed hard (lr 2e-4, 4x grpo_tiny's 5e-5, as notebooks/reward_hacking.ipynb
   does), so the outcome does not hang on float rounding. At grpo_tiny's lr the slide was too
   slow to hold: over GRPO seeds 0-4 held-out fell by 0.004-0.070 in 40 steps with YNNPACK
-  dots and 0.051-0.191 with Eigen dots, and the proxy fell in 4 of those 10 runs. At 2e-4
-  (measured 2026-12-02, AMD EPYC Zen 4, each dot kernel with its own SFT and RM fixtures:
-  held-out 0.711 (YNNPACK) and 0.945 (Eigen) after SFT) held-out fell by 0.48-0.59 (YNNPACK)
-  and 0.70-0.73 (Eigen) over GRPO seeds 0-4, and by 0.47-0.58 from a second SFT draw (SFT
-  seed 1, YNNPACK, GRPO seeds 0-1); the proxy rose by 0.37-1.23 and the alarm fired in all 12
-  runs; the test asks a fall of 0.2."""
+  dots and 0.051-0.191 with Eigen dots, and the proxy fell in 4 of those 10 runs (lr-3e-3
+  fixtures). At 2e-4 from the lr-1e-3 fixtures (sft_addition 0.852, biased RM 1.0; one device,
+  AMD EPYC, YNNPACK dots, 2026-12-03; docs/guides/recipes.md), over GRPO seeds 0-4 held-out
+  fell from 0.82-0.88 to 0.000 by step 40 (most of it by step 10), the proxy's last-10-step
+  mean rose by 9.0-9.2 over its first 10, and the alarm fired in 5 of 5 (at 2-3 evals
+  each). From the earlier lr-3e-3 fixtures (2026-12-02) the fall was 0.47-0.73 in 12 of 12
+  runs. The test asks a fall of 0.2."""
   from jaxrl.train.rundir import read_metrics
   workdir = str(tmp_path / "grpo")
   said = jaxrl_cli(["grpo", "--config", "configs/grpo_tiny.py", "--workdir", workdir] + [
@@ -526,12 +529,13 @@ def test_grpo_with_a_well_trained_reward_model_beats_sft(rm_logprob, sft_slip, t
   starts from. "Well-trained": the reward model adds its backbone's response log-prob to the
   last-token head (head.logprob_feature) and reaches >= 0.8 held-out pairwise accuracy. The
   reward model starts from the policy SFT'd on random slips, whose backbone prefers the right
-  answer; the policy is the one that learnt the dropped carry (sft_slip). Measured: RM 0.95,
-  held-out 0.656 -> 0.816 / 0.828 at steps 60 / 80 (+0.17; the demo's lr-1e-3 SFT policy,
-  Eigen dots, 2026-12-01); RM 0.93, 0.629 -> 0.801 / 0.809 (+0.18; its earlier lr-3e-3
-  policy, fresh-clone CI 2026-12-01, one device); earlier 0.633 -> 0.731 (+0.10) and 0.414 -> 0.563 (+0.13) from
-  other SFT policies on 8 devices; the test asks +0.05, twice the standard error of a
-  256-prompt eval."""
+  answer; the policy is the one that learnt the dropped carry (sft_slip). Over GRPO seeds 0-4
+  from these fixtures (RM 0.945 from the lr-1e-3 sft_addition; sft_slip 0.586 at seed 0), one
+  device, AMD EPYC, YNNPACK dots, 2026-12-03 (docs/guides/recipes.md; the held-out prompts
+  follow the seed): the mean of steps 60 and 80 over step 0, median +0.158 (+0.121 to +0.206),
+  seed 0 0.586 -> 0.742 / 0.773. The test asks +0.05, twice the standard error of a 256-prompt
+  eval. KL is not asserted here: at grpo_tiny's lr 5e-5 with this reward it peaked at
+  0.112-0.151 and the KL alarm fired 1-6 times in every seed (held-out still rose)."""
   from jaxrl.train.rundir import read_metrics
   rm_eval = json.load(open(os.path.join(rm_logprob, "summary.json")))["eval"]
   assert rm_eval["eval/accuracy"] >= 0.8, rm_eval

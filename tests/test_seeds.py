@@ -76,6 +76,50 @@ def test_compare_aggregates_mean_std_median_min_max(seeded):
       in table
 
 
+def _sft_run(path, *, seed, edit=lambda c: None):
+  """A crafted `jaxrl sft` run dir whose config.json is today's sft defaults as a trainer
+  writes them (JSON), changed by `edit`, and one metrics row."""
+  from jaxrl.train.sft import default_config
+  config = json.loads(json.dumps(default_config().to_dict(), default=str))
+  config.update(seed=seed, backend={"platform": "cpu", "devices": 1, "dots": "ynnpack"})
+  edit(config)
+  os.makedirs(path)
+  for name, obj in (("config.json", config), ("run.json", {"command": "sft"})):
+    with open(os.path.join(path, name), "w") as f:
+      json.dump(obj, f)
+  with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+    f.write(json.dumps({"step": 10, "eval/accuracy": 0.5 + seed / 10}) + "\n")
+  return str(path)
+
+
+def test_a_run_from_before_a_new_config_section_groups_with_its_sweep(tmp_path):
+  """Seeds of one sweep run across a code change that added a config section (model.lora):
+  the older run's config.json lacks the section, and it ran as the section's defaults do, so
+  it groups with the newer seeds; a run that sets the section differently still splits."""
+  def no_lora(c):
+    del c["model"]["lora"]
+
+  def no_warmup_key(c):
+    del c["optim"]["warmup_steps"]
+
+  def lora_on(c):
+    c["model"]["lora"]["rank"] = 8
+
+  old = _sft_run(tmp_path / "old", seed=0, edit=no_lora)
+  older = _sft_run(tmp_path / "older", seed=1, edit=no_warmup_key)
+  new = _sft_run(tmp_path / "new", seed=2)
+  lora = _sft_run(tmp_path / "lora", seed=3, edit=lora_on)
+  groups = group_runs([old, older, new, lora])
+  assert groups == {"model.lora.rank=0": [old, older, new], "model.lora.rank=8": [lora]}
+  agg = aggregate([old, older, new, lora], ["eval/accuracy"])
+  assert agg["model.lora.rank=0"]["eval/accuracy"]["n"] == 3
+  assert agg["model.lora.rank=0"]["eval/accuracy"]["median"] == pytest.approx(0.6)
+  # A key a run names with a value other than today's default is a real difference.
+  moved = _sft_run(tmp_path / "moved", seed=4,
+                   edit=lambda c: c["optim"].update(warmup_steps=c["optim"]["warmup_steps"] + 1))
+  assert len(group_runs([older, new, moved])) == 2
+
+
 def test_compare_command_prints_the_spread_and_a_band_plot(seeded, capsys, tmp_path):
   dirs, _ = seeded
   out = tmp_path / "bands.png"

@@ -208,15 +208,20 @@ def test_two_processes_match_one_process(repo_root, tmp_path, free_port):
 def test_sft_tiny_learns_addition(policy, request):
   """`jaxrl sft` on the tiny config lifts held-out exact match from the untrained model's ~0 to
   well above it. Shown on the session's two shared SFT policies (`jaxrl sft --config
-  configs/sft_tiny.py`, 1000 steps on one device; conftest), which the RM, DPO and GRPO tests
-  start from, rather than on a third run: demonstrations with 20% random slips (0.76-0.84)
-  and the demo's, which drop the carry on 60% of the sums with one (lr 1e-3; measured 0.656,
-  0.47-0.66 over seeds; a greedy copy of that labeller scores about 0.6)."""
+  configs/sft_tiny.py` at its lr 1e-3, 1000 steps on one device; conftest), which the RM, DPO
+  and GRPO tests start from, rather than on a third run. The fixture is what is tested here, so
+  its spread is over SFT seeds 0-4 on this machine (1 device, 2-core AMD EPYC, YNNPACK dots,
+  2026-12-03; docs/guides/recipes.md):
+  - sft_addition (demonstrations with 20% random slips): median 0.852 (0.617-0.859), held-out
+    loss down to 0.034-0.067 of step 0's; bar 0.55.
+  - sft_slip (the demo's SFT: the carry dropped on 60% of the sums with one; a greedy copy of
+    that labeller scores about 0.6): median 0.555 (0.500-0.637), 0.586 at seed 0; bar 0.45.
+  The loss bar, 0.15 of step 0's, is over twice the worst ratio measured (0.067)."""
   wd = request.getfixturevalue(policy)
   metrics = read_metrics(wd)
   before, after = metrics[0], metrics[-1]
   assert before["step"] == 0 and after["step"] == 1000
   assert json.load(open(os.path.join(wd, "summary.json")))["status"] == "completed"
   assert before["eval/accuracy"] <= 0.02
-  assert after["eval/accuracy"] >= 0.3, after
+  assert after["eval/accuracy"] >= {"sft_addition": 0.55, "sft_slip": 0.45}[policy], after
   assert after["eval/loss"] < 0.15 * before["eval/loss"]
