@@ -212,6 +212,8 @@ class RolloutQueue:
     for params in self._weights.values():
       self.release(params)
     self._weights.clear()
+    self._units.clear()  # their rollouts' arrays go now, not when a cycle is next collected
+    self._queue.clear()
 
   def _ready(self, step: int) -> bool:
     return len(self._queue) >= self.B and self._queue[self.B - 1].step == step
