@@ -35,9 +35,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Random slips (error_mode "random") are hidden by greedy decoding and left GRPO little to fix
 # (0.00..+0.10 over seeds): docs/algorithms/grpo.md.
 # SFT at lr 1e-3 (sft_tiny's too, since [recipes]), not the old 3e-3: on these noisy
-# demonstrations 3e-3 ended anywhere from held-out 0.13 to 0.63 over seeds 0-5 (one device, 2026-12-01), so the demo's GRPO gain hung
-# on its SFT draw (+0.03 to +0.31); at 1e-3 the same seeds end at 0.47-0.66 (a greedy copy of
-# this labeller scores ~0.6), also with XLA's Eigen dots (0.51-0.66, seeds 0-3).
+# demonstrations 3e-3 ended anywhere from held-out 0.13 to 0.63 over seeds 0-5 (one device,
+# 2026-12-01), so the demo's GRPO gain hung on its SFT draw (+0.03 to +0.31); at 1e-3 the
+# same seeds end at 0.47-0.66 (a greedy copy of this labeller scores ~0.6), also with XLA's
+# Eigen dots (0.51-0.66, seeds 0-3).
 SFT_OVERRIDES = {"data.error_mode": "systematic", "data.error_rate": 0.6, "train.steps": 1000,
                  "train.log_every": 100, "train.save_every": 500, "eval.every": 500,
                  "optim.lr": 1e-3}
