@@ -363,7 +363,10 @@ def _check(config) -> None:
     raise ConfigError("rollout.partial_rollouts=True changes weights under sequences the "
                       "async producer has in flight, and async generation is off: set "
                       "rollout.async_generation=True too, or turn partial_rollouts off.")
-  if r.async_generation and k > 1 and jax.process_count() > 1:
-    raise ConfigError(f"rollout.max_staleness={k} runs in one process for now "
-                      f"(this run has {jax.process_count()}): set rollout.max_staleness=1, "
-                      "whose producer works across processes.")
+  if r.async_generation and r.get("partial_rollouts") and jax.process_count() > 1:
+    # Each process's producer picks newer weights up by its own thread timing: two processes
+    # could feed one decode program shards of two versions (docs/algorithms/grpo.md).
+    raise ConfigError(f"rollout.partial_rollouts=True runs in one process for now (this run "
+                      f"has {jax.process_count()}): its weight switch points follow each "
+                      "process's thread timing; set rollout.partial_rollouts=False, whose "
+                      "queue works across processes.")

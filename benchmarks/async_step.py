@@ -1,0 +1,186 @@
+"""Async GRPO against synchronous on a long-tailed completion-length distribution: wall seconds
+per update and perf/sampler_busy, side by side in one run (issue 39's benchmark).
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python benchmarks/async_step.py
+
+Placement: 8 CPU devices, disaggregated (4 learn, 4 sample). Three modes, each a real
+`jaxrl grpo` run of --steps counted steps after --warmup steps that compile (not counted):
+  sync      the learner waits for each step's rollout
+  async-k1  rollout.async_generation, max_staleness 1 (step n's rollout overlaps step n-1's
+            update)
+  async-k2p max_staleness 2 with partial rollouts (newer weights between decode calls)
+All three use algo.tis_cap 2 (as configs/grpo_tiny.py:async), so they run the same programs.
+The modes alternate within each round, and rounds repeat (--rounds): this machine is shared and
+its speed drifts, so the modes are compared hour for hour.
+
+The shape is benchmarks/grpo_step.py's anchor (the `bench` preset, 4.49M parameters, 8 prompts
+x 8 generations, up to 64 new tokens, beta 0.04, fp32), with eos honoured instead of ignored.
+A random policy almost never samples eos (1 of 512 tokens: 88% of completions ran to 64), so
+the long tail is made: the eos row of the (tied) embedding is set to LONG_TAIL_SCALE times a
+fixed random unit vector before training. Its logit is then that multiple of the hidden state's
+projection on the vector: large for most contexts (early eos), negative for a few, which never
+stop. Measured on the anchor's prompts (256 completions, seed 0, temperature 1): median 5 tokens,
+quartiles 2 / 11, 90th percentile 26, and 5.5% run to the 64-token cap, so nearly every batch of
+64 holds at least one full-length completion (1 - 0.945^64 = 97%). `--lengths` prints the
+distribution this run's policy produces. The reward is the task's (the untrained policy earns
+~0): the timing does not depend on it.
+
+Prints, per round and mode, the median seconds per update (timing_s/step: wall time between two
+logged steps, one logged per step), the median perf/sampler_busy (the producer's decoding
+seconds over wall seconds; sync: the rollout's share of the step, perf/gen_fraction), the
+learner's gen wait and the mean completion length; then each mode's median over rounds and its
+throughput against sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+
+# One persistent compilation cache for the whole run (as tests/conftest.py does): the modes and
+# rounds compile the same programs, and on this shared 2-core machine a compile costs minutes.
+# The warm-up steps are dropped either way, so it shortens the run, not the figures.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxrl-async-jit-"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+
+import jax  # noqa: E402  (after the cache settings above)
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxrl import config as config_lib
+from jaxrl.backends.cpu import allocator
+from jaxrl.rl import grpo
+from jaxrl.train import run as run_lib
+from jaxrl.train.rundir import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ANCHOR = ["model.preset=bench", "rollout.prompts_per_step=8", "rollout.group_size=8",
+          "rollout.max_new_tokens=64", "rollout.slots=64", "rollout.steps_per_call=16",
+          "algo.beta=0.04", "algo.tis_cap=2.0", "placement.mode=disaggregated",
+          "mesh.fsdp=-1", "placement.sampler_mesh.data=-1"]
+MODES = {
+    "sync": [],
+    "async-k1": ["rollout.async_generation=True", "rollout.max_staleness=1"],
+    "async-k2p": ["rollout.async_generation=True", "rollout.max_staleness=2",
+                  "rollout.partial_rollouts=True"],
+}
+LONG_TAIL_SCALE = 4.0  # the eos embedding row's norm (see the module docstring)
+
+
+def long_tail(params, eos_id: int):
+  """`params` with the eos row of the tied embedding set to LONG_TAIL_SCALE x a fixed random
+  unit vector: most contexts stop within a few tokens, a few never do."""
+  embed = params["embed"]
+  u = jax.random.normal(jax.random.key(1), (embed.shape[1],), embed.dtype)
+  row = LONG_TAIL_SCALE * u / jnp.linalg.norm(u)
+  return dict(params, embed=jax.jit(lambda e: e.at[eos_id].set(row),
+                                    out_shardings=embed.sharding)(embed))
+
+
+def patch_init():
+  """Every run's starting policy gets the long tail (Run.init_state is where the GRPO trainer
+  builds it; the reference is copied from it after, so both carry it)."""
+  original = run_lib.Run.init_state
+
+  def init_state(self, tx, **kwargs):
+    graphdef, state, shardings = original(self, tx, **kwargs)
+    if not self.cfg.tie_embeddings:
+      raise SystemExit("the long tail is made on a tied embedding; the preset is untied")
+    return graphdef, state.replace(params=long_tail(state.params, self.tokenizer.eos_id)), \
+        shardings
+  run_lib.Run.init_state = init_state
+
+
+def mode_config(mode: str, steps: int):
+  overrides = ANCHOR + MODES[mode] + [f"train.steps={steps}", "train.log_every=1",
+                                      "train.save_every=1000", "eval.every=0"]
+  return config_lib.load_config(os.path.join(ROOT, "configs/grpo_tiny.py"), overrides)
+
+
+def run_mode(mode: str, steps: int, warmup: int) -> dict:
+  config = mode_config(mode, steps + warmup)
+  with tempfile.TemporaryDirectory() as workdir:
+    grpo.run(config, workdir, out=lambda *a: None)
+    rows = [r for r in read_metrics(workdir) if "timing_s/gen" in r][warmup:]
+  busy_key = "perf/sampler_busy" if mode != "sync" else "perf/gen_fraction"
+  return {"step": statistics.median(r["timing_s/step"] for r in rows),
+          "busy": statistics.median(r[busy_key] for r in rows),
+          "wait": statistics.median(r["timing_s/gen_wait"] for r in rows),
+          "gen": statistics.median(r["timing_s/gen"] for r in rows),
+          "len": statistics.mean(r["response_length/mean"] for r in rows),
+          "stale": statistics.mean(r.get("staleness/mean", 0.0) for r in rows),
+          "partial": statistics.mean(r.get("rollout/partial_frac", 0.0) for r in rows)}
+
+
+def print_lengths():
+  """The completion lengths the long-tailed starting policy samples on the anchor's prompts
+  (one rollout of 8 x 8 per seed, 4 seeds): the distribution the timings run on."""
+  from jaxrl.data.hf_tokenizer import tokenizer_for
+  from jaxrl.data.prompts import Prompts
+  from jaxrl.models import get_preset
+  from jaxrl.parallel import init_params, make_mesh
+  from jaxrl.sampler import Engine, SamplingParams, generate
+  from jaxrl.train.data import load_task
+  config = mode_config("sync", 1)
+  tok = tokenizer_for(config)
+  prompts = Prompts(tok, config.get("data"))
+  ids = [prompts.ids(r) for r in load_task(config).records("train", 32, 0)]
+  cfg, mesh = get_preset("bench"), make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  graphdef, params = init_params(cfg, mesh, "sampler", seed=config.seed)
+  engine = Engine(graphdef, cfg, mesh, sampling=SamplingParams(
+      temperature=1.0, max_new_tokens=64, eos_id=tok.eos_id))
+  params = long_tail(params, tok.eos_id)
+  lengths = np.concatenate([generate(engine, params, ids[8 * s:8 * s + 8], n=8, slots=64,
+                                     steps_per_call=16, seed=s).lengths for s in range(4)])
+  q = np.percentile(lengths, [25, 50, 75, 90])
+  print(f"completion lengths ({lengths.size}): mean {lengths.mean():.1f}, quartiles "
+        f"{q[0]:.0f} / {q[1]:.0f} / {q[2]:.0f}, 90th percentile {q[3]:.0f}, "
+        f"{(lengths >= 64).mean():.1%} at the 64-token cap")
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--steps", type=int, default=6, help="counted steps per run")
+  p.add_argument("--warmup", type=int, default=2,
+                 help="steps not counted (compiles; async k=2 fills its queue)")
+  p.add_argument("--rounds", type=int, default=2)
+  p.add_argument("--modes", default=",".join(MODES))
+  p.add_argument("--lengths", action="store_true",
+                 help="first print the long-tailed policy's completion-length distribution")
+  args = p.parse_args()
+  modes = args.modes.split(",")
+  for m in modes:
+    if m not in MODES:
+      raise SystemExit(f"--modes: unknown mode {m!r}; use some of {', '.join(MODES)}")
+  if jax.device_count() < 8:
+    raise SystemExit(f"{jax.device_count()} devices: run with "
+                     "XLA_FLAGS=--xla_force_host_platform_device_count=8")
+  allocator.ensure()
+  patch_init()
+  print(f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} devices, "
+        f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}, {allocator.describe()}")
+  if args.lengths:
+    print_lengths()
+  print(f"{'round':>5s} {'mode':10s} {'s/update':>9s} {'busy':>6s} {'wait s':>7s} "
+        f"{'gen s':>7s} {'len':>6s} {'stale':>6s} {'partial':>8s} {'load':>5s}")
+  results: dict[str, list[dict]] = {m: [] for m in modes}
+  for rnd in range(args.rounds):
+    for m in modes:
+      r = run_mode(m, args.steps, args.warmup)
+      results[m].append(r)
+      print(f"{rnd + 1:5d} {m:10s} {r['step']:9.2f} {r['busy']:6.2f} {r['wait']:7.2f} "
+            f"{r['gen']:7.2f} {r['len']:6.1f} {r['stale']:6.2f} {r['partial']:8.2f} "
+            f"{os.getloadavg()[0]:5.1f}", flush=True)
+  print(f"\nmedians over {args.rounds} round(s) (sync's busy is its perf/gen_fraction)")
+  base = statistics.median(r["step"] for r in results[modes[0]])
+  for m in modes:
+    step = statistics.median(r["step"] for r in results[m])
+    busy = statistics.median(r["busy"] for r in results[m])
+    print(f"{m:10s} {step:6.2f} s/update  sampler busy {busy:4.2f}  "
+          f"throughput {base / step:4.2f}x {modes[0]}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,47 @@
+"""Async GRPO learns as the synchronous run does: on the demo's task, from the demo's SFT
+policy, an async run with max_staleness k = 2 reaches the synchronous run's held-out accuracy
+within 0.03 in the same number of updates (issue 39)."""
+
+import json
+import os
+
+import pytest
+
+from jaxrl import config as config_lib
+from jaxrl.rl import grpo
+
+STEPS = 40  # half the demo's 80: the gain is already +0.13 or more (the test's docstring)
+
+
+def heldout_accuracy(repo_root, sft, workdir, *, seed=0, steps=STEPS, async_k=0) -> float:
+  """Held-out greedy accuracy after `steps` GRPO steps as the demo runs them (jaxrl.demo's
+  GRPO settings, from `sft`), on configs/grpo_tiny.py:async's placement (4 learner + 4 sampler
+  devices, truncated IS at 2) for both modes, so the runs differ only in async generation:
+  async_k = 0 is synchronous, k > 0 async with max_staleness k."""
+  from jaxrl.demo import GRPO_OVERRIDES
+  config = config_lib.load_config(os.path.join(repo_root, "configs/grpo_tiny.py:async"))
+  config_lib.apply_overrides(config, {
+      **GRPO_OVERRIDES, "init.checkpoint": sft, "seed": seed, "train.steps": steps,
+      "train.save_every": steps, "eval.every": steps, "train.log_every": steps,
+      "rollout.async_generation": async_k > 0, "rollout.max_staleness": max(async_k, 1)})
+  summary = grpo.run(config, str(workdir), out=lambda *a: None)
+  assert summary["step"] == steps
+  return summary["eval"]["eval/accuracy"]
+
+
+@pytest.mark.slow
+def test_async_k2_reaches_the_synchronous_heldout_accuracy(repo_root, tmp_path, sft_slip,
+                                                           devices):
+  """40 steps each (~85 s for both runs here, after the shared sft_slip fixture). Measured
+  from one sft_slip draw (held-out 0.586; 2026-12-03, AMD EPYC, load ~10 on its 2 cores),
+  sync / async k=2 held-out accuracy over GRPO seeds 0-3: 0.754 / 0.746, 0.773 / 0.773,
+  0.715 / 0.715, 0.727 / 0.734: differences -0.008..+0.008 (1/256 is 0.004; on seed 1 the
+  runs' rewards differed, staleness 2, the greedy accuracy did not), sync's gain over SFT
+  +0.13..+0.19. So the issue's 0.03 holds with margin on every seed measured, and the gain
+  bar (+0.03) is far below the smallest gain."""
+  sft_acc = json.load(open(os.path.join(sft_slip, "summary.json")))["eval"]["eval/accuracy"]
+  sync = heldout_accuracy(repo_root, sft_slip, tmp_path / "sync")
+  k2 = heldout_accuracy(repo_root, sft_slip, tmp_path / "k2", async_k=2)
+  print(f"held-out accuracy: sft {sft_acc:.3f}, sync {sync:.3f}, async k=2 {k2:.3f}")
+  assert sync >= sft_acc + 0.03, (sft_acc, sync)  # there was learning to match
+  assert abs(k2 - sync) <= 0.03, (sft_acc, sync, k2)
