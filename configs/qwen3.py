@@ -32,9 +32,10 @@ MODELS = {"0.6b": ("qwen3-0.6b", "checkpoints/Qwen3-0.6B"),
           "4b": ("qwen3-4b", "checkpoints/Qwen3-4B"),
           "8b": ("qwen3-8b", "checkpoints/Qwen3-8B")}
 # (model, trainer, chip) -> memory knobs where the family default (full remat; 1, 4 or 8
-# micro-batches by size: jaxrl.config.family_config) does not fit. 4B's GRPO on a v5e: even at
-# 16 micro-batches (which the log-prob forward now also runs in) the compiled train step needs
-# 19.1 GiB per chip with the reference beside it: it does not fit (docs/guides/scale.md).
+# micro-batches by size: jaxrl.config.family_config) does not fit. 4B's GRPO on a v5e: at 16
+# micro-batches (which the log-prob forward also runs in) the train step compiles to 14.6 GiB
+# per chip, but the decode loop beside the learner's fp32 state peaks at 18.1: it does not fit
+# (docs/guides/scale.md); the qlora variant fits even a v5e-4.
 # On a v5e-4 (QLoRA) the same 16 micro-batches: 2 rows of 2,048 tokens per chip each; at 4 the
 # plan put the train step at 13.4 GiB.
 # 1.7B's GRPO on a v5e at the family default (one micro-batch: 16 rows of 2,048 tokens per
