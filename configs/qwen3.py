@@ -43,9 +43,10 @@ MODELS = {"0.6b": ("qwen3-0.6b", "checkpoints/Qwen3-0.6B"),
 # at the run's peak (the train step, 12.89 + 0.80; plan 12.17), and fits.
 SIZING = {("4b", "grpo", "v5e"): {"accum_steps": 16}, ("4b", "grpo", "v5e-4"): {"accum_steps": 16},
           ("1.7b", "grpo", "v5e"): {"accum_steps": 2}}
-# (model, trainer, chip) -> the QLoRA variant's sampler mesh (data, tensor) where the family
-# default (data=auto x tensor=2) does not fit. (The bf16 LoRA variant keeps the default: its
-# train step alone was refused by the TPU compiler, whatever the sampler holds.) 8B GRPO on a
+# (model, trainer, chip) -> the LoRA / QLoRA variants' sampler mesh (data, tensor) where the
+# family default (data=auto x tensor=2) does not fit. (The bf16 LoRA train step, once refused by
+# the TPU compiler, compiles to 9.06 GiB with the collective matmul off; at tensor=2 its sampler
+# side peaked at 24.30 GiB, so it takes the same sampler mesh.) 8B GRPO on a
 # v5e-8: at tensor=2 the sampler's bf16 copy is 7.6 GiB per chip (plus the 4.4 GiB int8 base),
 # so prefill and the decode loop compiled to 16.4 and 20.3 GiB peaks. Tensor-parallel over all
 # 8 chips (Qwen3-8B has 8 KV heads: one per chip) cuts both copies to a quarter and keeps the
@@ -68,6 +69,6 @@ def get_config(arg=None):
   parts = [x.strip() for x in (arg or "0.6b").split(",")]
   key = (parts[0], next((x for x in parts[1:] if x in ("sft", "grpo")), "grpo"),
          next((x for x in parts[1:] if x in REAL_CHIPS), "v5e"))
-  if lora == "qlora" and key in QLORA_SAMPLER:
+  if key in QLORA_SAMPLER:  # the bf16 LoRA variant too: its sampler holds the same bf16 copy
     c.placement.sampler_mesh.data, c.placement.sampler_mesh.tensor = QLORA_SAMPLER[key]
   return with_lora(c, quantize="int8" if lora == "qlora" else "")
