@@ -27,8 +27,6 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-CHIPS = {"v5e": {"hbm_bytes_per_s": 819e9, "bf16_flops": 197e12}}
-
 
 def compile_step(cfg, mesh, *, slots, max_len, pages, page_size, choice):
   from jaxrl.models import abstract_model
@@ -68,13 +66,13 @@ def main():
 
   from jaxrl.models import get_preset
   from jaxrl.parallel import make_mesh
-  from jaxrl.parallel.compile import topology_devices
+  from jaxrl.parallel.compile import chip_of, topology_devices
   cfg = dataclasses.replace(get_preset(args.preset), dtype="bfloat16", param_dtype="bfloat16")
   if args.layers:
     cfg = dataclasses.replace(cfg, num_layers=args.layers)
   data, fsdp, tensor = (int(x) for x in args.mesh.split(","))
   mesh = make_mesh(data, fsdp, tensor, devices=topology_devices(args.topology))
-  chip = CHIPS[args.topology.split(":")[0]]
+  chip = chip_of(args.topology)  # peak rates of v5e / v5p / v6e
   max_len = args.prompt + args.new
   shared = args.slots // args.group * (args.prompt // args.page)
   own = args.slots * -(-(max_len - args.prompt // args.page * args.page) // args.page)
@@ -98,7 +96,7 @@ def main():
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     kv = kernel_kv if choice == "pallas" else gather_kv
-    roofline_s = (weight_bytes + kv) / chip["hbm_bytes_per_s"]
+    roofline_s = (weight_bytes + kv) / chip.hbm_bytes_per_s
     out[choice] = {
         "kernel_calls": hlo.count("custom_call_target=\"tpu_custom_call\""),
         "argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
@@ -108,7 +106,7 @@ def main():
         "roofline_ms_per_step": roofline_s * 1e3,
         "roofline_tokens_per_s_per_chip": slots_chip / roofline_s,
         "cost_model_ms": (cost.get("bytes accessed", 0) + (kv if choice == "pallas" else 0))
-        / chip["hbm_bytes_per_s"] * 1e3}
+        / chip.hbm_bytes_per_s * 1e3}
     print(choice, json.dumps(out[choice]), flush=True)
   print(json.dumps(out))
 
