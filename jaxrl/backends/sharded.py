@@ -74,6 +74,12 @@ def paged_lengths(pos_b, pages_per_slot: int, page_size: int):
   return jnp.where(pos_b < pages_per_slot * page_size, pos_b + 1, 1).astype(jnp.int32)
 
 
+def largest_divisor(n: int, most: int) -> int:
+  """The largest divisor of n that is at most `most` (the paged kernels' block sizes must
+  divide a slot's page table)."""
+  return max(d for d in range(1, min(most, n) + 1) if n % d == 0)
+
+
 def per_device_paged(kernel, mesh, cache_spec):
   """kernel(q [B, K, G, H], key and value pools [K, N, P, H], pages [B, n], pos [B]) ->
   [B, K, G, H] (a paged decode kernel), run on each device's slots and KV heads of `mesh`:

@@ -129,7 +129,7 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
   toks: list[list[int]] = [[] for _ in range(num)]
   lps: list[list[float]] = [[] for _ in range(num)]
   vers: list[list[int]] = [[] for _ in range(num)]
-  version, prefix_version = -1, {}
+  version = -1  # the weights' version (partial rollouts), with each prefix it made
   finished = [False] * num
   stats = dict(prefill_s=0.0, decode_s=0.0, prefill_calls=0, prefill_prompts=0,
                prefill_tokens=0, decode_steps=0, slot_steps=0, live_slot_steps=0,
@@ -199,12 +199,11 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
         if weights is not None:
           version, params = weights()
         prefix = engine.prefill(params, tokens, lengths, key)
-        prefix_version[id(prefix)] = version  # its first tokens' (a prefix may wait a round)
         stats["prefill_calls"] += 1
         stats["prefill_prompts"] += len(ids)
         stats["prefill_tokens"] += int(sum(map(len, ids)))
         for r, k in enumerate(batch):
-          prefixes[k] = (prefix, r)
+          prefixes[k] = (prefix, r, version)  # its first tokens' (it may wait a round)
       # Insert: one call per prefix batch, each placing every row its samples need, into a
       # window that holds the prefixes placed now (not those whose samples still wait) and
       # their first scan.
@@ -213,16 +212,16 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
       state = engine.grow(state, fit(need))
       by_prefix: dict[int, tuple] = {}
       for s, b in zip(take, free):
-        prefix, r = prefixes[owners[s]]
-        entry = by_prefix.setdefault(id(prefix), (prefix, [], [], []))
+        prefix, r, v = prefixes[owners[s]]
+        entry = by_prefix.setdefault(id(prefix), (prefix, [], [], [], v))
         entry[1].append(r)
         entry[2].append(b)
         entry[3].append(s)
         slot_sample[b] = s
-      for prefix, rows, bs, ss in by_prefix.values():
+      for prefix, rows, bs, ss, v in by_prefix.values():
         state, first = engine.insert_many(prefix, state, rows=rows, slots=bs, samples=ss)
         firsts.append((bs, ss, first))
-        first_versions.append(prefix_version[id(prefix)])
+        first_versions.append(v)
       waiting = {s // n if share_prefix else ("s", s) for s in queue}
       for k in [k for k in prefixes if k not in waiting]:
         del prefixes[k]  # every sample of this prompt is placed: free its prefix

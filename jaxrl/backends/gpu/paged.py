@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxrl.backends.sharded import paged_lengths
+from jaxrl.backends.sharded import largest_divisor, paged_lengths
 
 MAX_SPLITS = 16  # the kernel's default k_splits: partitions of a slot's table run in parallel
 MAX_BLOCK_PAGES = 8  # the kernel's default pages_per_compute_block
@@ -30,15 +30,11 @@ def takes(head_dim: int, dtype, page_size: int) -> bool:
           and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16, jnp.float16))
 
 
-def _largest_divisor(n: int, most: int) -> int:
-  return max(d for d in range(1, min(most, n) + 1) if n % d == 0)
-
-
 def blocks(pages_per_slot: int) -> tuple[int, int]:
   """(k_splits, pages_per_compute_block) for a table of this many pages: the most splits (up to
   16) that divide it, then the largest power of two (up to 8 pages) that divides a split, so a
   compute block (pages x P positions) stays a power of two for Triton."""
-  splits = _largest_divisor(pages_per_slot, MAX_SPLITS)
+  splits = largest_divisor(pages_per_slot, MAX_SPLITS)
   per_split = pages_per_slot // splits
   block = max(b for b in (1, 2, 4, 8) if b <= MAX_BLOCK_PAGES and per_split % b == 0)
   return splits, block

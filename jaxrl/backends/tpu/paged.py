@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 
-from jaxrl.backends.sharded import paged_lengths
+from jaxrl.backends.sharded import largest_divisor, paged_lengths
 
 LANES = 128
 MAX_BLOCK_POSITIONS = 512  # positions per compute block: up to 32 pages of 16
@@ -52,8 +52,7 @@ def takes(head_dim: int, dtype) -> bool:
 def pages_per_block(pages_per_slot: int, page_size: int) -> int:
   """The kernel's compute block: the most pages, at most MAX_BLOCK_POSITIONS positions, that
   divide a slot's table (the kernel requires a divisor)."""
-  most = max(1, MAX_BLOCK_POSITIONS // page_size)
-  return max(d for d in range(1, min(most, pages_per_slot) + 1) if pages_per_slot % d == 0)
+  return largest_divisor(pages_per_slot, max(1, MAX_BLOCK_POSITIONS // page_size))
 
 
 def paged_decode(q_bkgh, keys_knph, values_knph, pages_bn, pos_b, *, interpret: bool = False):
