@@ -353,12 +353,11 @@ class PromptStream:
       self.epoch, self.pos = epoch, pos
 
   def mark(self) -> None:
-    """Records the extras' state now; get_state() returns it until the next mark. With async
-    generation, step k+1's rollout is scored (updating e.g. the RM normaliser) in the
-    background while step k is checkpointed. Marking before it starts keeps that checkpoint to
-    what steps <= k put in: a resumed run, which scores step k+1 again, counts it once, and a
-    save never reads a half-updated state."""
-    self._marked = {k: copy.deepcopy(v.get_state()) for k, v in self.extras.items()}
+    """Records the extras' state now (a copy); get_state() returns it until the next mark, so
+    a checkpoint holds what steps <= k put in (e.g. the RM normaliser after step k's scoring),
+    and a save never reads a half-updated state. (Async generation checkpoints the rollout
+    queue's own resume point instead: queue_state, producer.py.)"""
+    self._marked = self.snapshot()
 
   def clone(self) -> "PromptStream":
     """A stream of the same records and order at the position this one started or resumed
