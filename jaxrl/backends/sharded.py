@@ -80,17 +80,16 @@ def largest_divisor(n: int, most: int) -> int:
   return max(d for d in range(1, min(most, n) + 1) if n % d == 0)
 
 
-def per_device_paged(kernel, mesh, cache_spec):
+def per_device_paged(kernel, mesh, cache_spec, *, takes=lambda q_bkgh, keys_knph: True):
   """kernel(q [B, K, G, H], key and value pools [K, N, P, H], pages [B, n], pos [B]) ->
   [B, K, G, H] (a paged decode kernel), run on each device's slots and KV heads of `mesh`:
   slots over the axes of cache_spec[0] (the sampler's dense cache spec [B, K, W, H]), KV heads
   over cache_spec[1]. The pools hold every page on
   every slot device (the engine replicates them over the slot axes, split over KV heads), so
   a slot's page ids need no translation. No communication: decode attention mixes neither
-  slots nor KV heads. Returns fn(same arguments) -> the output, or None where the mesh's axes
-  do not divide the slots or KV heads."""
-  if mesh.devices.size == 1:
-    return kernel
+  slots nor KV heads. Returns fn(same arguments) -> the output, or None where `takes(q, keys)`
+  (the kernel's own limits: head_dim, dtype, page size) refuses the call or the mesh's axes do
+  not divide the slots or KV heads."""
   b, k = (tuple(cache_spec) + (None, None))[:2]
 
   def ways(axes):
@@ -98,6 +97,10 @@ def per_device_paged(kernel, mesh, cache_spec):
     return int(np.prod([mesh.shape[a] for a in axes]))
 
   def sharded(q_bkgh, keys_knph, values_knph, pages_bn, pos_b):
+    if not takes(q_bkgh, keys_knph):
+      return None
+    if mesh.devices.size == 1:
+      return kernel(q_bkgh, keys_knph, values_knph, pages_bn, pos_b)
     if q_bkgh.shape[0] % ways(b) or q_bkgh.shape[1] % ways(k):
       return None
     q_spec, pool_spec = P(b, k, None, None), P(k, None, None, None)

@@ -49,15 +49,9 @@ def paged_decode_kernel(mesh, cache_spec, *, interpret: bool = False):
   divide the slots or KV heads. interpret: Pallas's TPU interpreter (tests on CPU devices)."""
   if paged_choice() == "xla":
     return None
-  run = per_device_paged(functools.partial(paged.paged_decode, interpret=interpret), mesh,
-                         cache_spec)
-
-  def kernel(q_bkgh, keys_knph, values_knph, pages_bn, pos_b):
-    if not paged.takes(q_bkgh.shape[-1], q_bkgh.dtype):
-      return None
-    return run(q_bkgh, keys_knph, values_knph, pages_bn, pos_b)
-
-  return kernel
+  return per_device_paged(functools.partial(paged.paged_decode, interpret=interpret), mesh,
+                          cache_spec,
+                          takes=lambda q_bkgh, keys_knph: paged.takes(q_bkgh.shape[-1], q_bkgh.dtype))
 
 
 def choice() -> str:
