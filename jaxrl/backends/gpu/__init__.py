@@ -46,7 +46,7 @@ def paged_decode_kernel(mesh, cache_spec, *, interpret: bool = False):
     return None
   return per_device_paged(functools.partial(paged.paged_decode, interpret=interpret), mesh,
                           cache_spec,
-                          takes=lambda q_bkgh, keys_knph: paged.takes(q_bkgh.shape[-1], q_bkgh.dtype, keys_knph.shape[2]))
+                          takes=lambda q, keys: paged.takes(q.shape[-1], q.dtype, keys.shape[2]))
 
 
 def choice() -> str:
