@@ -101,8 +101,9 @@ class RolloutQueue:
   """The producer thread and its bounded queue of finished groups (see the module docstring).
 
   `sample(params, prompts, unit[, weights=]) -> (rollout, rewards [B*G], reward_stats)`
-  samples and scores one unit (`weights` only with partial rollouts); `stream` is a PromptStream whose position the producer advances (the learner's own
-  stream stays the checkpointed one); `snapshot()` returns the host state scoring changes (the
+  samples and scores one unit (`weights` only with partial rollouts); `stream` is a
+  PromptStream whose position the producer advances (the learner's own stream stays the
+  checkpointed one); `snapshot()` returns the host state scoring changes (the
   reward normaliser) for a resume; `release(params)` frees a sampler copy no unit needs any
   more. No unit is started for `end_step` (the run's train.steps) or later."""
 
