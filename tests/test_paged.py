@@ -1,7 +1,7 @@
 """The paged KV cache (jaxrl/sampler/paged.py) against the dense one: the same samples token
 for token on a tiny preset and the HF fixtures, shared prompt pages, freeing, a tight page
-budget under either admission (with preemption), and bad settings. Runs on the 8 fake CPU devices, fsdp 2 x tensor 4 like
-tests/test_sampler.py."""
+budget under either admission (with preemption), and bad settings. Runs on the 8 fake CPU
+devices, fsdp 2 x tensor 4 like tests/test_sampler.py."""
 
 import os
 
