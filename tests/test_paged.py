@@ -1,7 +1,7 @@
 """The paged KV cache (jaxrl/sampler/paged.py) against the dense one: the same samples token
 for token on a tiny preset and the HF fixtures, shared prompt pages, freeing, a tight page
-budget, and bad settings. Runs on the 8 fake CPU devices, fsdp 2 x tensor 4 like
-tests/test_sampler.py."""
+budget under either admission (with preemption), and bad settings. Runs on the 8 fake CPU
+devices, fsdp 2 x tensor 4 like tests/test_sampler.py."""
 
 import os
 
@@ -19,7 +19,9 @@ from jaxrl.sampler import Engine, SamplingParams, generate, metrics, paged
 # Mixed lengths in one prefill bucket (one compile): partial last pages (page_size 4), a prompt
 # of exactly two pages (8 tokens), and one of three.
 PROMPTS = [[1, 40, 41, 42], [1, 50], [1] + list(range(60, 71)), [1, 7, 8, 9, 10, 11, 12, 13]]
-STOPS = tuple(range(0, 512, 7))  # mixed completion lengths, so slots free at different times
+# Mixed completion lengths (so slots free at different times), most of them the full 20 tokens,
+# so that a pool below every live sample's worst case runs out of pages.
+STOPS = tuple(range(3, 512, 23))
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")
 
 
@@ -43,25 +45,58 @@ def _same(dense, pg):
   assert pg.finish_reasons == dense.finish_reasons
 
 
-def test_paged_rollout_equals_dense_token_for_token_within_a_page_budget(model, mesh):
+@pytest.fixture(scope="module")
+def budget(model, mesh):
+  """An engine, and its dense rollout of 3 samples per prompt over 4 slots: the reference the
+  paged rollouts under a page budget must equal."""
   cfg, graphdef, params = model
   engine = Engine(graphdef, cfg, mesh, sampling=SamplingParams(max_new_tokens=20, stop_ids=STOPS))
   dense = generate(engine, params, PROMPTS, n=3, slots=4, steps_per_call=4, seed=5,
                    grow_cache=False)  # one decode compile
-  # 20 pages of 4 (a dense cache at max_len takes 4 x 9): the driver reserves each sample's
-  # worst case, so fewer than the 4 slots are live at once, and no slot waits for a page.
-  pg = generate(engine, params, PROMPTS, n=3, slots=4, steps_per_call=4, seed=5,
-                kv_cache="paged", page_size=4, kv_pages=20)
-  assert len(set(dense.lengths.tolist())) > 2, "lengths are not mixed; the test shows nothing"
+  lengths = dense.lengths.tolist()
+  assert len(set(lengths)) > 2 and lengths.count(20) > 4, "lengths do not test the budget"
+  return engine, dense
+
+
+def _paged(engine, params, admission):
+  # 20 pages of 4 positions: a dense cache at max_len takes 4 x 9, so 4 live samples at their
+  # longest need more than the pool holds.
+  return generate(engine, params, PROMPTS, n=3, slots=4, steps_per_call=4, seed=5,
+                  kv_cache="paged", page_size=4, kv_pages=20, kv_admission=admission)
+
+
+def test_paged_rollout_equals_dense_token_for_token_within_a_page_budget(model, budget):
+  """"reserve" admission: the driver reserves each sample's worst case, so fewer than the 4
+  slots are live at once, and no slot waits for a page or is preempted."""
+  engine, dense = budget
+  pg = _paged(engine, model[2], "reserve")
   _same(dense, pg)
   st = pg.stats
   assert st["kv_cache"] == "paged" and st["kv_pages"] == 20 and st["page_wait_calls"] == 0
-  assert 0 < st["kv_pages_peak"] <= 20
+  assert 0 < st["kv_pages_peak"] <= 20 and st["kv_preemptions"] == 0
   assert st["live_peak"] < 4 == dense.stats["live_peak"]
   assert dense.stats["kv_positions_peak"] > 0
   m = metrics(pg)
   assert m["sampler/kv_pages"] == 20 and m["sampler/kv_pages_peak"] == st["kv_pages_peak"]
   assert m["sampler/live_peak"] == st["live_peak"] and "sampler/kv_pages" not in metrics(dense)
+  assert m["sampler/kv_preemptions"] == 0 and "sampler/kv_preemptions" not in metrics(dense)
+
+
+def test_optimistic_admission_preempts_and_the_rollout_is_still_the_dense_one(model, budget):
+  """"optimistic" admission (the default) on the same pool: every slot is filled on its
+  prompt's pages, the live samples outgrow the pool, the newest are preempted (their pages
+  freed, their tokens dropped) and generated again from their prompts: the same tokens and
+  log-probs as the dense rollout, since a token's key is fold_in(seed, sample, token)."""
+  engine, dense = budget
+  pg = _paged(engine, model[2], "optimistic")
+  _same(dense, pg)
+  st = pg.stats
+  assert st["kv_admission"] == "optimistic" and st["kv_preemptions"] > 0
+  assert st["kv_preempted_tokens"] > 0 and st["page_wait_calls"] == 0
+  assert st["live_peak"] == 4 and st["kv_pages_peak"] <= 20
+  assert metrics(pg)["sampler/kv_preemptions"] == st["kv_preemptions"]
+  # Every preempted sample came back whole: as many tokens as the dense run generated.
+  assert st["tokens_generated"] == dense.stats["tokens_generated"]
 
 
 def test_bad_paged_settings_are_one_sentence(model, mesh):
@@ -69,8 +104,14 @@ def test_bad_paged_settings_are_one_sentence(model, mesh):
   engine = Engine(graphdef, cfg, mesh, sampling=SamplingParams(max_new_tokens=8))
   with pytest.raises(ConfigError, match=r"rollout.kv_cache='ring' is not valid"):
     generate(engine, params, PROMPTS, kv_cache="ring")
-  with pytest.raises(ConfigError, match=r"rollout.kv_pages=3 cannot hold one sequence"):
-    generate(engine, params, PROMPTS, slots=4, kv_cache="paged", page_size=4, kv_pages=3)
+  with pytest.raises(ConfigError, match=r"rollout.kv_admission='eager' is not valid"):
+    generate(engine, params, PROMPTS, kv_cache="paged", kv_admission="eager")
+  # Either admission needs a pool that holds one sample alone: 16 + 8 positions take 6 pages of
+  # 4, not 3.
+  for admission in ("optimistic", "reserve"):
+    with pytest.raises(ConfigError, match=r"rollout.kv_pages=3 cannot hold one sequence"):
+      generate(engine, params, PROMPTS, slots=4, kv_cache="paged", page_size=4, kv_pages=3,
+               kv_admission=admission)
 
 
 def test_a_group_shares_its_prompt_pages_and_frees_them_when_done(model, mesh):
@@ -98,11 +139,18 @@ def test_a_group_shares_its_prompt_pages_and_frees_them_when_done(model, mesh):
   prompt_keys = np.asarray(prefix["kv"][0][0])[0]  # [K, T, H]
   np.testing.assert_array_equal(keys[:, table[0, 1]], prompt_keys[:, 4:8])
   np.testing.assert_array_equal(keys[:, own[1], :2], prompt_keys[:, 8:10])
-  # Decoding past position 11 takes one new page per slot; 6 tokens finish every slot, and
+  # Preempting slot 2 frees its own page; the shared ones stay for slots 0 and 3.
+  state = engine.evict(state, [2])
+  refs = np.asarray(state["refs"])
+  assert engine.pages_in_use(state) == 2 + 2 and refs[own[1]] == 0
+  assert (refs[table[0, :2]] == 2).all() and (np.asarray(state["pages"])[2] == -1).all()
+  assert not np.asarray(state["live"])[2]
+  # Decoding past position 11 takes one new page per live slot; 6 tokens finish both, and
   # then every page is free again.
   state, out = engine.generate_steps(params, state, jax.random.key(0), steps=5)
-  assert np.asarray(out["done"]).any(0)[[0, 2, 3]].all()
-  assert int(np.asarray(out["pages_used"]).max()) == 2 + 3 + 3
+  done = np.asarray(out["done"]).any(0)
+  assert done[[0, 3]].all() and not done[2] and not np.asarray(out["valid"])[:, 2].any()
+  assert int(np.asarray(out["pages_used"]).max()) == 2 + 2 + 2
   assert engine.pages_in_use(state) == 0 and (np.asarray(state["pages"]) == -1).all()
 
 

@@ -8,6 +8,7 @@
     state, first = engine.insert_group(prefix, state, slots_g)          # one prefix, G slots
     state, out = engine.generate(params, state, key)                    # one step, every slot
     state, out = engine.generate_steps(params, state, key, steps=k)     # k steps in one scan
+    state = engine.evict(state, slots)                                  # preempt: free slots
 
 Every phase is one jit of a pure function over nnx.split state. Params are an argument, so a
 weight swap (same shapes and shardings) never recompiles; `engine.traces` counts traces so tests
@@ -86,6 +87,7 @@ class Engine:
     # drops the old state).
     self._grow = jax.jit(self._grow_fn, static_argnames="length")
     self._insert_paged = jax.jit(self._insert_paged_fn, donate_argnums=0)
+    self._evict = jax.jit(self._evict_fn, donate_argnums=0)
     self._paged_inits: dict[tuple[int, int, int, int], Callable] = {}
 
   # --------------------------------------------------------------------------- state
@@ -330,6 +332,26 @@ class Engine:
     pages = state["pages"].at[slots_m].set(table_mn, mode="drop")
     state = dict(state, cache=cache, pages=pages, refs=refs)
     return self._place_first(state, prefix, rows_m, slots_m, samples_m, first)
+
+  # --------------------------------------------------------------------------- evict
+
+  def evict(self, state: DecodeState, slots) -> DecodeState:
+    """Ends the sequences in `slots` now, unfinished (preemption: the rollout driver
+    regenerates them later from their prompts). Their slots are no longer live and, in a paged
+    state, drop their pages as a finished slot does (a shared prompt page stays while another
+    slot holds it)."""
+    num_slots = state["live"].shape[0]
+    mask_b = np.zeros((num_slots,), bool)
+    mask_b[list(slots)] = True
+    return self._evict(state, mask_b)
+
+  def _evict_fn(self, state, mask_b):
+    self.traces["evict"] += 1
+    state = dict(state, live=state["live"] & ~mask_b)
+    if is_paged(state):
+      refs, pages = paged.release(state["refs"], state["pages"], mask_b)
+      state = dict(state, refs=refs, pages=pages)
+    return self._constrain(state)
 
   # --------------------------------------------------------------------------- generate
 

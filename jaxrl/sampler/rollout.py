@@ -19,11 +19,16 @@ same samples as the defaults, because a token's key depends only on (seed, sampl
 
 With `kv_cache="paged"` the slots share a pool of `kv_pages` KV pages of `page_size` positions
 (docs/design.md, "The paged KV cache") instead of a dense [slots, window] cache: a group's
-prompt pages are shared by its samples, and a finished sample's pages go back to the pool. The
-driver admits a sample only while the unreserved pages hold its worst case (prompt + max_new
-tokens, its group's shared prompt pages counted once), so the number of live samples is bounded
-by pages, not by slots x max_len, and no slot ever waits for a page. The samples are the dense
-cache's, token for token.
+prompt pages are shared by its samples, and a finished sample's pages go back to the pool, so
+the number of live samples is bounded by pages, not by slots x max_len. `kv_admission` says
+when a waiting sample takes a free slot (_PageBook): "optimistic" (the default) when the free
+pages hold its prompt and its first decode call's growth, and before each decode call the most
+recently admitted samples are preempted (their pages freed, their tokens dropped, back to the
+front of the queue) until the others' next call fits; "reserve" only while the unreserved
+pages hold its worst case (prompt + max_new tokens, its group's shared prompt pages counted
+once), so nothing is ever preempted. A preempted sample is generated again from its prompt,
+and since its tokens' keys are (seed, sample, token) it comes back the same: either way the
+samples are the dense cache's, token for token.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ from tqdm.auto import tqdm
 from jaxrl.errors import ConfigError
 from jaxrl.parallel.distributed import to_host
 from jaxrl.sampler.engine import Engine, bucket, window, window_bucket
+
+ADMISSIONS = ("optimistic", "reserve")  # rollout.kv_admission (see _PageBook)
 
 
 @dataclasses.dataclass
@@ -71,13 +78,15 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
              continuous: bool = True, share_prefix: bool = True, pad_id: int = 0,
              grow_cache: bool = True, progress: bool = False, kv_cache: str = "dense",
              kv_pages: int | None = None, page_size: int = 16,
+             kv_admission: str = "optimistic",
              weights: Callable[[], tuple[int, Any]] | None = None) -> Rollout:
   """Generates n samples per prompt (lists of token ids) with `engine`'s sampling settings.
 
   grow_cache=False allocates the whole cache up front: one decode compile instead of up to two
   per doubling of the sequence, for accelerators where a compile costs more than the reads
   the growing window saves. kv_cache="paged": a paged KV cache of kv_pages pages (default:
-  enough for every slot at max_len, so no slot ever waits for one) of page_size positions.
+  enough for every slot at max_len, so no slot ever waits for one) of page_size positions,
+  admitting samples by kv_admission ("optimistic" or "reserve", see the module docstring).
   weights: called before every prefill and decode call, returns (version, params) to use from
   there on instead of `params` (partial rollouts: a sequence in flight continues under newer
   weights, its KV cache as it was written); Rollout.versions then says which version sampled
@@ -102,6 +111,9 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
   num = len(prompts) * n
   if kv_cache not in ("dense", "paged"):
     raise ConfigError(f"rollout.kv_cache={kv_cache!r} is not valid: use 'dense' or 'paged'.")
+  if kv_admission not in ADMISSIONS:
+    raise ConfigError(f"rollout.kv_admission={kv_admission!r} is not valid: use "
+                      f"'optimistic' or 'reserve'.")
   is_paged = kv_cache == "paged"
   pages_per_seq = -(-max_len // page_size)
   if is_paged:
@@ -135,48 +147,35 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
                prefill_tokens=0, decode_steps=0, slot_steps=0, live_slot_steps=0,
                live_peak=0, kv_cache=kv_cache)
   if is_paged:
-    stats.update(kv_pages=kv_pages, kv_pages_peak=0, page_size=page_size, page_wait_calls=0)
+    stats.update(kv_pages=kv_pages, kv_pages_peak=0, page_size=page_size, page_wait_calls=0,
+                 kv_admission=kv_admission, kv_preemptions=0, kv_preempted_tokens=0)
   else:
     stats.update(kv_positions_peak=0)
   stalled = False  # a live slot waited for a page in the last decode call
   bar = tqdm(total=num, desc="sampling", unit="sample", disable=not progress, leave=False)
-
-  # Paged: the pages each live sample may still need, reserved at admission so that a slot
-  # never waits for a page (see _admit): sample -> (its own pages, its group), and group ->
-  # [live samples, shared prompt pages].
-  own_pages: dict[int, tuple[int, tuple]] = {}
-  groups: dict[tuple, list[int]] = {}
-  reserved = [0]
-  admissions = [0]
+  book = _PageBook(prompts, toks, n=n, share_prefix=share_prefix, page_size=page_size,
+                   num_pages=kv_pages or 0, max_new=sp.max_new_tokens, max_len=max_len,
+                   steps=steps_per_call, reserve=kv_admission == "reserve")
 
   def finish(s: int):
     finished[s] = True
     bar.update(1)
-    if s in own_pages:
-      own, g = own_pages.pop(s)
-      reserved[0] -= own
-      groups[g][0] -= 1
-      if not groups[g][0]:
-        reserved[0] -= groups.pop(g)[1]
+    if is_paged:
+      book.leave(s)
 
   while queue or any(x >= 0 for x in slot_sample):
     free = [b for b in range(slots) if slot_sample[b] < 0]
     firsts, first_versions = [], []
-    count = min(len(free), len(queue))
-    if is_paged and count and not stalled:
-      count, own, shared = _admit(queue, count, prompts, n, share_prefix, page_size,
-                                  kv_pages - reserved[0], sp.max_new_tokens, max_len)
-      admissions[0] += 1
-      for s, pages in own.items():
-        g = (admissions[0], s // n if share_prefix else s)
-        own_pages[s] = (pages, g)
-        groups.setdefault(g, [0, shared.get(g[1], 0)])[0] += 1
-      reserved[0] += sum(own.values()) + sum(shared.values())
+    count = 0
+    if (continuous or len(free) == slots) and not stalled:
+      count = min(len(free), len(queue))
+    if is_paged and count:
+      count = book.admit(queue, count, [x for x in slot_sample if x >= 0])
       if not count and len(free) == slots:
         raise ConfigError(f"rollout.kv_pages={kv_pages} cannot hold the next prompt "
                           f"({len(prompts[queue[0] // n])} tokens) and a page to grow into: "
                           f"raise rollout.kv_pages.")
-    if count and (continuous or len(free) == slots) and not stalled:
+    if count:
       t0 = time.perf_counter()
       take = [queue.popleft() for _ in range(count)]
       # Prefill what is needed: one row per prompt (shared by its group), or per sample.
@@ -227,7 +226,9 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
         del prefixes[k]  # every sample of this prompt is placed: free its prefix
       firsts = to_host(firsts)
       if is_paged:
-        stats["kv_pages_peak"] = max(stats["kv_pages_peak"], engine.pages_in_use(state))
+        book.placed(take)
+        book.in_use = engine.pages_in_use(state)
+        stats["kv_pages_peak"] = max(stats["kv_pages_peak"], book.in_use)
       stats["prefill_s"] += time.perf_counter() - t0
       for (bs, ss, first), v in zip(firsts, first_versions):
         for b, s, tok, lp, done in zip(bs, ss, first["tokens"], first["logprobs"],
@@ -240,6 +241,8 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
             slot_sample[b] = -1
     if not any(x >= 0 for x in slot_sample):
       continue  # every inserted sample finished on its first token
+    if is_paged and kv_admission == "optimistic":
+      state = _preempt(engine, state, book, queue, slot_sample, toks, lps, vers, stats)
     t0 = time.perf_counter()
     # A live slot's last token sits at position prompt + generated - 1; the scan writes there
     # and at the next steps_per_call - 1 positions.
@@ -257,6 +260,7 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
     if is_paged:
       # Pages in use after each step's allocation and freeing; the peak of those.
       stats["kv_pages_peak"] = max(stats["kv_pages_peak"], int(out["pages_used"].max()))
+      book.in_use = int(out["pages_used"][-1])
       waited = [b for b in live_now if not out["valid"][:, b].all()
                 and not out["done"][:, b].any()]
       stalled = bool(waited)
@@ -289,26 +293,147 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
   return rollout
 
 
-def _admit(queue, count, prompts, n, share_prefix, page_size, free, max_new, max_len):
-  """How many of the queue's first `count` samples fit in `free` unreserved pages, reserving
-  each one's worst case so that no slot ever waits for a page: its prompt's full pages, shared
-  by the samples of a prompt placed together (paged.prompt_pages), and the pages of its own
-  from its partial prompt page to prompt + max_new tokens. Returns (count, {sample: own
-  pages}, {group key: shared pages}) for the admitted ones."""
-  own, shared, need = {}, {}, 0
-  for i in range(count):
-    s = queue[i]
-    length = len(prompts[s // n])
-    key = s // n if share_prefix else s
-    full = length // page_size
-    mine = -(-min(length + max_new, max_len) // page_size) - full
-    extra = mine + (full if key not in shared else 0)
-    if need + extra > free:
-      return i, own, shared
-    need += extra
-    own[s] = mine
-    shared.setdefault(key, full)
-  return count, own, shared
+def _preempt(engine, state, book, queue, slot_sample, toks, lps, vers, stats):
+  """Preemption by recompute, before a decode call: when the live slots' next scan needs more
+  pages than are free, the most recently admitted samples give theirs back (Engine.evict) and
+  go to the front of the queue, to be generated again from their prompts. A token's key is
+  fold_in(seed, sample, token), so the sample comes back token for token the same. Returns
+  the state."""
+  victims = book.victims([s for s in slot_sample if s >= 0])
+  if not victims:
+    return state
+  slot_of = {s: b for b, s in enumerate(slot_sample) if s >= 0}
+  state = engine.evict(state, [slot_of[s] for s in victims])
+  for s in victims:
+    stats["kv_preempted_tokens"] += len(toks[s])
+    toks[s], lps[s], vers[s] = [], [], []
+    slot_sample[slot_of[s]] = -1
+  queue.extendleft(victims)  # newest first in, so the oldest victim leads the queue
+  stats["kv_preemptions"] += len(victims)
+  book.in_use = engine.pages_in_use(state)
+  return state
+
+
+class _PageBook:
+  """The driver's host-side account of a paged state's pages, mirroring what the device
+  allocates (paged.prompt_pages at insert, a page per P positions in decode, paged.release) so
+  that admission and preemption need no sync beyond the pages-in-use count each call returns.
+
+  An insert group is the samples of one prompt placed by one insert call: they share the
+  prompt's full pages, which are freed when the last of them lets go. A live sample that has
+  generated g tokens writes next at position p = prompt + g - 1 and holds ceil(p / P) pages,
+  the group's shared ones among them.
+
+  reserve=True ("reserve" admission): a sample is admitted only while the unreserved pages
+  hold its worst case (its group's full prompt pages once, and its own up to prompt +
+  max_new), so no slot ever waits and nothing is preempted. reserve=False ("optimistic"): a
+  sample is admitted while the free pages, less what the live slots' next scan takes, hold its
+  prompt pages and its own first scan's; `victims` then names whom to preempt when the live
+  slots outgrow the pool.
+  """
+
+  def __init__(self, prompts, toks, *, n, share_prefix, page_size, num_pages, max_new, max_len,
+               steps, reserve):
+    self.prompts, self.toks, self.n, self.share_prefix = prompts, toks, n, share_prefix
+    self.page_size, self.num_pages, self.steps, self.reserve = page_size, num_pages, steps, reserve
+    self.max_new, self.max_len = max_new, max_len
+    self.group_of: dict[int, tuple] = {}  # live sample -> its insert group
+    self.groups: dict[tuple, list[int]] = {}  # insert group -> [live samples, shared pages]
+    self.reserved_own: dict[int, int] = {}  # reserve: live sample -> its own pages reserved
+    self.reserved = 0  # reserve: pages reserved for the live samples
+    self.order: dict[int, int] = {}  # live sample -> when it was admitted (newest: largest)
+    self.admitted = 0
+    self.inserts = 0
+    self.in_use = 0  # pages held after the last device call (its returned count)
+
+  def _length(self, s: int) -> int:
+    return len(self.prompts[s // self.n])
+
+  def _key(self, s: int):  # the prefix row a sample's prompt pages come from
+    return s // self.n if self.share_prefix else ("s", s)
+
+  def growth(self, s: int, generated: int | None = None) -> int:
+    """The pages sample s's slot takes in the next scan of `steps` decode steps, having
+    generated `generated` tokens (default: what it has; 1 right after its insert)."""
+    P = self.page_size
+    g = len(self.toks[s]) if generated is None else generated
+    pos = self._length(s) + g - 1
+    steps = min(self.steps, self.max_new - g, self.max_len - pos)
+    return max(0, -(-(pos + steps) // P) - -(-pos // P))
+
+  def admit(self, queue, count: int, live) -> int:
+    """How many of the queue's first `count` samples to insert now (see the class)."""
+    P = self.page_size
+    if self.reserve:
+      free = self.num_pages - self.reserved
+    else:
+      free = self.num_pages - self.in_use - sum(self.growth(s) for s in live)
+    seen, need = set(), 0
+    for i in range(count):
+      s = queue[i]
+      length = self._length(s)
+      prompt = (length // P if self._key(s) not in seen else 0) + (length % P > 0)
+      if self.reserve:
+        extra = prompt - (length % P > 0) + self._worst_own(s)
+      else:
+        extra = prompt + self.growth(s, 1)
+      if need + extra > free:
+        return i
+      need += extra
+      seen.add(self._key(s))
+    return count
+
+  def _worst_own(self, s: int) -> int:
+    """The most pages sample s can hold beyond its prompt's full ones: from its partial prompt
+    page to prompt + max_new positions."""
+    length = self._length(s)
+    P = self.page_size
+    return -(-min(length + self.max_new, self.max_len) // P) - length // P
+
+  def placed(self, samples):
+    """Records one insert round of these samples."""
+    self.inserts += 1
+    for s in samples:
+      g = (self.inserts, self._key(s))
+      if g not in self.groups:
+        self.groups[g] = [0, self._length(s) // self.page_size]
+        self.reserved += self.groups[g][1] if self.reserve else 0
+      self.groups[g][0] += 1
+      self.group_of[s] = g
+      self.order[s] = self.admitted
+      self.admitted += 1
+      if self.reserve:
+        self.reserved_own[s] = self._worst_own(s)
+        self.reserved += self.reserved_own[s]
+
+  def leave(self, s: int) -> int:
+    """Sample s's slot lets go of its pages (it finished, or is preempted): the pages that
+    frees, its group's shared ones when it was the last of the group."""
+    g = self.group_of.pop(s)
+    del self.order[s]
+    self.reserved -= self.reserved_own.pop(s, 0)
+    live, shared = self.groups[g]
+    freed = -(-(self._length(s) + len(self.toks[s]) - 1) // self.page_size) - shared
+    self.groups[g][0] = live - 1
+    if live == 1:
+      del self.groups[g]
+      freed += shared
+      self.reserved -= shared if self.reserve else 0
+    return freed
+
+  def victims(self, live) -> list[int]:
+    """The live samples to preempt, newest first, so that the others' next scan finds its
+    pages free: the most recently admitted ones, until it does (never the last one, which a
+    pool of at least one sequence's pages always holds)."""
+    need = {s: self.growth(s) for s in live}
+    total, free = sum(need.values()), self.num_pages - self.in_use
+    out = []
+    while total > free and len(need) > 1:
+      s = max(need, key=self.order.__getitem__)
+      total -= need.pop(s)
+      free += self.leave(s)
+      out.append(s)
+    return out
 
 
 def _prefill_batches(keys, length_of, max_rows):
@@ -362,5 +487,5 @@ def metrics(rollout: Rollout) -> dict:
           "response_length/clip_ratio": float(np.mean([r == "length" for r in rollout.finish_reasons])) if rollout.finish_reasons else 0.0,
           "sampler/tokens_generated": st["tokens_generated"],
           "sampler/live_peak": st.get("live_peak", 0),
-          **({"sampler/kv_pages": st["kv_pages"], "sampler/kv_pages_peak": st["kv_pages_peak"]}
-             if "kv_pages" in st else {})}
+          **({"sampler/kv_pages": st["kv_pages"], "sampler/kv_pages_peak": st["kv_pages_peak"],
+              "sampler/kv_preemptions": st["kv_preemptions"]} if "kv_pages" in st else {})}

@@ -9,6 +9,7 @@ from jaxrl import config as config_lib
 from jaxrl.data.prompts import prompt_section
 from jaxrl.errors import ConfigError
 from jaxrl.rewards import model as rm_lib
+from jaxrl.sampler.rollout import ADMISSIONS
 from jaxrl.objectives import advantages as adv_lib
 from jaxrl.objectives import losses
 from jaxrl.train.optim import CHOICES as OPTIM_CHOICES
@@ -23,8 +24,8 @@ def check_rollout(config) -> None:
   r = config.rollout
   config_lib.check_at_least(config, 1, "rollout.prompts_per_step", "rollout.group_size",
                             "rollout.max_new_tokens", "rollout.slots", "rollout.steps_per_call",
-                            "rollout.max_staleness")
-  config_lib.check_at_least(config, 0, "rollout.top_k", "rollout.prompt_len")
+                            "rollout.max_staleness", "rollout.page_size")
+  config_lib.check_at_least(config, 0, "rollout.top_k", "rollout.prompt_len", "rollout.kv_pages")
   config_lib.check_positive(config, "rollout.temperature", example="1.0")
   config_lib.check_unit(config, "rollout.top_p", off="1.0 turns it off")
   advantage = config.get("algo", {}).get("advantage")
@@ -49,6 +50,8 @@ def check_algo(config) -> None:
 # mapped to a function have their ranges checked there.
 CHOICES = {
     "rollout": check_rollout,
+    "rollout.kv_cache": ("dense", "paged"),
+    "rollout.kv_admission": ADMISSIONS,
     "algo": check_algo,
     **OPTIM_CHOICES,
     "algo.advantage": adv_lib.ESTIMATORS,
@@ -126,6 +129,12 @@ def default_config():
       # positions, a group's prompt pages shared by its samples (docs/design.md, "The paged KV
       # cache"; the same samples). kv_pages 0: enough for every slot at max_len.
       kv_cache="dense", kv_pages=0, page_size=16,
+      # With kv_cache="paged", when a sample is admitted to a slot: "optimistic" while the free
+      # pages hold its prompt and its first decode call, preempting (and later regenerating,
+      # the same tokens) the newest samples when the live ones outgrow the pool; "reserve" only
+      # while the pages no live sample may still need hold its worst case (prompt +
+      # max_new_tokens): never a preemption, fewer live samples. The same with kv_pages 0.
+      kv_admission="optimistic",
       # True: a producer thread keeps generating on the sampler devices into a bounded queue
       # while the learner updates on its own (off-policy by up to max_staleness versions,
       # corrected by algo.tis_cap when > 0). Needs placement.mode="disaggregated".

@@ -247,7 +247,8 @@ def sample(p: Parts, params_s, prompts: list[dict], step: int, round_: int, weig
                      steps_per_call=r.steps_per_call, max_prompt_len=p.prompt_len,
                      grow_cache=r.grow_cache, pad_id=p.tokenizer.pad_id,
                      kv_cache=r.get("kv_cache", "dense"), kv_pages=r.get("kv_pages", 0) or None,
-                     page_size=r.get("page_size", 16), weights=weights)
+                     page_size=r.get("page_size", 16),
+                     kv_admission=r.get("kv_admission", "optimistic"), weights=weights)
   rewards, reward_stats = score_rollout(p, rollout, prompts)
   return rollout, rewards, reward_stats
 
