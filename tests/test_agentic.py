@@ -347,17 +347,24 @@ def test_grpo_pulse_with_a_users_environment(repo_root, tmp_path, devices):
 # ----------------------------------------------------------------------------- KV continuation
 
 
-def test_kv_continuation_equals_reprefill(devices):
-  """Engine.extend: two slots decode their first turns, then each appends an observation of
-  its own length to its KV; the logits after it equal a fresh prefill of the whole
-  conversation (prompt, sampled tokens, observation), and the next token is drawn from them."""
+@pytest.fixture(scope="module")
+def model(devices):
+  """The tiny-qwen2 preset on 2 (fsdp) x 4 (tensor) devices, its logits spread as in
+  test_sampler (no near-ties, so greedy comparisons are decisive)."""
   from jaxrl.models import get_preset
   from jaxrl.parallel import init_params, make_mesh
-  from jaxrl.sampler import Engine, SamplingParams
   mesh = make_mesh(1, 2, 4)
   cfg = get_preset("tiny-qwen2")
   graphdef, params = init_params(cfg, mesh, "sampler", seed=0)
-  params = dict(params, embed=params["embed"] * 5.0)  # spread logits (see test_sampler)
+  return mesh, cfg, graphdef, dict(params, embed=params["embed"] * 5.0)
+
+
+def test_kv_continuation_equals_reprefill(model):
+  """Engine.extend: two slots decode their first turns, then each appends an observation of
+  its own length to its KV; the logits after it equal a fresh prefill of the whole
+  conversation (prompt, sampled tokens, observation), and the next token is drawn from them."""
+  from jaxrl.sampler import Engine, SamplingParams
+  mesh, cfg, graphdef, params = model
   engine = Engine(graphdef, cfg, mesh, sampling=SamplingParams(greedy=True, max_new_tokens=32,
                                                                eos_id=None))
   key = jax.random.key(0)
@@ -395,3 +402,35 @@ def test_kv_continuation_equals_reprefill(devices):
   ref2 = engine.prefill(params, tokens, [len(f) for f in nxt], key)
   np.testing.assert_array_equal(np.asarray(step["tokens"])[0],
                                 np.asarray(ref2["logits"]).argmax(-1))
+
+
+def test_kv_continuing_driver_equals_the_reprefill_driver(model):
+  """Greedy, the continuously batched KV-continuing driver (envs.rollout.continued) and the
+  re-prefill driver (each turn prompted with the whole conversation) give the same
+  conversations, token for token, with the same masks and log-probs: 2 groups of 2 on 2
+  slots (the second group waits for free slots), every turn cut at 4 tokens or ended on eos,
+  and the user's three-turn environment answering in between."""
+  from jaxrl.envs.rollout import continued
+  from jaxrl.sampler import Engine, SamplingParams, generate
+  mesh, cfg, graphdef, params = model
+  tok = ByteTokenizer()
+  engine = Engine(graphdef, cfg, mesh, sampling=SamplingParams(
+      greedy=True, max_new_tokens=4, eos_id=tok.eos_id))
+  scope = {}
+  exec(USER_ENV, scope)
+  records = [{"prompt": p, "answer": ""} for p in ("12*34=", "5*6=")]
+  kw = dict(env=("countdown", scope["make_env"]), renderer=ChatRenderer(tok, {"chat": False}),
+            n=2, seed=3, max_turns=3, budget=48, pad_id=tok.pad_id, decode=tok.decode)
+  ro, rewards, _ = continued(engine, params, records, slots=2, steps_per_call=4,
+                             max_prompt_len=16, **kw)
+  ref, ref_rewards, _ = conversations(
+      lambda ids, n, seed: generate(engine, params, ids, n=n, seed=seed, slots=2,
+                                    steps_per_call=4, pad_id=tok.pad_id), records, **kw)
+  assert ro.stats["env_turns"] == 3.0 and ro.stats["extend_calls"] >= 2
+  np.testing.assert_array_equal(rewards, ref_rewards)
+  np.testing.assert_array_equal(ro.lengths, ref.lengths)
+  np.testing.assert_array_equal(ro.completion_ids, ref.completion_ids)
+  np.testing.assert_array_equal(ro.completion_mask, ref.completion_mask)
+  np.testing.assert_allclose(ro.logprobs, ref.logprobs, atol=1e-4)
+  assert ro.finish_reasons == ref.finish_reasons
+  assert 0 < ro.completion_mask.sum() < (ro.completion_mask.shape[1] * len(ro.lengths))

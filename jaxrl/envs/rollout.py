@@ -1,18 +1,24 @@
 """The multi-turn rollout driver: G conversations per prompt, turns interleaving generation
 with environment steps, up to rollout.max_turns.
 
-    ro, rewards_n, stats = conversations(gen, records, env=(name, make_env),
-                                         renderer=ChatRenderer(tok, data_cfg), n=G, seed=s,
-                                         max_turns=4, budget=256)
+    ro, rewards_n, stats = continued(engine, params, records, env=(name, make_env),
+                                     renderer=ChatRenderer(tok, data_cfg), n=G, seed=s,
+                                     max_turns=4, budget=256, slots=64, steps_per_call=8,
+                                     max_prompt_len=P, pad_id=0, decode=tok.decode)
 
-`gen(prompts, n, seed)` is a single-turn generator (jaxrl.sampler.generate over the run's
-engine). Turn 1 samples a group's G first turns from one shared prefill of the prompt; from
-then on every conversation still going is generated together, prompted with its whole
-conversation so far: each turn RE-PREFILLS the conversation (the KV of the earlier turns is
-not kept between turns yet; Engine.extend, which continues a slot's KV with appended tokens
-and gives the same logits, is the building block for that). Between turns each conversation's
-environment reads the model's turn (its tool calls parsed in the checkpoint's format) and
-answers; its answer is rendered through the chat template (jaxrl.envs.chat).
+`continued` is GRPO's driver. It batches continuously over decode slots: a record's G
+conversations take G free slots from one prefill of its prompt, and when a slot's turn ends
+its environment reads the model's turn (its tool calls parsed in the checkpoint's format) and
+answers while the other slots keep decoding; the answer, rendered through the chat template
+(jaxrl.envs.chat), is appended to the slot's own KV cache (Engine.extend) and the slot decodes
+its next turn from there, never re-prefilling the conversation. A conversation that is over
+frees its slot for the next group. The environments run on the host between decode calls, so
+a slow environment still holds up that round of calls (it is not run in a thread yet).
+
+`conversations` is the reference driver: each turn is one call of a single-turn generator
+(jaxrl.sampler.generate, or a scripted one in tests) prompted with the whole conversation so
+far, so it re-prefills every turn. Under greedy decoding both give the same conversations
+(tests/test_agentic.py).
 
 A conversation ends when its environment says done (or has no observation), after max_turns
 model turns, or when it reaches its `budget` of tokens after the prompt (model and
@@ -23,7 +29,9 @@ end-of-turn token is written after it as a template token (not trained).
 The result is a Rollout whose completion is everything after the prompt: completion_mask is
 1 on the model's own tokens (trained, in the KL) and 0 on template and tool tokens, logprobs
 are the sampler's on model tokens and 0 elsewhere, and `lengths` spans the whole
-conversation. Rewards are each conversation's summed step rewards.
+conversation. Rewards are each conversation's summed step rewards. Stats: the sampler's
+(prefill_tokens counts appended observation tokens too), env_s, env_turns, env_tool_calls
+(means per conversation) and env_bad_tool_calls (the sum).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+import jax
 import numpy as np
 
 from jaxrl.envs import Timed
@@ -65,13 +74,10 @@ def prompt_ids(renderer: ChatRenderer, env: Timed, record: dict) -> tuple[list[i
   return renderer.prompt_ids(messages, env.tools), messages
 
 
-def conversations(gen: Callable[..., Rollout], records: list[dict], *, env, renderer,
-                  n: int, seed: int, max_turns: int, budget: int, pad_id: int,
-                  decode: Callable[[list[int]], str]):
-  """(Rollout of len(records) x n conversations, [N] rewards, stats) (see the module doc).
-  `env` is (name, make_env); `decode` the tokenizer's decode of a turn's ids."""
+def _start(records, env, renderer, n):
+  """(conversations, each record's prompt ids, the environments' clock): G conversations per
+  record, each with its own environment, reset."""
   name, factory = env
-  t0 = time.perf_counter()
   clock = [0.0]  # the environments' own seconds
   convs, firsts = [], []
   for i, record in enumerate(records):
@@ -86,6 +92,59 @@ def conversations(gen: Callable[..., Rollout], records: list[dict], *, env, rend
                         "depend on the record only.")
     firsts.append(group[0][0])
     convs += [Conversation(env=e, messages=m) for _, m, e in group]
+  return convs, firsts, clock
+
+
+def _after_turn(c: Conversation, toks, lps, cut: bool, *, renderer, decode, max_turns: int,
+                budget: int) -> list[int] | None:
+  """Takes a finished model turn (its tokens, log-probs, and whether max_new_tokens cut it)
+  into the conversation and steps its environment: the observation's token ids to continue
+  with, or None when the conversation is over."""
+  room = budget - len(c.tokens)
+  full = len(toks) >= room
+  toks, lps = list(toks[:room]), list(lps[:room])
+  c.tokens += toks
+  c.model += [1] * len(toks)
+  c.logprobs += lps
+  c.turns += 1
+  said = assistant_turn(decode(toks), renderer.format)
+  obs, reward, done, info = c.env.step(c.messages, said)
+  c.reward += reward
+  c.tool_calls += int(info.get("tool_calls", 0))
+  c.bad_tool_calls += int(info.get("bad_tool_calls", 0))
+  c.correct = c.correct or bool(info.get("correct", False))
+  before, c.messages = c.messages, c.messages + [said]
+  c.finish = "length" if cut or full else "stop"
+  if full or done or not obs or c.turns == max_turns:
+    c.done = True
+    return None
+  more = renderer.observation_ids(before, said, obs, c.env.tools, closed=not cut)
+  if len(c.tokens) + len(more) >= budget:  # no room left for another model token
+    c.finish, c.done = "length", True
+    return None
+  c.tokens += more
+  c.model += [0] * len(more)
+  c.logprobs += [0.0] * len(more)
+  c.messages = c.messages + list(obs)
+  c.finish = "stop"
+  return more
+
+
+def _result(convs, firsts, n, pad_id, stats, t0, clock):
+  rollout = _assemble(firsts, n, convs, pad_id, stats, time.perf_counter() - t0, clock[0])
+  return rollout, np.array([c.reward for c in convs], np.float32), {
+      "accuracy": float(np.mean([c.correct for c in convs]))}
+
+
+def conversations(gen: Callable[..., Rollout], records: list[dict], *, env, renderer,
+                  n: int, seed: int, max_turns: int, budget: int, pad_id: int,
+                  decode: Callable[[list[int]], str]):
+  """The re-prefill driver: (Rollout of len(records) x n conversations, [N] rewards, stats),
+  each turn generated by `gen(prompts, n=, seed=)` prompted with the whole conversation so far
+  (a single-turn generator: jaxrl.sampler.generate, or a scripted one in tests). `env` is
+  (name, make_env); `decode` the tokenizer's decode of a turn's ids."""
+  t0 = time.perf_counter()
+  convs, firsts, clock = _start(records, env, renderer, n)
   stats = {k: 0 for k in _STAT_SUMS}
   stats.update(live_peak=0, kv_positions_peak=0, turn_calls=0)
   for turn in range(max_turns):
@@ -103,41 +162,148 @@ def conversations(gen: Callable[..., Rollout], records: list[dict], *, env, rend
     for k in ("live_peak", "kv_positions_peak"):
       stats[k] = max(stats[k], ro.stats.get(k, 0))
     for row, i in enumerate(live):
-      c = convs[i]
-      toks = [int(t) for t in ro.completion_ids[row, :ro.lengths[row]]]
-      lps = [float(x) for x in ro.logprobs[row, :ro.lengths[row]]]
-      cut = ro.finish_reasons[row] == "length"
-      room = budget - len(c.tokens)
-      full = len(toks) >= room
-      toks, lps = toks[:room], lps[:room]
-      c.tokens += toks
-      c.model += [1] * len(toks)
-      c.logprobs += lps
-      c.turns += 1
-      said = assistant_turn(decode(toks), renderer.format)
-      obs, reward, done, info = c.env.step(c.messages, said)
-      c.reward += reward
-      c.tool_calls += int(info.get("tool_calls", 0))
-      c.bad_tool_calls += int(info.get("bad_tool_calls", 0))
-      c.correct = c.correct or bool(info.get("correct", False))
-      before, c.messages = c.messages, c.messages + [said]
-      c.finish = "length" if cut or full else "stop"
-      if full or done or not obs or c.turns == max_turns:
-        c.done = True
-        continue
-      more = renderer.observation_ids(before, said, obs, c.env.tools, closed=not cut)
-      if len(c.tokens) + len(more) >= budget:  # no room left for another model token
-        c.finish, c.done = "length", True
-        continue
-      c.finish = "stop"
-      c.tokens += more
-      c.model += [0] * len(more)
-      c.logprobs += [0.0] * len(more)
-      c.messages = c.messages + list(obs)
-  wall = time.perf_counter() - t0
-  rollout = _assemble(firsts, n, convs, pad_id, stats, wall, clock[0])
-  return rollout, np.array([c.reward for c in convs], np.float32), {
-      "accuracy": float(np.mean([c.correct for c in convs]))}
+      L = int(ro.lengths[row])
+      _after_turn(convs[i], ro.completion_ids[row, :L].tolist(), ro.logprobs[row, :L].tolist(),
+                  ro.finish_reasons[row] == "length", renderer=renderer, decode=decode,
+                  max_turns=max_turns, budget=budget)
+  return _result(convs, firsts, n, pad_id, stats, t0, clock)
+
+
+def continued(engine, params, records: list[dict], *, env, renderer, n: int, seed: int,
+              max_turns: int, budget: int, slots: int, steps_per_call: int,
+              max_prompt_len: int, pad_id: int, decode: Callable[[list[int]], str],
+              grow_cache: bool = True):
+  """The KV-continuing driver, continuously batched: (Rollout, [N] rewards, stats) as
+  `conversations` gives them. A record's G conversations take G free slots from one prefill
+  of its prompt; a slot whose turn ends is stepped by its environment while the other slots
+  keep decoding, and goes on from its own KV cache with the observation's tokens appended
+  (Engine.extend), its next turn keyed as sample turn * N + conversation. A conversation that
+  is over frees its slot for the next group. Dense KV cache only."""
+  from jaxrl.parallel.distributed import to_host
+  from jaxrl.sampler.engine import bucket, window, window_bucket
+  t0 = time.perf_counter()
+  convs, firsts, clock = _start(records, env, renderer, n)
+  N = len(convs)
+  if slots < n:
+    raise ConfigError(f"rollout.slots={slots} is fewer than rollout.group_size={n}: a "
+                      "group's conversations share one prefill and need a slot each.")
+  sp = engine.sampling
+  stops = set(sp.stop_tokens)
+  max_prompt_len = bucket(max_prompt_len or max(map(len, firsts)))
+  max_len = max_prompt_len + budget + 1
+
+  def fit(need):
+    return min(max_len, window_bucket(need)) if grow_cache else max_len
+
+  key = jax.random.key(seed)
+  state = engine.init_decode_state(slots, max_len, length=fit(max_prompt_len + steps_per_call))
+  queue = list(range(len(records)))
+  slot_conv = [-1] * slots
+  turn_toks: dict[int, list] = {}  # conversation -> this turn's (tokens, log-probs)
+  stats = {k: 0 for k in _STAT_SUMS}
+  stats.update(live_peak=0, kv_positions_peak=0, turn_calls=0, extend_calls=0)
+
+  def take(b, tok, lp, done):
+    """Slot b sampled `tok`; returns the conversation when its turn just ended."""
+    i = slot_conv[b]
+    turn_toks.setdefault(i, ([], []))
+    turn_toks[i][0].append(int(tok))
+    turn_toks[i][1].append(float(lp))
+    return i if done else None
+
+  def end_turns(ended):
+    """Steps the environments of the slots whose turn ended; continues the live ones."""
+    nonlocal state
+    while ended:
+      cont = []
+      for b in ended:
+        i = slot_conv[b]
+        toks, lps = turn_toks.pop(i)
+        cut = not toks or toks[-1] not in stops
+        more = _after_turn(convs[i], toks, lps, cut, renderer=renderer, decode=decode,
+                           max_turns=max_turns, budget=budget)
+        if more is None:
+          slot_conv[b] = -1
+        else:
+          cont.append((b, i, more))
+      ended = []
+      if not cont:
+        break
+      t1 = time.perf_counter()
+      T = bucket(max(len(m) for _, _, m in cont), minimum=8)
+      E = min(bucket(len(cont), minimum=1), slots)
+      tokens = np.full((E, T), pad_id, np.int32)
+      lengths = np.zeros((E,), np.int32)
+      where = np.full((E,), slots, np.int32)  # padding entries: dropped
+      turn_of = np.zeros((E,), np.int32)
+      for e, (b, i, m) in enumerate(cont):
+        tokens[e, :len(m)], lengths[e], where[e] = m, len(m), b
+        turn_of[e] = convs[i].turns * N + i
+      pos = np.asarray(jax.device_get(state["pos"]))
+      state = engine.grow(state, fit(int(pos[[b for b, _, _ in cont]].max()) + 1 + T
+                                     + steps_per_call))
+      state, out = engine.extend(params, state, key, slots=where, tokens_et=tokens,
+                                 length_e=lengths, samples=turn_of)
+      out = to_host({k: v for k, v in out.items() if k != "logits"})
+      stats["extend_calls"] += 1
+      stats["prefill_tokens"] += int(lengths.sum())
+      stats["prefill_s"] += time.perf_counter() - t1
+      for e, (b, i, _) in enumerate(cont):
+        if take(b, out["tokens"][e], out["logprobs"][e], out["done"][e]) is not None:
+          ended.append(b)
+
+  while queue or any(x >= 0 for x in slot_conv):
+    free = [b for b in range(slots) if slot_conv[b] < 0]
+    groups = queue[:len(free) // n]
+    if groups:
+      t1 = time.perf_counter()
+      del queue[:len(groups)]
+      T = bucket(max(len(firsts[g]) for g in groups))
+      P = bucket(len(groups), minimum=1)
+      tokens = np.full((P, T), pad_id, np.int32)
+      lengths = np.ones((P,), np.int32)
+      for r, g in enumerate(groups):
+        tokens[r, :len(firsts[g])], lengths[r] = firsts[g], len(firsts[g])
+      prefix = engine.prefill(params, tokens, lengths, key)
+      stats["prefill_calls"] += 1
+      stats["prefill_prompts"] += len(groups)
+      stats["prefill_tokens"] += int(sum(len(firsts[g]) for g in groups))
+      state = engine.grow(state, fit(max(window(prefix), T + steps_per_call)))
+      rows = [r for r in range(len(groups)) for _ in range(n)]
+      convs_in = [g * n + j for g in groups for j in range(n)]
+      bs = free[:len(convs_in)]
+      state, first = engine.insert_many(prefix, state, rows=rows, slots=bs, samples=convs_in)
+      first = to_host(first)
+      stats["prefill_s"] += time.perf_counter() - t1
+      ended = []
+      for b, i, tok, lp, done in zip(bs, convs_in, first["tokens"], first["logprobs"],
+                                     first["done"]):
+        slot_conv[b] = i
+        if take(b, tok, lp, done) is not None:
+          ended.append(b)
+      end_turns(ended)
+    live = np.asarray(jax.device_get(state["live"]))
+    if not live.any():
+      continue
+    t1 = time.perf_counter()
+    pos = np.asarray(jax.device_get(state["pos"]))
+    state = engine.grow(state, fit(int(pos[live].max()) + steps_per_call))
+    stats["live_peak"] = max(stats["live_peak"], int(live.sum()))
+    stats["kv_positions_peak"] = max(stats["kv_positions_peak"], slots * window(state))
+    state, out = engine.generate_steps(params, state, key, steps=steps_per_call)
+    out = to_host(out)
+    stats["decode_s"] += time.perf_counter() - t1
+    stats["decode_steps"] += steps_per_call
+    stats["slot_steps"] += steps_per_call * slots
+    stats["live_slot_steps"] += int(out["valid"].sum())
+    ended = []
+    for t in range(steps_per_call):
+      for b in np.flatnonzero(out["valid"][t]):
+        if take(b, out["tokens"][t, b], out["logprobs"][t, b], out["done"][t, b]) is not None:
+          ended.append(b)
+    end_turns(ended)
+  stats["turn_calls"] = stats["extend_calls"] + stats["prefill_calls"]
+  return _result(convs, firsts, n, pad_id, stats, t0, clock)
 
 
 def _assemble(firsts, n, convs, pad_id, stats, wall, env_s) -> Rollout:

@@ -251,24 +251,25 @@ def sample(p: Parts, params_s, prompts: list[dict], step: int, round_: int, weig
                     page_size=r.get("page_size", 16), weights=weights)
 
   if p.env is not None:  # multi-turn: the environment's rewards (jaxrl.envs.rollout)
-    return env_rollout(p, prompts, seed, lambda ids, n, seed: gen(
-        ids, n=n, seed=seed, max_prompt_len=None if n == 1 else p.prompt_len))
+    return env_rollout(p, params_s, prompts, seed)
   ids = [p.run.prompts.ids(x) for x in prompts]  # chat-templated for instruct checkpoints
   rollout = gen(ids, n=r.group_size, seed=seed)
   rewards, reward_stats = score_rollout(p, rollout, prompts)
   return rollout, rewards, reward_stats
 
 
-def env_rollout(p: Parts, prompts: list[dict], seed: int, gen):
+def env_rollout(p: Parts, params_s, prompts: list[dict], seed: int):
   """(rollout, [N] rewards, reward stats) of G conversations per prompt with the configured
-  environment: rewards are its summed step rewards (reward/env), accuracy the share of
-  conversations it marked correct, and its seconds are the rollout's (timing_s/env)."""
-  from jaxrl.envs.rollout import conversations
+  environment, each continuing its own KV cache between turns (jaxrl.envs.rollout.continued):
+  rewards are its summed step rewards (reward/env), accuracy the share of conversations it
+  marked correct, and its seconds are the rollout's (timing_s/env)."""
+  from jaxrl.envs.rollout import continued
   r = p.config.rollout
-  rollout, rewards, extra = conversations(
-      gen, prompts, env=p.env, renderer=p.renderer, n=r.group_size, seed=seed,
-      max_turns=r.max_turns, budget=p.length - p.prompt_len, pad_id=p.tokenizer.pad_id,
-      decode=p.tokenizer.decode)
+  rollout, rewards, extra = continued(
+      p.engine, params_s, prompts, env=p.env, renderer=p.renderer, n=r.group_size, seed=seed,
+      max_turns=r.max_turns, budget=p.length - p.prompt_len, slots=r.slots,
+      steps_per_call=r.steps_per_call, max_prompt_len=p.prompt_len,
+      pad_id=p.tokenizer.pad_id, decode=p.tokenizer.decode, grow_cache=r.grow_cache)
   stats = {"reward/env": float(rewards.mean()), "accuracy": extra["accuracy"],
            "reward/errors": 0.0, "timing_s/reward": 0.0}
   return rollout, rewards, stats

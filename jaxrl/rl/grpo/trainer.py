@@ -389,6 +389,9 @@ def _check(config) -> None:
   if r.get("max_turns", 1) > 1 and not has_env:
     raise ConfigError(f"rollout.max_turns={r.max_turns} needs an environment to answer the "
                       "turns: set data.env (or env_module), or leave max_turns at 1.")
+  if has_env and r.get("kv_cache", "dense") != "dense":
+    raise ConfigError("multi-turn rollouts (data.env / env_module) continue each "
+                      "conversation's dense KV cache: set rollout.kv_cache=dense.")
   if has_env and r.async_generation:
     raise ConfigError("multi-turn rollouts (data.env / env_module) run synchronously for now: "
                       "set rollout.async_generation=False.")
