@@ -423,6 +423,11 @@ def test_kv_continuing_driver_equals_the_reprefill_driver(model):
             n=2, seed=3, max_turns=3, budget=48, pad_id=tok.pad_id, decode=tok.decode)
   ro, rewards, _ = continued(engine, params, records, slots=2, steps_per_call=4,
                              max_prompt_len=16, **kw)
+  # Stepped in the loop instead of in threads: the same conversations.
+  same, same_rewards, _ = continued(engine, params, records, slots=2, steps_per_call=4,
+                                    max_prompt_len=16, env_workers=0, **kw)
+  np.testing.assert_array_equal(same.completion_ids, ro.completion_ids)
+  np.testing.assert_array_equal(same_rewards, rewards)
   ref, ref_rewards, _ = conversations(
       lambda ids, n, seed: generate(engine, params, ids, n=n, seed=seed, slots=2,
                                     steps_per_call=4, pad_id=tok.pad_id), records, **kw)

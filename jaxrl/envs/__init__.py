@@ -90,12 +90,13 @@ def load_env_module(path: str) -> Callable[[], Env]:
 
 
 class Timed:
-  """Calls into one conversation's environment: each call timed (into `seconds`), anything it
-  raises turned into an EnvError naming the environment and the method, and its step's return
+  """Calls into one conversation's environment: each call timed (into `seconds`, its own, so
+  conversations stepped in different threads never share a counter), anything it raises
+  turned into an EnvError naming the environment and the method, and its step's return
   checked."""
 
-  def __init__(self, name: str, factory: Callable[[], Env], clock: list[float]):
-    self.name, self.clock = name, clock
+  def __init__(self, name: str, factory: Callable[[], Env]):
+    self.name, self.seconds = name, 0.0
     self.env = self._call("make_env", factory)
 
   def _call(self, method: str, fn, *args):
@@ -108,7 +109,7 @@ class Timed:
       raise EnvError(f"environment {self.name!r} raised {type(e).__name__} in {method}(): "
                      f"{e}") from e
     finally:
-      self.clock[0] += time.perf_counter() - t0
+      self.seconds += time.perf_counter() - t0
 
   @property
   def tools(self) -> list[dict] | None:

@@ -12,8 +12,9 @@ its environment reads the model's turn (its tool calls parsed in the checkpoint'
 answers while the other slots keep decoding; the answer, rendered through the chat template
 (jaxrl.envs.chat), is appended to the slot's own KV cache (Engine.extend) and the slot decodes
 its next turn from there, never re-prefilling the conversation. A conversation that is over
-frees its slot for the next group. The environments run on the host between decode calls, so
-a slow environment still holds up that round of calls (it is not run in a thread yet).
+frees its slot for the next group. Environments step in a pool of rollout.env_workers
+threads, so a slow one (a sandbox, a web call) holds up only its own conversation; each
+conversation has its own environment instance, but instances may step concurrently.
 
 `conversations` is the reference driver: each turn is one call of a single-turn generator
 (jaxrl.sampler.generate, or a scripted one in tests) prompted with the whole conversation so
@@ -75,15 +76,14 @@ def prompt_ids(renderer: ChatRenderer, env: Timed, record: dict) -> tuple[list[i
 
 
 def _start(records, env, renderer, n):
-  """(conversations, each record's prompt ids, the environments' clock): G conversations per
-  record, each with its own environment, reset."""
+  """(conversations, each record's prompt ids): G conversations per record, each with its own
+  environment, reset."""
   name, factory = env
-  clock = [0.0]  # the environments' own seconds
   convs, firsts = [], []
   for i, record in enumerate(records):
     group = []
     for _ in range(n):
-      e = Timed(name, factory, clock)
+      e = Timed(name, factory)
       ids, messages = prompt_ids(renderer, e, record)
       group.append((ids, messages, e))
     if any(ids != group[0][0] for ids, _, _ in group):
@@ -92,7 +92,7 @@ def _start(records, env, renderer, n):
                         "depend on the record only.")
     firsts.append(group[0][0])
     convs += [Conversation(env=e, messages=m) for _, m, e in group]
-  return convs, firsts, clock
+  return convs, firsts
 
 
 def _after_turn(c: Conversation, toks, lps, cut: bool, *, renderer, decode, max_turns: int,
@@ -130,8 +130,9 @@ def _after_turn(c: Conversation, toks, lps, cut: bool, *, renderer, decode, max_
   return more
 
 
-def _result(convs, firsts, n, pad_id, stats, t0, clock):
-  rollout = _assemble(firsts, n, convs, pad_id, stats, time.perf_counter() - t0, clock[0])
+def _result(convs, firsts, n, pad_id, stats, t0):
+  rollout = _assemble(firsts, n, convs, pad_id, stats, time.perf_counter() - t0,
+                      sum(c.env.seconds for c in convs))
   return rollout, np.array([c.reward for c in convs], np.float32), {
       "accuracy": float(np.mean([c.correct for c in convs]))}
 
@@ -144,7 +145,7 @@ def conversations(gen: Callable[..., Rollout], records: list[dict], *, env, rend
   (a single-turn generator: jaxrl.sampler.generate, or a scripted one in tests). `env` is
   (name, make_env); `decode` the tokenizer's decode of a turn's ids."""
   t0 = time.perf_counter()
-  convs, firsts, clock = _start(records, env, renderer, n)
+  convs, firsts = _start(records, env, renderer, n)
   stats = {k: 0 for k in _STAT_SUMS}
   stats.update(live_peak=0, kv_positions_peak=0, turn_calls=0)
   for turn in range(max_turns):
@@ -166,23 +167,27 @@ def conversations(gen: Callable[..., Rollout], records: list[dict], *, env, rend
       _after_turn(convs[i], ro.completion_ids[row, :L].tolist(), ro.logprobs[row, :L].tolist(),
                   ro.finish_reasons[row] == "length", renderer=renderer, decode=decode,
                   max_turns=max_turns, budget=budget)
-  return _result(convs, firsts, n, pad_id, stats, t0, clock)
+  return _result(convs, firsts, n, pad_id, stats, t0)
 
 
 def continued(engine, params, records: list[dict], *, env, renderer, n: int, seed: int,
               max_turns: int, budget: int, slots: int, steps_per_call: int,
               max_prompt_len: int, pad_id: int, decode: Callable[[list[int]], str],
-              grow_cache: bool = True):
+              grow_cache: bool = True, env_workers: int = 8):
   """The KV-continuing driver, continuously batched: (Rollout, [N] rewards, stats) as
   `conversations` gives them. A record's G conversations take G free slots from one prefill
-  of its prompt; a slot whose turn ends is stepped by its environment while the other slots
-  keep decoding, and goes on from its own KV cache with the observation's tokens appended
-  (Engine.extend), its next turn keyed as sample turn * N + conversation. A conversation that
-  is over frees its slot for the next group. Dense KV cache only."""
+  of its prompt; a slot whose turn ends is stepped by its environment in one of `env_workers`
+  threads (0: in this loop) while the other slots keep decoding, and goes on from its own KV
+  cache with the observation's tokens appended (Engine.extend) once its step is back, its
+  next turn keyed as sample turn * N + conversation. A conversation that is over frees its
+  slot for the next group. The threads' timing changes which slots are continued together,
+  not the keys: a token's key is its sample's and its index's, whatever the batch. Dense KV
+  cache only."""
+  from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
   from jaxrl.parallel.distributed import to_host
   from jaxrl.sampler.engine import bucket, window, window_bucket
   t0 = time.perf_counter()
-  convs, firsts, clock = _start(records, env, renderer, n)
+  convs, firsts = _start(records, env, renderer, n)
   N = len(convs)
   if slots < n:
     raise ConfigError(f"rollout.slots={slots} is fewer than rollout.group_size={n}: a "
@@ -211,24 +216,40 @@ def continued(engine, params, records: list[dict], *, env, renderer, n: int, see
     turn_toks[i][1].append(float(lp))
     return i if done else None
 
-  def end_turns(ended):
-    """Steps the environments of the slots whose turn ended; continues the live ones."""
-    nonlocal state
-    while ended:
-      cont = []
-      for b in ended:
-        i = slot_conv[b]
-        toks, lps = turn_toks.pop(i)
-        cut = not toks or toks[-1] not in stops
-        more = _after_turn(convs[i], toks, lps, cut, renderer=renderer, decode=decode,
+  pool = ThreadPoolExecutor(env_workers) if env_workers > 0 else None
+  pending: dict[int, Future] = {}  # slot -> its environment step: the observation ids or None
+
+  def submit(ended):
+    """Hands the turns that just ended to their environments (a thread each, or here)."""
+    for b in ended:
+      i = slot_conv[b]
+      toks, lps = turn_toks.pop(i)
+      cut = not toks or toks[-1] not in stops
+
+      def step(c=convs[i], toks=toks, lps=lps, cut=cut):
+        return _after_turn(c, toks, lps, cut, renderer=renderer, decode=decode,
                            max_turns=max_turns, budget=budget)
-        if more is None:
-          slot_conv[b] = -1
-        else:
-          cont.append((b, i, more))
-      ended = []
-      if not cont:
-        break
+
+      if pool is not None:
+        pending[b] = pool.submit(step)
+      else:
+        pending[b] = Future()
+        pending[b].set_result(step())
+
+  def collect(block: bool):
+    """Continues the slots whose environment step is back (waiting for one when `block`),
+    frees those whose conversation is over, and hands on the turns that end at once."""
+    nonlocal state
+    if block and pending and not any(f.done() for f in pending.values()):
+      wait(list(pending.values()), return_when=FIRST_COMPLETED)
+    cont = []
+    for b in sorted(b for b, f in pending.items() if f.done()):
+      more = pending.pop(b).result()  # an environment's EnvError is raised here
+      if more is None:
+        slot_conv[b] = -1
+      else:
+        cont.append((b, slot_conv[b], more))
+    if cont:
       t1 = time.perf_counter()
       T = bucket(max(len(m) for _, _, m in cont), minimum=8)
       E = min(bucket(len(cont), minimum=1), slots)
@@ -248,62 +269,66 @@ def continued(engine, params, records: list[dict], *, env, renderer, n: int, see
       stats["extend_calls"] += 1
       stats["prefill_tokens"] += int(lengths.sum())
       stats["prefill_s"] += time.perf_counter() - t1
-      for e, (b, i, _) in enumerate(cont):
-        if take(b, out["tokens"][e], out["logprobs"][e], out["done"][e]) is not None:
-          ended.append(b)
+      ended = [b for e, (b, _, _) in enumerate(cont)
+               if take(b, out["tokens"][e], out["logprobs"][e], out["done"][e]) is not None]
+      submit(ended)
 
-  while queue or any(x >= 0 for x in slot_conv):
-    free = [b for b in range(slots) if slot_conv[b] < 0]
-    groups = queue[:len(free) // n]
-    if groups:
+  try:
+    while queue or any(x >= 0 for x in slot_conv):
+      collect(block=False)
+      free = [b for b in range(slots) if slot_conv[b] < 0]
+      groups = queue[:len(free) // n]
+      if groups:
+        t1 = time.perf_counter()
+        del queue[:len(groups)]
+        T = bucket(max(len(firsts[g]) for g in groups))
+        P = bucket(len(groups), minimum=1)
+        tokens = np.full((P, T), pad_id, np.int32)
+        lengths = np.ones((P,), np.int32)
+        for r, g in enumerate(groups):
+          tokens[r, :len(firsts[g])], lengths[r] = firsts[g], len(firsts[g])
+        prefix = engine.prefill(params, tokens, lengths, key)
+        stats["prefill_calls"] += 1
+        stats["prefill_prompts"] += len(groups)
+        stats["prefill_tokens"] += int(sum(len(firsts[g]) for g in groups))
+        state = engine.grow(state, fit(max(window(prefix), T + steps_per_call)))
+        rows = [r for r in range(len(groups)) for _ in range(n)]
+        convs_in = [g * n + j for g in groups for j in range(n)]
+        bs = free[:len(convs_in)]
+        state, first = engine.insert_many(prefix, state, rows=rows, slots=bs,
+                                          samples=convs_in)
+        first = to_host(first)
+        stats["prefill_s"] += time.perf_counter() - t1
+        ended = []
+        for b, i, tok, lp, done in zip(bs, convs_in, first["tokens"], first["logprobs"],
+                                       first["done"]):
+          slot_conv[b] = i
+          if take(b, tok, lp, done) is not None:
+            ended.append(b)
+        submit(ended)
+      live = np.asarray(jax.device_get(state["live"]))
+      if not live.any():  # every occupied slot waits on its environment
+        collect(block=True)
+        continue
       t1 = time.perf_counter()
-      del queue[:len(groups)]
-      T = bucket(max(len(firsts[g]) for g in groups))
-      P = bucket(len(groups), minimum=1)
-      tokens = np.full((P, T), pad_id, np.int32)
-      lengths = np.ones((P,), np.int32)
-      for r, g in enumerate(groups):
-        tokens[r, :len(firsts[g])], lengths[r] = firsts[g], len(firsts[g])
-      prefix = engine.prefill(params, tokens, lengths, key)
-      stats["prefill_calls"] += 1
-      stats["prefill_prompts"] += len(groups)
-      stats["prefill_tokens"] += int(sum(len(firsts[g]) for g in groups))
-      state = engine.grow(state, fit(max(window(prefix), T + steps_per_call)))
-      rows = [r for r in range(len(groups)) for _ in range(n)]
-      convs_in = [g * n + j for g in groups for j in range(n)]
-      bs = free[:len(convs_in)]
-      state, first = engine.insert_many(prefix, state, rows=rows, slots=bs, samples=convs_in)
-      first = to_host(first)
-      stats["prefill_s"] += time.perf_counter() - t1
-      ended = []
-      for b, i, tok, lp, done in zip(bs, convs_in, first["tokens"], first["logprobs"],
-                                     first["done"]):
-        slot_conv[b] = i
-        if take(b, tok, lp, done) is not None:
-          ended.append(b)
-      end_turns(ended)
-    live = np.asarray(jax.device_get(state["live"]))
-    if not live.any():
-      continue
-    t1 = time.perf_counter()
-    pos = np.asarray(jax.device_get(state["pos"]))
-    state = engine.grow(state, fit(int(pos[live].max()) + steps_per_call))
-    stats["live_peak"] = max(stats["live_peak"], int(live.sum()))
-    stats["kv_positions_peak"] = max(stats["kv_positions_peak"], slots * window(state))
-    state, out = engine.generate_steps(params, state, key, steps=steps_per_call)
-    out = to_host(out)
-    stats["decode_s"] += time.perf_counter() - t1
-    stats["decode_steps"] += steps_per_call
-    stats["slot_steps"] += steps_per_call * slots
-    stats["live_slot_steps"] += int(out["valid"].sum())
-    ended = []
-    for t in range(steps_per_call):
-      for b in np.flatnonzero(out["valid"][t]):
-        if take(b, out["tokens"][t, b], out["logprobs"][t, b], out["done"][t, b]) is not None:
-          ended.append(b)
-    end_turns(ended)
+      pos = np.asarray(jax.device_get(state["pos"]))
+      state = engine.grow(state, fit(int(pos[live].max()) + steps_per_call))
+      stats["live_peak"] = max(stats["live_peak"], int(live.sum()))
+      stats["kv_positions_peak"] = max(stats["kv_positions_peak"], slots * window(state))
+      state, out = engine.generate_steps(params, state, key, steps=steps_per_call)
+      out = to_host(out)
+      stats["decode_s"] += time.perf_counter() - t1
+      stats["decode_steps"] += steps_per_call
+      stats["slot_steps"] += steps_per_call * slots
+      stats["live_slot_steps"] += int(out["valid"].sum())
+      submit([b for t in range(steps_per_call) for b in np.flatnonzero(out["valid"][t])
+              if take(b, out["tokens"][t, b], out["logprobs"][t, b], out["done"][t, b])
+              is not None])
+  finally:
+    if pool is not None:
+      pool.shutdown(wait=True, cancel_futures=True)
   stats["turn_calls"] = stats["extend_calls"] + stats["prefill_calls"]
-  return _result(convs, firsts, n, pad_id, stats, t0, clock)
+  return _result(convs, firsts, n, pad_id, stats, t0)
 
 
 def _assemble(firsts, n, convs, pad_id, stats, wall, env_s) -> Rollout:

@@ -25,7 +25,7 @@ def check_rollout(config) -> None:
                             "rollout.max_new_tokens", "rollout.slots", "rollout.steps_per_call",
                             "rollout.max_staleness")
   config_lib.check_at_least(config, 0, "rollout.top_k", "rollout.prompt_len",
-                            "rollout.max_conversation_tokens")
+                            "rollout.max_conversation_tokens", "rollout.env_workers")
   config_lib.check_at_least(config, 1, "rollout.max_turns")
   config_lib.check_positive(config, "rollout.temperature", example="1.0")
   config_lib.check_unit(config, "rollout.top_p", off="1.0 turns it off")
@@ -150,8 +150,9 @@ def default_config():
       # With an environment (data.env or env_module): model turns per conversation, and the
       # tokens a conversation may hold after its prompt, model and tool tokens together (the
       # learner batch's completion width; 0: 2 x max_turns x max_new_tokens). max_new_tokens
-      # is then per turn.
-      max_turns=1, max_conversation_tokens=0))
+      # is then per turn. env_workers: threads stepping environments while the other slots
+      # keep decoding (0: between decode calls, in the sampler's own loop).
+      max_turns=1, max_conversation_tokens=0, env_workers=8))
   c.algo = algo_section()
   c.rewards = "task"  # "task" = the task's checker; else e.g. "exact_match:1.0,format:0.1";
                       # "none" (or "task:0", which still logs `accuracy`) with a reward model

@@ -292,7 +292,7 @@ def setup(config, workdir: str, *, out=print, command: str = "grpo", choices=Non
     from jaxrl.envs.chat import ChatRenderer
     from jaxrl.envs.rollout import prompt_ids
     renderer = ChatRenderer(tokenizer, config.data)
-    longest = max(len(prompt_ids(renderer, Timed(env[0], env[1], [0.0]), x)[0])
+    longest = max(len(prompt_ids(renderer, Timed(*env), x)[0])
                   for x in train_records)
   else:
     longest = max(len(run.prompts.ids(x)) for x in train_records + held_out)
