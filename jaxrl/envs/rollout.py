@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import jax
 import numpy as np
@@ -47,6 +48,8 @@ import numpy as np
 from jaxrl.envs import Timed
 from jaxrl.envs.chat import ChatRenderer, assistant_turn
 from jaxrl.errors import ConfigError
+from jaxrl.parallel.distributed import to_host
+from jaxrl.sampler.engine import bucket, window, window_bucket
 from jaxrl.sampler.rollout import Rollout
 
 _STAT_SUMS = ("prefill_s", "decode_s", "prefill_calls", "prefill_prompts", "prefill_tokens",
@@ -183,9 +186,6 @@ def continued(engine, params, records: list[dict], *, env, renderer, n: int, see
   slot for the next group. The threads' timing changes which slots are continued together,
   not the keys: a token's key is its sample's and its index's, whatever the batch. Dense KV
   cache only."""
-  from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-  from jaxrl.parallel.distributed import to_host
-  from jaxrl.sampler.engine import bucket, window, window_bucket
   t0 = time.perf_counter()
   convs, firsts = _start(records, env, renderer, n)
   N = len(convs)
