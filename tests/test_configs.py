@@ -16,7 +16,7 @@ ARGS = {"tiny.py": [None, "tp", "sampler"], "model.py": [None, *PRESETS],
         "sft_tiny.py": [None, "runlocal"], "rm_tiny.py": [None, "biased", "logprob", "runlocal"],
         "grpo_tiny.py": [None, "runlocal", "dapo", "dr_grpo", "gspo", "rloo", "async"],
         "dpo_tiny.py": [None, "ipo", "kto", "orpo", "simpo", "runlocal"],
-        "ppo_tiny.py": [None, "runlocal", "group"],
+        "ppo_tiny.py": [None, "runlocal", "group"], "agentic_tiny.py": [None, "runlocal", "guess"],
         "gsm8k_qwen3.py": [None, "grpo", "sft", "fixture", "sft_fixture"],
         **{f: [None, "grpo", "sft", "fixture"] for f in ("qwen3_0p6b.py", "qwen2p5_1p5b.py",
                                                          "llama3p2_1b.py")},
@@ -25,6 +25,7 @@ ARGS = {"tiny.py": [None, "tp", "sampler"], "model.py": [None, *PRESETS],
 # The command each config file is for (its own sections' choices are validated too).
 COMMAND = {"sft_tiny.py": "sft", "rm_tiny.py": "rm", "grpo_tiny.py": "grpo", "dpo_tiny.py": "dpo",
            "ppo_tiny.py": "ppo", "sample_tiny.py": "sample", "gsm8k_qwen3.py": "grpo",
+           "agentic_tiny.py": "grpo",
            **{f: "grpo" for f in ("qwen3_0p6b.py", "qwen2p5_1p5b.py", "llama3p2_1b.py",
                                   "qwen3.py", "qwen2p5.py", "llama3.py")}}
 

@@ -14,7 +14,8 @@ Layers, bottom to top (a module may import its own layer and any layer below it)
               and below everything that reads a config, so it can never import a trainer.
   services    io (checkpoint and HF tensors into a layout), data, tasks, rewards (checkers and
               reward-model scoring), sampler, train (the shared skeleton), evals (held-out
-              metrics and the evaluator). One layer, not four:
+              metrics and the evaluator), envs (environments and the multi-turn driver over
+              the sampler). One layer, not four:
               they are peers that a trainer composes (e.g. rewards' reward model restores with
               train's checkpointer and tokenizes with data's tokenizer).
   objectives  jaxrl.objectives (advantages, losses, preference_losses): pure math over arrays.
@@ -48,7 +49,7 @@ LAYER_OF = {
     "jaxrl.config": "config",
     "jaxrl.io": "services", "jaxrl.data": "services", "jaxrl.tasks": "services",
     "jaxrl.rewards": "services", "jaxrl.sampler": "services", "jaxrl.train": "services",
-    "jaxrl.evals": "services",
+    "jaxrl.evals": "services", "jaxrl.envs": "services",
     "jaxrl.objectives": "objectives",
     "jaxrl.rl": "algorithms",
     "jaxrl.train.sft": "algorithms", "jaxrl.train.rm": "algorithms",

@@ -9,6 +9,8 @@
     state, out = engine.generate(params, state, key)                    # one step, every slot
     state, out = engine.generate_steps(params, state, key, steps=k)     # k steps in one scan
     state = engine.evict(state, slots)                                  # preempt: free slots
+    state, out = engine.extend(params, state, key, slots=e, tokens_et=obs, length_e=n)
+                                                                        # append, keep decoding
 
 Every phase is one jit of a pure function over nnx.split state. Params are an argument, so a
 weight swap (same shapes and shardings) never recompiles; `engine.traces` counts traces so tests
@@ -88,6 +90,7 @@ class Engine:
     self._grow = jax.jit(self._grow_fn, static_argnames="length")
     self._insert_paged = jax.jit(self._insert_paged_fn, donate_argnums=0)
     self._evict = jax.jit(self._evict_fn, donate_argnums=0)
+    self._extend = jax.jit(self._extend_fn, donate_argnums=1, static_argnames="restart")
     self._paged_inits: dict[tuple[int, int, int, int], Callable] = {}
 
   # --------------------------------------------------------------------------- state
@@ -352,6 +355,76 @@ class Engine:
       refs, pages = paged.release(state["refs"], state["pages"], mask_b)
       state = dict(state, refs=refs, pages=pages)
     return self._constrain(state)
+
+  # --------------------------------------------------------------------------- extend
+
+  def extend(self, params, state: DecodeState, key, *, slots, tokens_et, length_e,
+             samples=None):
+    """Continues E slots' sequences without re-prefilling them (a conversation's next turn):
+    slot slots[e] feeds its pending token (the last one sampled, at pos) and then
+    tokens_et[e, :length_e[e]] (an observation, right-padded to T), writing their KV after
+    the slot's own, and draws its next token from the logits after the last of them. The slot
+    is then live again at the position after that token. Returns (state, out): out's
+    "tokens", "logprobs", "done" [E] and "logits" [E, V].
+
+    samples=None: the slot goes on as one sample (key (its sample, tokens so far), and
+    max_new_tokens counts all its turns). samples[e]: a new turn keyed as sample samples[e]
+    from token 0, max_new_tokens counting from it (a conversation's turns draw distinct
+    keys). A slot index >= the slot count is padding: its entry is computed and dropped.
+    A dense state only, and its window must hold pos + 1 + T for every slot extended (grow it
+    first)."""
+    if is_paged(state):
+      raise ValueError("extend: a paged state is not supported yet; use a dense state")
+    slots = np.asarray(slots, np.int32)
+    tokens_et = np.asarray(tokens_et, np.int32)
+    length_e = np.asarray(length_e, np.int32)
+    num_slots = state["live"].shape[0]
+    pos = np.asarray(jax.device_get(state["pos"]))[np.minimum(slots, num_slots - 1)]
+    if int((pos + 1 + tokens_et.shape[1]).max()) > window(state):
+      raise ValueError(f"extend: the window holds {window(state)} positions but a slot needs "
+                       f"{int((pos + 1 + tokens_et.shape[1]).max())}: grow the state first "
+                       "(Engine.grow)")
+    restart = samples is not None
+    samples = np.asarray(slots if samples is None else samples, np.int32)
+    return self._extend(params, state, key, jnp.asarray(slots), jnp.asarray(tokens_et),
+                        jnp.asarray(length_e), jnp.asarray(samples), restart=restart)
+
+  def _extend_fn(self, params, state, key, slots_e, tokens_et, length_e, samples_e, *,
+                 restart):
+    self.traces["extend"] += 1
+    sp = self.sampling
+    model = nnx.merge(self.graphdef, params)
+    # Padding entries (slot >= B) read the last slot and are dropped by every scatter below.
+    read_e = jnp.minimum(slots_e, state["live"].shape[0] - 1)
+    start_e = state["pos"][read_e]
+    seq_et = jnp.concatenate([state["tokens"][read_e][:, None], tokens_et], axis=1)
+    positions_et = start_e[:, None] + jnp.arange(seq_et.shape[1])[None, :]
+    # The slots' own rows of the cache, continued with the multi-token cached forward (each
+    # row written at its own offset; padding past length_e lands after the last real token,
+    # where the next decode step overwrites it before any query reads it).
+    rows = [(k[read_e], v[read_e]) for k, v in state["cache"]]
+    h_etd, rows = model.hidden(seq_et, positions_et, cache=rows)
+    h_last = jnp.take_along_axis(h_etd, length_e[:, None, None], axis=1)  # [E, 1, D]
+    logits_ev = model.logits(h_last)[:, 0]
+    if restart:
+      sample_e, ngen_e = samples_e, jnp.zeros_like(samples_e)
+    else:
+      sample_e, ngen_e = state["sample"][read_e], state["ngen"][read_e]
+    token_e, logprob_e = sample_logits(logits_ev, token_keys(key, sample_e, ngen_e), sp)
+    pos_e = start_e + length_e + 1
+    done_e = is_stop(token_e, sp) | (ngen_e + 1 >= sp.max_new_tokens) | (
+        pos_e >= state["max_len"][read_e])
+    cache = [(k.at[slots_e].set(rk, mode="drop"), v.at[slots_e].set(rv, mode="drop"))
+             for (k, v), (rk, rv) in zip(state["cache"], rows)]
+
+    def put(x, v):
+      return x.at[slots_e].set(v.astype(x.dtype), mode="drop")
+
+    state = dict(state, cache=cache, tokens=put(state["tokens"], token_e),
+                 pos=put(state["pos"], pos_e), ngen=put(state["ngen"], ngen_e + 1),
+                 sample=put(state["sample"], sample_e), live=put(state["live"], ~done_e))
+    return self._constrain(state), {"tokens": token_e, "logprobs": logprob_e, "done": done_e,
+                                    "logits": logits_ev}
 
   # --------------------------------------------------------------------------- generate
 

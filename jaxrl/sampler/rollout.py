@@ -55,7 +55,10 @@ class Rollout:
 
   prompt_ids [N, Lp] and completion_ids [N, Lc] are right-padded with pad_id; completion_mask
   [N, Lc] is 1 on generated tokens (the stop token included); logprobs [N, Lc] are the
-  sampler's log pi(token) under temperature before truncation (0 on padding); finish_reasons
+  sampler's log pi(token) under temperature before truncation (0 on padding). A multi-turn
+  rollout (jaxrl.envs.rollout) holds the whole conversation after the prompt in completion_ids
+  and `lengths`; its completion_mask is 1 on the model's tokens only, 0 on template and tool
+  tokens (whose logprobs are 0), and the learner trains on the mask. finish_reasons
   is "stop" (eos or a stop id) or "length" (max_new_tokens or the cache's end).
   """
 
@@ -480,12 +483,19 @@ def _assemble(prompts, n, toks, lps, sp, pad_id, stats, wall) -> Rollout:
 def metrics(rollout: Rollout) -> dict:
   """The rollout's stats under docs/design.md's metric names, for trainers to log."""
   st = rollout.stats
+  # Over the model's own tokens: a multi-turn rollout's completion also holds template and
+  # tool tokens (completion_mask 0; single-turn, the mask covers `lengths` exactly).
+  model_tokens = rollout.completion_mask.sum(1)
   return {"timing_s/gen": st["wall_s"], "perf/gen_tokens_per_s": st["tokens_per_s"],
-          "response_length/mean": float(rollout.lengths.mean()) if len(rollout.lengths) else 0.0,
+          "response_length/mean": float(model_tokens.mean()) if len(model_tokens) else 0.0,
           "sampler/prefill_s": st["prefill_s"], "sampler/decode_s": st["decode_s"],
           "sampler/slot_utilisation": st["slot_utilisation"],
           "response_length/clip_ratio": float(np.mean([r == "length" for r in rollout.finish_reasons])) if rollout.finish_reasons else 0.0,
           "sampler/tokens_generated": st["tokens_generated"],
           "sampler/live_peak": st.get("live_peak", 0),
           **({"sampler/kv_pages": st["kv_pages"], "sampler/kv_pages_peak": st["kv_pages_peak"],
-              "sampler/kv_preemptions": st["kv_preemptions"]} if "kv_pages" in st else {})}
+              "sampler/kv_preemptions": st["kv_preemptions"]} if "kv_pages" in st else {}),
+          # Multi-turn rollouts (jaxrl.envs.rollout): the environments' counts and seconds.
+          **({"env/turns/mean": st["env_turns"], "env/tool_calls/mean": st["env_tool_calls"],
+              "env/bad_tool_calls": st["env_bad_tool_calls"], "timing_s/env": st["env_s"]}
+             if "env_turns" in st else {})}

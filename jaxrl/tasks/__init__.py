@@ -5,6 +5,9 @@ Each task is small enough that a ~1M-parameter byte-level model learns it on CPU
     addition   "12+34="      -> "46"       operands of 1..2 digits ("addition:max_digits=3")
     sort       "sort 3142:"  -> "1234"     3..6 digits, sorted ascending
     reverse    "reverse abc:" -> "cba"     3..6 lowercase letters, reversed
+    multiply   "123*45="     -> "5535"     2..3-digit operands: the calculator environment's
+                                            task (a tiny model cannot multiply in its head)
+    guess      "guess 1-16 #4821:" -> "11" the guess_number environment's secret
 
 Train and test are disjoint by construction: a prompt belongs to exactly one split, decided by
 a stable hash of the prompt text, so no seed or sample size can leak test prompts into training.
@@ -208,7 +211,54 @@ class Reverse(Task):
     return "".join(s)
 
 
-TASKS: dict[str, Task] = {t.name: t for t in (Addition(), SortDigits(), Reverse())}
+@dataclasses.dataclass(frozen=True)
+class Multiply(Task):
+  name: str = "multiply"
+  min_digits: int = 2
+  max_digits: int = 3
+
+  def sample(self, rng):
+    a, b = _digits(rng, self.min_digits, self.max_digits), _digits(
+        rng, self.min_digits, self.max_digits)
+    return f"{a}*{b}=", str(a * b)
+
+  def slip(self, prompt, answer):
+    # The second operand's tens partial product left unshifted: 123*45 -> 123*5 + 123*4.
+    a, b = (int(x) for x in prompt.removesuffix("=").split("*"))
+    tens = b // 10 % 10
+    return str(a * (b % 10) + a * tens + a * (b // 100) * 100) if tens and a else None
+
+  def corrupt(self, rng, prompt, answer):
+    delta = int(rng.choice([-100, -10, -1, 1, 10, 100]))
+    value = int(answer) + delta
+    return str(value if value >= 0 else int(answer) + abs(delta))
+
+
+@dataclasses.dataclass(frozen=True)
+class Guess(Task):
+  """Secrets for the guess_number environment (jaxrl.envs.games); the game id keeps prompts
+  apart, so the train and test splits hold different games."""
+  name: str = "guess"
+  max_number: int = 16
+
+  def validate(self) -> None:
+    if self.max_number < 2:
+      raise ConfigError(f"task 'guess': max_number={self.max_number} must be at least 2.")
+
+  def sample(self, rng):
+    secret, game = int(rng.integers(1, self.max_number + 1)), int(rng.integers(0, 10 ** 6))
+    return f"guess 1-{self.max_number} #{game}:", str(secret)
+
+  def slip(self, prompt, answer):
+    # One too high, where that is still in range.
+    return str(int(answer) + 1) if int(answer) < self.max_number else None
+
+  def corrupt(self, rng, prompt, answer):
+    return str(int(answer) % self.max_number + 1)
+
+
+TASKS: dict[str, Task] = {t.name: t for t in (Addition(), SortDigits(), Reverse(), Multiply(),
+                                               Guess())}
 
 
 def get_task(name: str, **options) -> Task:
@@ -241,5 +291,5 @@ def get_task(name: str, **options) -> Task:
   return task
 
 
-__all__ = ["ERROR_MODES", "Addition", "Reverse", "SortDigits", "TASKS", "Task", "extract_answer",
-           "get_task", "split_of"]
+__all__ = ["ERROR_MODES", "Addition", "Guess", "Multiply", "Reverse", "SortDigits", "TASKS",
+           "Task", "extract_answer", "get_task", "split_of"]

@@ -25,7 +25,9 @@ def check_rollout(config) -> None:
   config_lib.check_at_least(config, 1, "rollout.prompts_per_step", "rollout.group_size",
                             "rollout.max_new_tokens", "rollout.slots", "rollout.steps_per_call",
                             "rollout.max_staleness", "rollout.page_size")
-  config_lib.check_at_least(config, 0, "rollout.top_k", "rollout.prompt_len", "rollout.kv_pages")
+  config_lib.check_at_least(config, 0, "rollout.top_k", "rollout.prompt_len", "rollout.kv_pages",
+                            "rollout.max_conversation_tokens", "rollout.env_workers")
+  config_lib.check_at_least(config, 1, "rollout.max_turns")
   config_lib.check_positive(config, "rollout.temperature", example="1.0")
   config_lib.check_unit(config, "rollout.top_p", off="1.0 turns it off")
   advantage = config.get("algo", {}).get("advantage")
@@ -113,7 +115,13 @@ def default_config():
       # source column -> record field, e.g. {"question": "prompt"} for GSM8K; files may be
       # .jsonl, .parquet, .arrow or a save_to_disk directory (jaxrl/data/files.py)
       fields=None,
+      # A built-in environment for multi-turn / tool-use rollouts (jaxrl.envs: calculator,
+      # guess_number; docs/guides/agentic.md); "" is single-turn. The records (data.task or
+      # train_file) are what its reset() reads. Needs rewards="env".
+      env="",
       **prompt_section()))  # chat, chat_template_kwargs, system_prompt: jaxrl.data.prompts
+  # Your own environment instead: a Python file defining make_env() (docs/guides/agentic.md).
+  c.env_module = ""
   c.rollout = ml_collections.ConfigDict(dict(
       prompts_per_step=16, group_size=8, max_new_tokens=8, temperature=1.0, top_k=0,
       top_p=1.0, slots=64, steps_per_call=8,
@@ -147,7 +155,13 @@ def default_config():
       # under them from the next decode call (its KV cache as written; each token keeps its
       # own sampler log-prob and version, and algo.tis_cap corrects per token). Fresher, but
       # the switch points follow thread timing: reproducible only with frozen weights.
-      partial_rollouts=False))
+      partial_rollouts=False,
+      # With an environment (data.env or env_module): model turns per conversation, and the
+      # tokens a conversation may hold after its prompt, model and tool tokens together (the
+      # learner batch's completion width; 0: 2 x max_turns x max_new_tokens). max_new_tokens
+      # is then per turn. env_workers: threads stepping environments while the other slots
+      # keep decoding (0: between decode calls, in the sampler's own loop).
+      max_turns=1, max_conversation_tokens=0, env_workers=8))
   c.algo = algo_section()
   c.rewards = "task"  # "task" = the task's checker; else e.g. "exact_match:1.0,format:0.1";
                       # "none" (or "task:0", which still logs `accuracy`) with a reward model
@@ -173,6 +187,14 @@ def default_config():
   c.distributed = distributed_section()
   c.plan = plan_config()  # the device the trainer's memory plan is checked against
   return c
+
+
+def conversation_tokens(config) -> int:
+  """The tokens a multi-turn conversation may hold after its prompt (model and tool tokens):
+  rollout.max_conversation_tokens, or 2 x max_turns x max_new_tokens when it is 0."""
+  r = config.rollout
+  return int(r.get("max_conversation_tokens", 0) or 2 * r.get("max_turns", 1)
+             * r.max_new_tokens)
 
 
 def prompt_length(config, longest: int) -> int:

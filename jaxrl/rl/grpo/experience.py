@@ -103,7 +103,7 @@ def learner_forwards(p: Parts, state, prompts: list[dict], step: int) -> Forward
   if p.grouped:  # each group's prompt once, its G completions after it
     batch = grouped_learner_batch(
         rollout, prompt_len=p.prompt_len, group=r.group_size, pad_id=p.tokenizer.pad_id,
-        width=completion_width(rollout.completion_ids.shape[1], r.max_new_tokens))
+        width=completion_width(rollout.completion_ids.shape[1], p.length - p.prompt_len))
     inputs = ("prompt", "prompt_len", "completion")
   else:
     batch = learner_batch(rollout, length=p.length, pad_id=p.tokenizer.pad_id)
@@ -240,9 +240,12 @@ def sample(p: Parts, params_s, prompts: list[dict], step: int, round_: int, weig
   """(rollout, [N] rewards, reward stats) of `prompts` x G, with a seed drawn from (seed, step,
   round). `weights` (partial rollouts): newer (version, params) between decode calls."""
   r = p.config.rollout
-  ids = [p.run.prompts.ids(x) for x in prompts]  # chat-templated for instruct checkpoints
   seed = int(jax.random.randint(jax.random.fold_in(jax.random.key(p.config.seed),
                                                    step * 16 + round_), (), 0, 2**31 - 1))
+
+  if p.env is not None:  # multi-turn: the environment's rewards (jaxrl.envs.rollout)
+    return env_rollout(p, params_s, prompts, seed)
+  ids = [p.run.prompts.ids(x) for x in prompts]  # chat-templated for instruct checkpoints
   rollout = generate(p.engine, params_s, ids, n=r.group_size, seed=seed, slots=r.slots,
                      steps_per_call=r.steps_per_call, max_prompt_len=p.prompt_len,
                      grow_cache=r.grow_cache, pad_id=p.tokenizer.pad_id,
@@ -251,6 +254,24 @@ def sample(p: Parts, params_s, prompts: list[dict], step: int, round_: int, weig
                      kv_admission=r.get("kv_admission", "optimistic"), weights=weights)
   rewards, reward_stats = score_rollout(p, rollout, prompts)
   return rollout, rewards, reward_stats
+
+
+def env_rollout(p: Parts, params_s, prompts: list[dict], seed: int):
+  """(rollout, [N] rewards, reward stats) of G conversations per prompt with the configured
+  environment, each continuing its own KV cache between turns (jaxrl.envs.rollout.continued):
+  rewards are its summed step rewards (reward/env), accuracy the share of conversations it
+  marked correct, and its seconds are the rollout's (timing_s/env)."""
+  from jaxrl.envs.rollout import continued
+  r = p.config.rollout
+  rollout, rewards, extra = continued(
+      p.engine, params_s, prompts, env=p.env, renderer=p.renderer, n=r.group_size, seed=seed,
+      max_turns=r.max_turns, budget=p.length - p.prompt_len, slots=r.slots,
+      steps_per_call=r.steps_per_call, max_prompt_len=p.prompt_len,
+      pad_id=p.tokenizer.pad_id, decode=p.tokenizer.decode, grow_cache=r.grow_cache,
+      env_workers=r.get("env_workers", 8))
+  stats = {"reward/env": float(rewards.mean()), "accuracy": extra["accuracy"],
+           "reward/errors": 0.0, "timing_s/reward": 0.0}
+  return rollout, rewards, stats
 
 
 def _refill(rollout, rewards_bg, zero, sample, stream, rounds: int, G: int):
@@ -400,7 +421,8 @@ def learner_batch(rollout, *, length: int, pad_id: int) -> dict[str, np.ndarray]
 
   Row s is prompt s's tokens then its completion's. Target index t predicts token t+1, so the
   completion's first token is the target at index len(prompt) - 1. `mask` marks completion
-  targets; `sampler_logp` is the sampler's log-prob of each such target.
+  targets the model sampled (completion_mask: a multi-turn rollout's template and tool tokens
+  are inputs, not targets); `sampler_logp` is the sampler's log-prob of each such target.
   """
   N = rollout.completion_ids.shape[0]
   seq = np.full((N, length + 1), pad_id, np.int32)
@@ -411,7 +433,7 @@ def learner_batch(rollout, *, length: int, pad_id: int) -> dict[str, np.ndarray]
     c = int(rollout.lengths[s])
     seq[s, :p] = rollout.prompt_ids[s, :p]
     seq[s, p:p + c] = rollout.completion_ids[s, :c]
-    mask[s, p - 1:p - 1 + c] = 1.0
+    mask[s, p - 1:p - 1 + c] = rollout.completion_mask[s, :c]
     sampler_logp[s, p - 1:p - 1 + c] = rollout.logprobs[s, :c]
   positions = np.broadcast_to(np.arange(length, dtype=np.int32), (N, length))
   return {"inputs": seq[:, :-1], "targets": seq[:, 1:], "positions": np.array(positions),
@@ -436,7 +458,8 @@ def grouped_learner_batch(rollout, *, prompt_len: int, group: int, pad_id: int,
     pad = ((0, 0), (0, width - Tc))
     rollout = dataclasses.replace(
         rollout, completion_ids=np.pad(rollout.completion_ids, pad, constant_values=pad_id),
-        logprobs=np.pad(rollout.logprobs, pad))
+        logprobs=np.pad(rollout.logprobs, pad),
+        completion_mask=np.pad(rollout.completion_mask, pad))
     Tc = width
   P = N // group
   first = np.arange(P) * group
@@ -447,8 +470,10 @@ def grouped_learner_batch(rollout, *, prompt_len: int, group: int, pad_id: int,
   lengths = rollout.prompt_lengths[first].astype(np.int32)
   for p in range(P):
     prompt[p, :lengths[p]] = rollout.prompt_ids[first[p], :lengths[p]]
-  mask = (np.arange(Tc)[None, :] < rollout.lengths[:, None]).astype(np.float32)
-  completion = np.where(mask > 0, rollout.completion_ids, pad_id).astype(np.int32)
+  inside = np.arange(Tc)[None, :] < rollout.lengths[:, None]
+  completion = np.where(inside, rollout.completion_ids, pad_id).astype(np.int32)
+  # The model's own tokens (a multi-turn rollout's template and tool tokens are not trained).
+  mask = (inside & (rollout.completion_mask > 0)).astype(np.float32)
   return {"prompt": prompt, "prompt_len": lengths[:, None], "completion": completion,
           "mask": mask, "sampler_logp": (rollout.logprobs * mask).astype(np.float32)}
 

@@ -33,7 +33,7 @@ from jaxrl.parallel import batch_sharding, get_rules
 from jaxrl.parallel.plan import (Program, Workload, abstract_bytes, attention_score_bytes,
                                  kernel_takes)
 from jaxrl.parallel.sync import make_placement
-from jaxrl.rl.grpo.config import grouped_forward, prompt_length
+from jaxrl.rl.grpo.config import conversation_tokens, grouped_forward, prompt_length
 from jaxrl.rl.grpo.update import (batch_logprobs, grpo_loss, logprob_micro_batches,
                                   make_batch_logprobs_fn, old_logp_from_update)
 from jaxrl.rewards import model as rm_lib
@@ -66,6 +66,8 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
   replicas = mesh.shape["data"] * mesh.shape["fsdp"]
   Tp = data_prompt_len(config) if prompt_len is None else bucket(prompt_len)
   G, N, Tc = r.group_size, r.prompts_per_step * r.group_size, r.max_new_tokens
+  if config.data.get("env") or config.get("env_module"):  # a conversation after its prompt
+    Tc = conversation_tokens(config)
   updates = a.num_iterations * a.minibatches
   tx, schedule = make_optimizer(config.optim, config.train.steps * updates)
   graphdef, state, shardings = pg.abstract_state(cfg, mesh, tx, layout="learner")

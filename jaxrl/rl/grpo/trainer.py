@@ -54,6 +54,7 @@ from jax.sharding import NamedSharding
 
 from jaxrl.data import prefs
 from jaxrl.data.hf_tokenizer import eos_ids
+from jaxrl.envs import env_factory
 from jaxrl.errors import ConfigError
 from jaxrl.evals.evaluator import Evaluator, checker_for
 from jaxrl.models import abstract_model, lora
@@ -63,7 +64,8 @@ from jaxrl.parallel.distributed import global_array
 from jaxrl.parallel.sync import SamplerCopy, WeightSync, sync
 from jaxrl.rewards import RewardSpec
 from jaxrl.rewards import model as rm_lib
-from jaxrl.rl.grpo.config import CHOICES, default_config, grouped_forward, prompt_length
+from jaxrl.rl.grpo.config import (CHOICES, conversation_tokens, default_config,
+                                  grouped_forward, prompt_length)
 from jaxrl.rl.grpo.experience import Experience, PromptStream, make_experience
 from jaxrl.rl.grpo.monitors import Alarms, KLCoefficient
 from jaxrl.rl.grpo.programs import programs
@@ -197,6 +199,9 @@ class Parts:
   beta: KLCoefficient
   alarms: Alarms
   evaluator: Evaluator | None  # held-out eval; None: no held-out records or no checker
+  # Multi-turn rollouts (jaxrl.envs): (name, make_env) and the chat renderer; None: single-turn.
+  env: Any = None
+  renderer: Any = None
 
   # The run's: the config, the ModelConfig, the tokenizer and the learner's mesh.
   config = property(lambda self: self.run.config)
@@ -232,10 +237,21 @@ def setup(config, workdir: str, *, out=print, command: str = "grpo", choices=Non
       config, task, "rl", build=lambda split, n, seed: task.records(split, n, seed),
       what="{prompt, answer}")
   run.record_data(prefs.fingerprint(train_records))
-  specs = reward_specs(config.rewards, task, config.get("reward_kwargs"))
+  env = env_factory(config)
+  if (env is not None) != (config.rewards == "env"):
+    raise ConfigError(
+        f"rewards=env scores by the environment, and this run has none: set data.env or "
+        f"env_module, or name a reward (e.g. task)." if env is None else
+        f"environment {env[0]!r} scores the conversations, but rewards={config.rewards!r}: "
+        "set --config.rewards=env.")
+  specs = [] if env is not None else reward_specs(config.rewards, task,
+                                                  config.get("reward_kwargs"))
   rm_cfg = config.reward_model
   rm_paths = rm_lib.checkpoint_list(rm_cfg)
-  if not specs and not rm_paths:
+  if env is not None and rm_paths:
+    raise ConfigError("reward_model.checkpoints is set with an environment, which scores the "
+                      "conversations itself: clear reward_model.checkpoints.")
+  if not specs and not rm_paths and env is None:
     raise ConfigError(f"rewards={config.rewards!r} and reward_model.checkpoints is empty: "
                       "nothing rewards the policy; name a reward (e.g. task) or a `jaxrl rm` "
                       "run dir.")
@@ -270,11 +286,21 @@ def setup(config, workdir: str, *, out=print, command: str = "grpo", choices=Non
   engine = Engine(graphdef if scfg == cfg else abstract_model(scfg)[0], scfg,
                   run.placement.sampler.mesh, sampling=sampling)
 
-  prompt_len = prompt_length(config, max(len(run.prompts.ids(x))
-                                          for x in train_records + held_out))
+  renderer = None
+  if env is not None:  # the prompts are the environment's first messages, tools included
+    from jaxrl.envs import Timed
+    from jaxrl.envs.chat import ChatRenderer
+    from jaxrl.envs.rollout import prompt_ids
+    renderer = ChatRenderer(tokenizer, config.data)
+    longest = max(len(prompt_ids(renderer, Timed(*env), x)[0])
+                  for x in train_records)
+  else:
+    longest = max(len(run.prompts.ids(x)) for x in train_records + held_out)
+  prompt_len = prompt_length(config, longest)
+  completion = conversation_tokens(config) if env is not None else r.max_new_tokens
   grouped = grouped_forward(config, run.replicas, out)
   shd = batch_sharding(mesh, 2, "learner")
-  loss_fn = grpo_loss(graphdef, a, temperature=r.temperature, norm_len=r.max_new_tokens)
+  loss_fn = grpo_loss(graphdef, a, temperature=r.temperature, norm_len=completion)
   old_from_update = old_logp_from_update(a)
   # The reference's forward and, without old_from_update, the policy's (whose entropy is
   # logged).
@@ -291,15 +317,20 @@ def setup(config, workdir: str, *, out=print, command: str = "grpo", choices=Non
                         extras={"rm_norm": rm_norm} if rm_norm is not None else None,
                         learner_state={"kl_coef": beta, "alarms": alarms})
   run.checkpointer()
-  evaluator = _evaluator(run, graphdef, held_out, task, weight_sync, alarms)
+  if env is not None:
+    run.say(f"held-out eval off: the held-out eval is single-turn and environment {env[0]!r} "
+            "is multi-turn (docs/guides/agentic.md); the reward-hacking alarm is off")
+    evaluator = None
+  else:
+    evaluator = _evaluator(run, graphdef, held_out, task, weight_sync, alarms)
   parts = Parts(
       run=run, task=task, shardings=shardings, shd=shd, updates_per_step=updates_per_step,
       engine=engine, weight_sync=weight_sync, sampler_copy=sampler_copy,
       queue=None, stream=stream, specs=specs, rms=rms, rm_norm=rm_norm,
-      prompt_len=prompt_len, length=prompt_len + r.max_new_tokens,  # fixed: jits compile once
+      prompt_len=prompt_len, length=prompt_len + completion,  # fixed: jits compile once
       grouped=grouped, old_from_update=old_from_update, logprobs_fn=logprobs_fn,
       train_step=train_step, reference=reference, beta=beta, alarms=alarms,
-      evaluator=evaluator)
+      evaluator=evaluator, env=env, renderer=renderer)
   run.closers.append(lambda: parts.queue is not None and parts.queue.close())
   return parts, state
 
@@ -354,6 +385,16 @@ def _check(config) -> None:
                       "sampler overlaps the update on its own devices): set both, or turn "
                       "async_generation off.")
   r = config.rollout
+  has_env = bool(config.data.get("env") or config.get("env_module"))
+  if r.get("max_turns", 1) > 1 and not has_env:
+    raise ConfigError(f"rollout.max_turns={r.max_turns} needs an environment to answer the "
+                      "turns: set data.env (or env_module), or leave max_turns at 1.")
+  if has_env and r.get("kv_cache", "dense") != "dense":
+    raise ConfigError("multi-turn rollouts (data.env / env_module) continue each "
+                      "conversation's dense KV cache: set rollout.kv_cache=dense.")
+  if has_env and r.async_generation:
+    raise ConfigError("multi-turn rollouts (data.env / env_module) run synchronously for now: "
+                      "set rollout.async_generation=False.")
   k = r.get("max_staleness", 1)
   if k != 1 and not r.async_generation:
     raise ConfigError(f"rollout.max_staleness={k} bounds async generation, which "

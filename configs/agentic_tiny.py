@@ -1,0 +1,34 @@
+"""Multi-turn GRPO with a tool: the calculator environment on 2-3 digit products, tiny model.
+
+    jaxrl grpo --config configs/agentic_tiny.py:runlocal --workdir /tmp/agentic   # a pulse
+    jaxrl grpo --config configs/agentic_tiny.py --workdir runs/agentic_tiny
+
+Each conversation is the product ("123*45="), up to max_turns model turns, each of which may
+call the calculator in the Hermes format (<tool_call>{"name": "calculator", "arguments":
+{"expression": "123*45"}}</tool_call>); the environment answers every call, and a turn without
+one is the final answer, rewarded 1 when right (docs/guides/agentic.md). The held-out eval is
+single-turn and is off for environments.
+
+arg: "" (calculator), "runlocal" (2 steps), "guess" (the guess_number game, no tools).
+"""
+
+from jaxrl.rl.grpo import default_config
+
+
+def get_config(arg=None):
+  c = default_config()  # every field, with what it means: jaxrl/rl/grpo/config.py
+  c.data.update(task="multiply", env="calculator")
+  c.rewards = "env"
+  c.rollout.update(prompts_per_step=8, group_size=4, max_new_tokens=48, max_turns=3,
+                   max_conversation_tokens=192, slots=32)
+  c.train.update(steps=40, log_every=5, save_every=20)
+  if arg == "runlocal":
+    c.rollout.update(prompts_per_step=2, group_size=4, slots=8, max_new_tokens=16,
+                     max_conversation_tokens=64)
+    c.train.update(steps=2, log_every=1, save_every=2)
+  elif arg == "guess":
+    c.data.update(task="guess", env="guess_number")
+    c.rollout.update(max_new_tokens=4, max_turns=6, max_conversation_tokens=96)
+  elif arg not in (None, ""):
+    raise ValueError(f"unknown arg {arg!r}: use '', runlocal or guess")
+  return c

@@ -1,0 +1,360 @@
+"""The multi-turn rollout driver: G conversations per prompt, turns interleaving generation
+with environment steps, up to rollout.max_turns.
+
+    ro, rewards_n, stats = continued(engine, params, records, env=(name, make_env),
+                                     renderer=ChatRenderer(tok, data_cfg), n=G, seed=s,
+                                     max_turns=4, budget=256, slots=64, steps_per_call=8,
+                                     max_prompt_len=P, pad_id=0, decode=tok.decode)
+
+`continued` is GRPO's driver. It batches continuously over decode slots: a record's G
+conversations take G free slots from one prefill of its prompt, and when a slot's turn ends
+its environment reads the model's turn (its tool calls parsed in the checkpoint's format) and
+answers while the other slots keep decoding; the answer, rendered through the chat template
+(jaxrl.envs.chat), is appended to the slot's own KV cache (Engine.extend) and the slot decodes
+its next turn from there, never re-prefilling the conversation. A conversation that is over
+frees its slot for the next group. Environments step in a pool of rollout.env_workers
+threads, so a slow one (a sandbox, a web call) holds up only its own conversation; each
+conversation has its own environment instance, but instances may step concurrently.
+
+`conversations` is the reference driver: each turn is one call of a single-turn generator
+(jaxrl.sampler.generate, or a scripted one in tests) prompted with the whole conversation so
+far, so it re-prefills every turn. Under greedy decoding both give the same conversations
+(tests/test_agentic.py).
+
+A conversation ends when its environment says done (or has no observation), after max_turns
+model turns, or when it reaches its `budget` of tokens after the prompt (model and
+observation tokens together, the learner batch's completion width; finish "length"). A turn
+cut at rollout.max_new_tokens is still a turn: the environment reads it, and its
+end-of-turn token is written after it as a template token (not trained).
+
+The result is a Rollout whose completion is everything after the prompt: completion_mask is
+1 on the model's own tokens (trained, in the KL) and 0 on template and tool tokens, logprobs
+are the sampler's on model tokens and 0 elsewhere, and `lengths` spans the whole
+conversation. Rewards are each conversation's summed step rewards. Stats: the sampler's
+(prefill_tokens counts appended observation tokens too), env_s, env_turns, env_tool_calls
+(means per conversation) and env_bad_tool_calls (the sum).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+
+import jax
+import numpy as np
+
+from jaxrl.envs import Timed
+from jaxrl.envs.chat import ChatRenderer, assistant_turn
+from jaxrl.errors import ConfigError
+from jaxrl.parallel.distributed import to_host
+from jaxrl.sampler.engine import bucket, window, window_bucket
+from jaxrl.sampler.rollout import Rollout
+
+_STAT_SUMS = ("prefill_s", "decode_s", "prefill_calls", "prefill_prompts", "prefill_tokens",
+              "decode_steps", "slot_steps", "live_slot_steps")
+
+
+@dataclasses.dataclass
+class Conversation:
+  env: Timed
+  messages: list[dict]
+  tokens: list[int] = dataclasses.field(default_factory=list)   # after the prompt
+  model: list[int] = dataclasses.field(default_factory=list)    # 1: a model token
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  reward: float = 0.0
+  turns: int = 0
+  tool_calls: int = 0
+  bad_tool_calls: int = 0
+  correct: bool = False
+  finish: str = "stop"
+  done: bool = False
+
+
+def prompt_ids(renderer: ChatRenderer, env: Timed, record: dict) -> tuple[list[int], list]:
+  """(the first turn's prompt ids, the reset messages) of a record under an environment."""
+  messages = env.reset(record)
+  return renderer.prompt_ids(messages, env.tools), messages
+
+
+def _start(records, env, renderer, n):
+  """(conversations, each record's prompt ids): G conversations per record, each with its own
+  environment, reset."""
+  name, factory = env
+  convs, firsts = [], []
+  for i, record in enumerate(records):
+    group = []
+    for _ in range(n):
+      e = Timed(name, factory)
+      ids, messages = prompt_ids(renderer, e, record)
+      group.append((ids, messages, e))
+    if any(ids != group[0][0] for ids, _, _ in group):
+      raise ConfigError(f"environment {name!r}: reset() gave record {i}'s {n} conversations "
+                        "different prompts; a GRPO group needs one prompt: make reset "
+                        "depend on the record only.")
+    firsts.append(group[0][0])
+    convs += [Conversation(env=e, messages=m) for _, m, e in group]
+  return convs, firsts
+
+
+def _after_turn(c: Conversation, toks, lps, cut: bool, *, renderer, decode, max_turns: int,
+                budget: int) -> list[int] | None:
+  """Takes a finished model turn (its tokens, log-probs, and whether max_new_tokens cut it)
+  into the conversation and steps its environment: the observation's token ids to continue
+  with, or None when the conversation is over."""
+  room = budget - len(c.tokens)
+  full = len(toks) >= room
+  toks, lps = list(toks[:room]), list(lps[:room])
+  c.tokens += toks
+  c.model += [1] * len(toks)
+  c.logprobs += lps
+  c.turns += 1
+  said = assistant_turn(decode(toks), renderer.format)
+  obs, reward, done, info = c.env.step(c.messages, said)
+  c.reward += reward
+  c.tool_calls += int(info.get("tool_calls", 0))
+  c.bad_tool_calls += int(info.get("bad_tool_calls", 0))
+  c.correct = c.correct or bool(info.get("correct", False))
+  before, c.messages = c.messages, c.messages + [said]
+  c.finish = "length" if cut or full else "stop"
+  if full or done or not obs or c.turns == max_turns:
+    c.done = True
+    return None
+  more = renderer.observation_ids(before, said, obs, c.env.tools, closed=not cut)
+  if len(c.tokens) + len(more) >= budget:  # no room left for another model token
+    c.finish, c.done = "length", True
+    return None
+  c.tokens += more
+  c.model += [0] * len(more)
+  c.logprobs += [0.0] * len(more)
+  c.messages = c.messages + list(obs)
+  c.finish = "stop"
+  return more
+
+
+def _result(convs, firsts, n, pad_id, stats, t0):
+  rollout = _assemble(firsts, n, convs, pad_id, stats, time.perf_counter() - t0,
+                      sum(c.env.seconds for c in convs))
+  return rollout, np.array([c.reward for c in convs], np.float32), {
+      "accuracy": float(np.mean([c.correct for c in convs]))}
+
+
+def conversations(gen: Callable[..., Rollout], records: list[dict], *, env, renderer,
+                  n: int, seed: int, max_turns: int, budget: int, pad_id: int,
+                  decode: Callable[[list[int]], str]):
+  """The re-prefill driver: (Rollout of len(records) x n conversations, [N] rewards, stats),
+  each turn generated by `gen(prompts, n=, seed=)` prompted with the whole conversation so far
+  (a single-turn generator: jaxrl.sampler.generate, or a scripted one in tests). `env` is
+  (name, make_env); `decode` the tokenizer's decode of a turn's ids."""
+  t0 = time.perf_counter()
+  convs, firsts = _start(records, env, renderer, n)
+  stats = {k: 0 for k in _STAT_SUMS}
+  stats.update(live_peak=0, kv_positions_peak=0, turn_calls=0)
+  for turn in range(max_turns):
+    live = [i for i, c in enumerate(convs) if not c.done]
+    if not live:
+      break
+    if turn == 0:  # one shared prefill per group
+      ro = gen(firsts, n=n, seed=seed)
+    else:
+      ro = gen([firsts[i // n] + convs[i].tokens for i in live], n=1,
+               seed=(seed + 7919 * turn) % 2**31)
+    stats["turn_calls"] += 1
+    for k in _STAT_SUMS:
+      stats[k] += ro.stats.get(k, 0)
+    for k in ("live_peak", "kv_positions_peak"):
+      stats[k] = max(stats[k], ro.stats.get(k, 0))
+    for row, i in enumerate(live):
+      L = int(ro.lengths[row])
+      _after_turn(convs[i], ro.completion_ids[row, :L].tolist(), ro.logprobs[row, :L].tolist(),
+                  ro.finish_reasons[row] == "length", renderer=renderer, decode=decode,
+                  max_turns=max_turns, budget=budget)
+  return _result(convs, firsts, n, pad_id, stats, t0)
+
+
+def continued(engine, params, records: list[dict], *, env, renderer, n: int, seed: int,
+              max_turns: int, budget: int, slots: int, steps_per_call: int,
+              max_prompt_len: int, pad_id: int, decode: Callable[[list[int]], str],
+              grow_cache: bool = True, env_workers: int = 8):
+  """The KV-continuing driver, continuously batched: (Rollout, [N] rewards, stats) as
+  `conversations` gives them. A record's G conversations take G free slots from one prefill
+  of its prompt; a slot whose turn ends is stepped by its environment in one of `env_workers`
+  threads (0: in this loop) while the other slots keep decoding, and goes on from its own KV
+  cache with the observation's tokens appended (Engine.extend) once its step is back, its
+  next turn keyed as sample turn * N + conversation. A conversation that is over frees its
+  slot for the next group. The threads' timing changes which slots are continued together,
+  not the keys: a token's key is its sample's and its index's, whatever the batch. Dense KV
+  cache only."""
+  t0 = time.perf_counter()
+  convs, firsts = _start(records, env, renderer, n)
+  N = len(convs)
+  if slots < n:
+    raise ConfigError(f"rollout.slots={slots} is fewer than rollout.group_size={n}: a "
+                      "group's conversations share one prefill and need a slot each.")
+  sp = engine.sampling
+  stops = set(sp.stop_tokens)
+  max_prompt_len = bucket(max_prompt_len or max(map(len, firsts)))
+  max_len = max_prompt_len + budget + 1
+
+  def fit(need):
+    return min(max_len, window_bucket(need)) if grow_cache else max_len
+
+  key = jax.random.key(seed)
+  state = engine.init_decode_state(slots, max_len, length=fit(max_prompt_len + steps_per_call))
+  queue = list(range(len(records)))
+  slot_conv = [-1] * slots
+  turn_toks: dict[int, list] = {}  # conversation -> this turn's (tokens, log-probs)
+  stats = {k: 0 for k in _STAT_SUMS}
+  stats.update(live_peak=0, kv_positions_peak=0, turn_calls=0, extend_calls=0)
+
+  def take(b, tok, lp, done):
+    """Slot b sampled `tok`; returns the conversation when its turn just ended."""
+    i = slot_conv[b]
+    turn_toks.setdefault(i, ([], []))
+    turn_toks[i][0].append(int(tok))
+    turn_toks[i][1].append(float(lp))
+    return i if done else None
+
+  pool = ThreadPoolExecutor(env_workers) if env_workers > 0 else None
+  pending: dict[int, Future] = {}  # slot -> its environment step: the observation ids or None
+
+  def submit(ended):
+    """Hands the turns that just ended to their environments (a thread each, or here)."""
+    for b in ended:
+      i = slot_conv[b]
+      toks, lps = turn_toks.pop(i)
+      cut = not toks or toks[-1] not in stops
+
+      def step(c=convs[i], toks=toks, lps=lps, cut=cut):
+        return _after_turn(c, toks, lps, cut, renderer=renderer, decode=decode,
+                           max_turns=max_turns, budget=budget)
+
+      if pool is not None:
+        pending[b] = pool.submit(step)
+      else:
+        pending[b] = Future()
+        pending[b].set_result(step())
+
+  def collect(block: bool):
+    """Continues the slots whose environment step is back (waiting for one when `block`),
+    frees those whose conversation is over, and hands on the turns that end at once."""
+    nonlocal state
+    if block and pending and not any(f.done() for f in pending.values()):
+      wait(list(pending.values()), return_when=FIRST_COMPLETED)
+    cont = []
+    for b in sorted(b for b, f in pending.items() if f.done()):
+      more = pending.pop(b).result()  # an environment's EnvError is raised here
+      if more is None:
+        slot_conv[b] = -1
+      else:
+        cont.append((b, slot_conv[b], more))
+    if cont:
+      t1 = time.perf_counter()
+      T = bucket(max(len(m) for _, _, m in cont), minimum=8)
+      E = min(bucket(len(cont), minimum=1), slots)
+      tokens = np.full((E, T), pad_id, np.int32)
+      lengths = np.zeros((E,), np.int32)
+      where = np.full((E,), slots, np.int32)  # padding entries: dropped
+      turn_of = np.zeros((E,), np.int32)
+      for e, (b, i, m) in enumerate(cont):
+        tokens[e, :len(m)], lengths[e], where[e] = m, len(m), b
+        turn_of[e] = convs[i].turns * N + i
+      pos = np.asarray(jax.device_get(state["pos"]))
+      state = engine.grow(state, fit(int(pos[[b for b, _, _ in cont]].max()) + 1 + T
+                                     + steps_per_call))
+      state, out = engine.extend(params, state, key, slots=where, tokens_et=tokens,
+                                 length_e=lengths, samples=turn_of)
+      out = to_host({k: v for k, v in out.items() if k != "logits"})
+      stats["extend_calls"] += 1
+      stats["prefill_tokens"] += int(lengths.sum())
+      stats["prefill_s"] += time.perf_counter() - t1
+      ended = [b for e, (b, _, _) in enumerate(cont)
+               if take(b, out["tokens"][e], out["logprobs"][e], out["done"][e]) is not None]
+      submit(ended)
+
+  try:
+    while queue or any(x >= 0 for x in slot_conv):
+      collect(block=False)
+      free = [b for b in range(slots) if slot_conv[b] < 0]
+      groups = queue[:len(free) // n]
+      if groups:
+        t1 = time.perf_counter()
+        del queue[:len(groups)]
+        T = bucket(max(len(firsts[g]) for g in groups))
+        P = bucket(len(groups), minimum=1)
+        tokens = np.full((P, T), pad_id, np.int32)
+        lengths = np.ones((P,), np.int32)
+        for r, g in enumerate(groups):
+          tokens[r, :len(firsts[g])], lengths[r] = firsts[g], len(firsts[g])
+        prefix = engine.prefill(params, tokens, lengths, key)
+        stats["prefill_calls"] += 1
+        stats["prefill_prompts"] += len(groups)
+        stats["prefill_tokens"] += int(sum(len(firsts[g]) for g in groups))
+        state = engine.grow(state, fit(max(window(prefix), T + steps_per_call)))
+        rows = [r for r in range(len(groups)) for _ in range(n)]
+        convs_in = [g * n + j for g in groups for j in range(n)]
+        bs = free[:len(convs_in)]
+        state, first = engine.insert_many(prefix, state, rows=rows, slots=bs,
+                                          samples=convs_in)
+        first = to_host(first)
+        stats["prefill_s"] += time.perf_counter() - t1
+        ended = []
+        for b, i, tok, lp, done in zip(bs, convs_in, first["tokens"], first["logprobs"],
+                                       first["done"]):
+          slot_conv[b] = i
+          if take(b, tok, lp, done) is not None:
+            ended.append(b)
+        submit(ended)
+      live = np.asarray(jax.device_get(state["live"]))
+      if not live.any():  # every occupied slot waits on its environment
+        collect(block=True)
+        continue
+      t1 = time.perf_counter()
+      pos = np.asarray(jax.device_get(state["pos"]))
+      state = engine.grow(state, fit(int(pos[live].max()) + steps_per_call))
+      stats["live_peak"] = max(stats["live_peak"], int(live.sum()))
+      stats["kv_positions_peak"] = max(stats["kv_positions_peak"], slots * window(state))
+      state, out = engine.generate_steps(params, state, key, steps=steps_per_call)
+      out = to_host(out)
+      stats["decode_s"] += time.perf_counter() - t1
+      stats["decode_steps"] += steps_per_call
+      stats["slot_steps"] += steps_per_call * slots
+      stats["live_slot_steps"] += int(out["valid"].sum())
+      submit([b for t in range(steps_per_call) for b in np.flatnonzero(out["valid"][t])
+              if take(b, out["tokens"][t, b], out["logprobs"][t, b], out["done"][t, b])
+              is not None])
+  finally:
+    if pool is not None:
+      pool.shutdown(wait=True, cancel_futures=True)
+  stats["turn_calls"] = stats["extend_calls"] + stats["prefill_calls"]
+  return _result(convs, firsts, n, pad_id, stats, t0)
+
+
+def _assemble(firsts, n, convs, pad_id, stats, wall, env_s) -> Rollout:
+  N = len(convs)
+  lp = max(map(len, firsts))
+  lc = max(1, max(len(c.tokens) for c in convs))
+  prompt = np.full((N, lp), pad_id, np.int32)
+  completion = np.full((N, lc), pad_id, np.int32)
+  mask = np.zeros((N, lc), np.int32)
+  logprobs = np.zeros((N, lc), np.float32)
+  for s, c in enumerate(convs):
+    p = firsts[s // n]
+    prompt[s, :len(p)] = p
+    completion[s, :len(c.tokens)] = c.tokens
+    mask[s, :len(c.tokens)] = c.model
+    logprobs[s, :len(c.tokens)] = c.logprobs
+  generated = int(mask.sum())
+  stats = dict(stats, tokens_generated=generated, wall_s=wall,
+               tokens_per_s=generated / max(wall, 1e-9),
+               slot_utilisation=stats["live_slot_steps"] / max(stats["slot_steps"], 1),
+               env_s=env_s, env_turns=float(np.mean([c.turns for c in convs])),
+               env_tool_calls=float(np.mean([c.tool_calls for c in convs])),
+               env_bad_tool_calls=float(sum(c.bad_tool_calls for c in convs)))
+  return Rollout(prompt_ids=prompt,
+                 prompt_lengths=np.array([len(firsts[s // n]) for s in range(N)], np.int32),
+                 completion_ids=completion, completion_mask=mask, logprobs=logprobs,
+                 lengths=np.array([len(c.tokens) for c in convs], np.int32),
+                 finish_reasons=[c.finish for c in convs],
+                 prompt_index=np.arange(N, dtype=np.int32) // n, stats=stats)
