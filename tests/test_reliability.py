@@ -625,8 +625,8 @@ def test_a_config_for_another_command_names_it(repo_root, capsys, tmp_path, monk
               "--workdir", str(tmp_path / "run")])
   assert e.value.code == 2
   assert capsys.readouterr().err.strip() == (
-      "jaxrl sft: error: this config (configs/grpo_tiny.py) has sections alarm, algo, init, "
-      "normalize_rewards, reward_kwargs, reward_model, rewards, rollout that `jaxrl sft` does "
+      "jaxrl sft: error: this config (configs/grpo_tiny.py) has sections alarm, algo, env_module, "
+      "init, normalize_rewards, reward_kwargs, reward_model, rewards, rollout that `jaxrl sft` does "
       "not read: it looks like a `jaxrl grpo` config; run `jaxrl grpo`.")
   assert not (tmp_path / "run").exists()  # refused before the run dir is made
 
