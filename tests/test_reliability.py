@@ -626,8 +626,8 @@ def test_a_config_for_another_command_names_it(repo_root, capsys, tmp_path, monk
   assert e.value.code == 2
   assert capsys.readouterr().err.strip() == (
       "jaxrl sft: error: this config (configs/grpo_tiny.py) has sections alarm, algo, env_module, "
-      "init, normalize_rewards, reward_kwargs, reward_model, rewards, rollout that `jaxrl sft` does "
-      "not read: it looks like a `jaxrl grpo` config; run `jaxrl grpo`.")
+      "init, normalize_rewards, reward_kwargs, reward_model, rewards, rollout that `jaxrl sft` "
+      "does not read: it looks like a `jaxrl grpo` config; run `jaxrl grpo`.")
   assert not (tmp_path / "run").exists()  # refused before the run dir is made
 
 
@@ -651,9 +651,9 @@ def test_a_config_missing_the_commands_sections_names_the_command_it_is_for(
     cli.main(["grpo", "--config", "configs/sft_tiny.py", "--workdir", str(tmp_path / "run")])
   assert e.value.code == 2
   assert capsys.readouterr().err.strip() == (
-      "jaxrl grpo: error: this config (configs/sft_tiny.py) lacks sections alarm, algo, init, "
-      "normalize_rewards, placement, reward_kwargs, reward_model, rewards, rollout, which "
-      "`jaxrl grpo` reads: it looks like a `jaxrl sft` config; run `jaxrl sft`.")
+      "jaxrl grpo: error: this config (configs/sft_tiny.py) lacks sections alarm, algo, "
+      "env_module, init, normalize_rewards, placement, reward_kwargs, reward_model, rewards, "
+      "rollout, which `jaxrl grpo` reads: it looks like a `jaxrl sft` config; run `jaxrl sft`.")
   assert not (tmp_path / "run").exists()
 
 
@@ -670,8 +670,8 @@ def test_launch_and_sweep_check_the_sections_before_any_run(repo_root, capsys, t
   assert e.value.code == 2
   assert capsys.readouterr().err.strip() == (
       f"jaxrl {command}: error: sweep run 0 ({{}}): this config (configs/grpo_tiny.py) has "
-      "sections alarm, algo, init, normalize_rewards, reward_kwargs, reward_model, rewards, "
-      "rollout that `jaxrl sft` does not read: it looks like a `jaxrl grpo` config; run "
+      "sections alarm, algo, env_module, init, normalize_rewards, reward_kwargs, reward_model, "
+      "rewards, rollout that `jaxrl sft` does not read: it looks like a `jaxrl grpo` config; run "
       "`jaxrl grpo`.")
   assert not root.exists()  # nothing launched, nothing written
 
@@ -685,7 +685,7 @@ def test_a_notebook_run_checks_the_sections_too(repo_root, tmp_path):
   with pytest.raises(ConfigError) as e:
     grpo.run(config, str(tmp_path / "grpo"))
   assert str(e.value) == (
-      "this config lacks sections alarm, algo, init, normalize_rewards, placement, "
+      "this config lacks sections alarm, algo, env_module, init, normalize_rewards, placement, "
       "reward_kwargs, reward_model, rewards, rollout, which `jaxrl grpo` reads: start from the "
       "config of `jaxrl grpo` (configs/grpo_tiny.py).")
   config = config_lib.load_config(os.path.join(repo_root, "configs", "grpo_tiny.py"))
