@@ -80,8 +80,9 @@ def test_sft_then_grpo_on_the_users_own_files_raises_held_out_accuracy(tmp_path,
   run) raises the held-out greedy accuracy it logs as eval/accuracy on data.eval_file.
 
   The files are written here from the addition task's records (a stand-in for a user's data).
-  Measured with these exact settings (2026-12-03, 2-core AMD EPYC CPU shared, 8 fake devices;
-  SFT 900 steps, GRPO 40 steps at lr 5e-5, eval every 10 on 256 held-out prompts),
+  Measured with these exact settings (2026-12-03, 2-core AMD EPYC CPU without AVX-512, so Eigen
+  learner dots, shared; 8 fake devices; SFT 900 steps, GRPO 40 steps at lr 5e-5, eval every 10
+  on 256 held-out prompts),
   eval/accuracy at steps 0, 10, 20, 30, 40 and the largest logged KL:
   seed 0: 0.551 0.594 0.609 0.633 0.629 (+0.078, KL 0.091);
   seed 1: 0.441 0.441 0.504 0.559 0.523 (+0.082, KL 0.086);
@@ -90,7 +91,7 @@ def test_sft_then_grpo_on_the_users_own_files_raises_held_out_accuracy(tmp_path,
   seed 4: 0.605 0.734 0.762 0.766 0.785 (+0.180, KL 0.075).
   Median +0.082 (+0.074 to +0.180): GRPO gains in 5 of 5 seeds. At 20 GRPO steps seed 3 lost
   0.031 (0.488 -> 0.457); the recipe before this one (600 SFT steps on 20% random slips, 20 GRPO
-  steps, 128 prompts) gained +0.000 to +0.055, and -0.016 at seed 0 when re-run on this code.
+  steps, 128 prompts) gained +0.000 to +0.055, and -0.016 at seed 0 when re-run on this machine.
   217 s against the old recipe's 176 s, one after the other on the loaded machine.
   """
   from jaxrl.data.records import write_jsonl
