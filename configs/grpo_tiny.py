@@ -5,6 +5,14 @@
         --workdir runs/grpo_tiny
     jaxrl grpo --config configs/grpo_tiny.py:runlocal --workdir /tmp/grpo   # seconds: a pulse
 
+Measured (2026-12-03, AMD EPYC 2-core CPU, GRPO seeds 0-4 from the sft_tiny policy of seed 0,
+held-out greedy accuracy 0.87-0.97): 80 steps at lr 5e-5 keep held-out accuracy within 0.043 of
+where it started and KL under the 0.1 alarm in 5 of 5 seeds on 1 and on 8 fake devices, but do
+not raise it: the gain is +0.020 median (-0.027 to +0.035) on 1 device and -0.023 (-0.027 to
+-0.016) on 8. From a policy with something left to learn GRPO gains: the demo's SFT (a labeller
+that drops the carry) -> this config at lr 2e-5 gains +0.094 to +0.265 over the same seeds.
+Tables and commands: docs/guides/recipes.md.
+
 Your own data (no code changes): a JSONL of {"prompt", "answer"} plus a named reward, e.g.
     --config.data.task= --config.data.train_file=my.jsonl --config.data.eval_file=my_test.jsonl \
     --config.rewards=exact_match --config.init.checkpoint=runs/my_sft

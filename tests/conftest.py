@@ -108,8 +108,10 @@ def _shared_sft(tmp_path_factory, name: str, overrides: dict) -> str:
 def sft_addition(tmp_path_factory):
   """A tiny SFT policy on addition from demonstrations with 20% random slips (1000 steps at
   sft_tiny's lr 1e-3, seed 0): held-out greedy accuracy 0.852 (median 0.852, 0.617-0.859 over
-  SFT seeds 0-4; 1 device, AMD EPYC, YNNPACK dots, 2026-12-03), the right answer each prompt's
-  mode. Reward models and DPO start from it (an honest RM reaches 0.81-0.83 from it)."""
+  SFT seeds 0-4; 1 device, AMD EPYC, YNNPACK dots, 2026-12-03; seed 0 reads 0.895 on an AMD
+  EPYC without AVX-512, Eigen dots), the right answer each prompt's mode. Reward models and
+  DPO start from it (an honest RM reaches 0.85-0.90 from it in 600 steps on the Eigen machine,
+  0.75-0.83 in 1600 on the YNNPACK one)."""
   return _shared_sft(tmp_path_factory, "sft_addition", {"data.error_rate": 0.2})
 
 
@@ -132,10 +134,11 @@ def reward_models(sft_addition, tmp_path_factory):
   (configs/rm_tiny.py: chosen = the correct sum) and "biased" (:biased, a labeller preferring
   longer answers). Tests must only read them."""
   return {
-      # seed 0: 0.525 -> 0.793 / 0.803 / 0.805 / 0.814 at steps 400 / 800 / 1200 / 1600
+      # 600 steps, not 1600: it plateaus by 400-600 (1600 steps had seed 0 at 0.525 -> 0.793 /
+      # 0.803 / 0.805 / 0.814 at steps 400 / 800 / 1200 / 1600), and 600 take 50-70 s, not ~100
       "honest": _shared_run(tmp_path_factory, "rm_honest", "rm", "rm_tiny.py", {
-          "init.checkpoint": sft_addition, "train.log_every": 100, "train.steps": 1600,
-          "train.save_every": 1600}),
+          "init.checkpoint": sft_addition, "train.log_every": 100, "train.steps": 600,
+          "train.save_every": 600}),
       # its labeller's taste is learnt by step 100 (measured: 1.0)
       "biased": _shared_run(tmp_path_factory, "rm_biased", "rm", "rm_tiny.py:biased", {
           "init.checkpoint": sft_addition, "train.log_every": 100, "train.steps": 100,

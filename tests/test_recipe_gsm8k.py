@@ -62,54 +62,60 @@ def test_gsm8k_recipe_runs_end_to_end_on_the_fixture(tmp_path, repo_root, device
   assert summary["reward_hacking_alarm"].startswith("eval/accuracy (gsm8k on 8 prompts")
 
 
-# At least one more of the 128 held-out prompts right after GRPO than before it: below seed 2's
-# +0.008 (one prompt), above seed 3's +0.000, the one seed of 0-4 in which this recipe did not
-# learn (see the docstring; retuning it is open work in docs/guides/recipes.md). The test runs
-# seed 0 (+0.047).
-MARGIN = 0.005
-SEED = int(os.environ.get("JAXRL_LEARN_SEED", "0"))  # to re-measure the spread: 0, 1, 2
+# 13 of the 256 held-out prompts more after GRPO than before it: below seed 3's +0.074, the worst
+# of seeds 0-4 (see the docstring). A run that does not learn scores exactly its step-0 greedy
+# accuracy and fails. The test runs seed 0 (+0.078).
+MARGIN = 0.05
+SEED = int(os.environ.get("JAXRL_LEARN_SEED", "0"))  # to re-measure the spread: 0-4
 
 
 @pytest.mark.slow
 def test_sft_then_grpo_on_the_users_own_files_raises_held_out_accuracy(tmp_path, repo_root,
                                                                         devices, monkeypatch):
   """A custom task given only as the user's JSONL files (data.task= everywhere: no built-in task
-  is read by the runs): SFT (configs/sft_tiny.py) on demonstrations with 20% random slips,
-  then GRPO (configs/grpo_tiny.py, rewards=exact_match, init.checkpoint = the SFT run) raises
-  the held-out greedy accuracy it logs as eval/accuracy on data.eval_file.
+  is read by the runs): SFT (configs/sft_tiny.py) on demonstrations from a labeller that drops
+  the carry (the demo's systematic slip: 60% of the sums with a units carry are written without
+  it, so the imitating policy's greedy answer repeats the slip while the right answer keeps real
+  probability), then GRPO (configs/grpo_tiny.py, rewards=exact_match, init.checkpoint = the SFT
+  run) raises the held-out greedy accuracy it logs as eval/accuracy on data.eval_file.
 
   The files are written here from the addition task's records (a stand-in for a user's data).
-  Measured with these exact settings (2026-12-02, 2-core AMD EPYC CPU, 1 device; SFT 600 steps,
-  GRPO 20 steps, eval every 10 on 128 held-out prompts), eval/accuracy at steps 0, 10, 20:
-  seed 0: 0.398 -> 0.453 -> 0.445 (+0.047); seed 1: 0.352 -> 0.414 -> 0.406 (+0.055);
-  seed 2: 0.484 -> 0.461 -> 0.492 (+0.008); and 2026-12-03, the same machine shared, seed 3:
-  0.453 -> 0.438 -> 0.453 (+0.000), seed 4: 0.406 -> 0.391 -> 0.438 (+0.031). Median +0.031
-  (+0.000 to +0.055): the bar holds in 4 of 5 seeds. The gain is small and seeds 2-3's are
-  within noise;
-  at 40 steps (lr 5e-5) seeds 0-1 peaked at step 20 and fell back (+0.016, +0.023 at the end,
-  the reward-hacking alarm firing), hence 20 steps. ~80 s alone, ~210 s with three at once.
+  Measured with these exact settings (2026-12-03, 2-core AMD EPYC CPU without AVX-512, so Eigen
+  learner dots, shared; 8 fake devices; SFT 900 steps, GRPO 40 steps at lr 5e-5, eval every 10
+  on 256 held-out prompts),
+  eval/accuracy at steps 0, 10, 20, 30, 40 and the largest logged KL:
+  seed 0: 0.551 0.594 0.609 0.633 0.629 (+0.078, KL 0.091);
+  seed 1: 0.441 0.441 0.504 0.559 0.523 (+0.082, KL 0.086);
+  seed 2: 0.563 0.555 0.633 0.621 0.688 (+0.125, KL 0.088);
+  seed 3: 0.488 0.457 0.457 0.516 0.563 (+0.074, KL 0.056);
+  seed 4: 0.605 0.734 0.762 0.766 0.785 (+0.180, KL 0.075).
+  Median +0.082 (+0.074 to +0.180): GRPO gains in 5 of 5 seeds. At 20 GRPO steps seed 3 lost
+  0.031 (0.488 -> 0.457); the recipe before this one (600 SFT steps on 20% random slips, 20 GRPO
+  steps, 128 prompts) gained +0.000 to +0.055, and -0.016 at seed 0 when re-run on this machine.
+  217 s against the old recipe's 176 s, one after the other on the loaded machine.
   """
   from jaxrl.data.records import write_jsonl
   from jaxrl.tasks import get_task
   monkeypatch.chdir(repo_root)
   task = get_task("addition")
   train_sft = str(tmp_path / "sft_train.jsonl")
-  write_jsonl(train_sft, task.sft_records("train", 20_000, 0, error_rate=0.2))
+  write_jsonl(train_sft, task.sft_records("train", 20_000, 0, error_rate=0.6,
+                                          error_mode="systematic"))
   train_rl, test = str(tmp_path / "rl_train.jsonl"), str(tmp_path / "test.jsonl")
   write_jsonl(train_rl, task.records("train", 5_000, 2))
-  write_jsonl(test, task.records("test", 128, 1))
+  write_jsonl(test, task.records("test", 256, 1))
   sft, grpo = str(tmp_path / "sft"), str(tmp_path / "grpo")
   cli.main(["sft", "--config", "configs/sft_tiny.py", "--workdir", sft, f"--config.seed={SEED}",
             "--config.data.task=", f"--config.data.train_file={train_sft}",
-            "--config.train.steps=600", "--config.train.save_every=600",
+            "--config.train.steps=900", "--config.train.save_every=900",
             "--config.optim.warmup_steps=30", "--config.eval.every=0"])
   cli.main(["grpo", "--config", "configs/grpo_tiny.py", "--workdir", grpo,
             f"--config.seed={SEED}", f"--config.init.checkpoint={sft}", "--config.data.task=",
             f"--config.data.train_file={train_rl}", f"--config.data.eval_file={test}",
-            "--config.rewards=exact_match", "--config.train.steps=20",
-            "--config.train.save_every=20", "--config.eval.every=10",
-            "--config.eval.examples=128"])
+            "--config.rewards=exact_match", "--config.train.steps=40",
+            "--config.train.save_every=40", "--config.eval.every=10",
+            "--config.eval.examples=256"])
   evals = [r["eval/accuracy"] for r in _metrics(grpo) if "eval/accuracy" in r]
   print("held-out eval/accuracy:", evals)
-  assert len(evals) == 3
+  assert len(evals) == 5
   assert evals[-1] - evals[0] >= MARGIN, evals

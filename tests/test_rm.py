@@ -466,11 +466,13 @@ def test_reward_models_learn_their_labellers(reward_models):
   """From the SFT policy: the honest RM ranks the correct sum above a near miss on held-out
   pairs well above chance; the biased RM learns its labeller's taste at once. Over RM seeds
   0-4 from the fixture's sft_addition policy (lr 1e-3, SFT seed 0), as the fixture trains them
-  (`jaxrl rm`, 1 device, AMD EPYC, YNNPACK dots, 2026-12-03; docs/guides/recipes.md): the
-  honest RM after 1600 steps, median 0.812 (0.750-0.834) on 512 pairs, up from 0.46-0.53 at step
-  0 by +0.27 to +0.37, margin 5.4-6.7 (it plateaus near 0.8 by step 400-600); bars 0.70 and a
-  gain of 0.20. (From the older lr-3e-3 SFT policy it reached only 0.62: a 2-layer model must
-  redo the sum at the last token to tell 46 from 47, and that policy's features did it worse.)
+  (`jaxrl rm`, 1 device, AMD EPYC; docs/guides/recipes.md): the honest RM after 600 steps,
+  median 0.881 (0.852-0.900) on 512 pairs, up from 0.51-0.53 at step 0 by +0.33 to +0.38, margin
+  4.2-4.6 (2026-12-03, Eigen learner dots, sft_addition at 0.895); after 1600 steps, from the
+  0.852 sft_addition of YNNPACK dots the same day, 0.812 (0.750-0.834), +0.27 to +0.37, margin
+  5.4-6.7, near its plateau by step 400-600, hence 600. Bars 0.70 and a gain of 0.20. (From
+  the older lr-3e-3 SFT policy it reached only 0.62: a 2-layer model must redo the sum at the
+  last token to tell 46 from 47, and that policy's features did it worse.)
   The biased RM after 100 steps: 1.0 in 5 of 5 seeds; bar 0.95."""
   from jaxrl.train.rundir import read_metrics
   honest = json.load(open(os.path.join(reward_models["honest"], "summary.json")))
