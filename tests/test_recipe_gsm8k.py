@@ -95,7 +95,8 @@ def test_sft_then_grpo_on_the_users_own_files_raises_held_out_accuracy(tmp_path,
   (+0.160), seed 3 0.508 -> 0.613 (+0.105), seed 4 0.570 -> 0.746 (+0.176): median +0.160.
   At 20 GRPO steps seed 3 lost 0.031 (0.488 -> 0.457); the recipe before this one (600 SFT
   steps on 20% random slips, 20 GRPO steps, 128 prompts) gained +0.000 to +0.055, and -0.016
-  at seed 0 when re-run on this machine. 217 s against the old recipe's 176 s, one after the other on the loaded machine.
+  at seed 0 when re-run on this machine. 217 s against the old recipe's 176 s, one after the
+  other on the loaded machine.
   """
   from jaxrl.data.records import write_jsonl
   from jaxrl.tasks import get_task
