@@ -76,19 +76,27 @@ def base_config() -> ml_collections.ConfigDict:
 # ----------------------------------------------------------------------------- loading
 
 
-def _load_module(path: str):
+def load_python_file(path: str, *, prefix: str, what: str, missing: str):
+  """The Python file at `path` run as a module named prefix + its stem: a config file, a user's
+  environment file. A missing file raises ConfigError "{what} {path!r} does not exist: {missing}";
+  one that fails to run, "{what} {path} failed to load: <the error>"."""
   if not os.path.isfile(path):
-    raise ConfigError(f"config file {path!r} does not exist: pass --config=configs/<name>.py "
-                      "(optionally with :arg).")
-  name = "jaxrl_config_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_")
+    raise ConfigError(f"{what} {path!r} does not exist: {missing}")
+  name = prefix + os.path.splitext(os.path.basename(path))[0].replace("-", "_")
   spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)
   try:
     spec.loader.exec_module(module)
   except ConfigError:
     raise
-  except Exception as e:  # a broken config file is still a config error, named by file
-    raise ConfigError(f"config file {path} failed to load: {type(e).__name__}: {e}.") from e
+  except Exception as e:  # a broken file is still a config error, named by file
+    raise ConfigError(f"{what} {path} failed to load: {type(e).__name__}: {e}.") from e
+  return module
+
+
+def _load_module(path: str):
+  module = load_python_file(path, prefix="jaxrl_config_", what="config file",
+                            missing="pass --config=configs/<name>.py (optionally with :arg).")
   if not hasattr(module, "get_config"):
     raise ConfigError(f"config file {path} defines no get_config(arg=None): add one that "
                       "returns an ml_collections.ConfigDict.")

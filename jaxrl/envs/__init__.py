@@ -25,12 +25,12 @@ An environment that raises is named, with the method and the exception, in one s
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from jaxrl import config as config_lib
 from jaxrl.errors import ConfigError, check_choice
 
 
@@ -72,16 +72,9 @@ def env_factory(config) -> tuple[str, Callable[[], Env]] | None:
 
 def load_env_module(path: str) -> Callable[[], Env]:
   """The make_env of a user's environment file, loaded under its own module name."""
-  if not os.path.isfile(path):
-    raise ConfigError(f"env_module={path!r} does not exist: pass the path of a Python file "
-                      "that defines make_env().")
-  name = "jaxrl_env_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_")
-  spec = importlib.util.spec_from_file_location(name, path)
-  module = importlib.util.module_from_spec(spec)
-  try:
-    spec.loader.exec_module(module)
-  except Exception as e:
-    raise ConfigError(f"env_module {path} failed to load: {type(e).__name__}: {e}.") from e
+  module = config_lib.load_python_file(
+      path, prefix="jaxrl_env_", what="env_module",
+      missing="pass the path of a Python file that defines make_env().")
   make = getattr(module, "make_env", None)
   if not callable(make):
     raise ConfigError(f"env_module {path} defines no make_env(): add one that returns a fresh "
