@@ -16,6 +16,23 @@ K2 = ["optim.lr=1e-30", "eval.every=0", "train.steps=3", "placement.mode=disaggr
       "rollout.async_generation=True", "rollout.max_staleness=2"]
 
 
+def _two_processes(repo_root, init, workdir, port, extra):
+  """`jaxrl grpo` with K2 + extra on 2 processes x 4 CPU devices: (outputs, processes)."""
+  args = ["grpo", "--config", "configs/grpo_tiny.py:runlocal",
+          f"--config.init.checkpoint={init}", "--workdir", workdir,
+          *[f"--config.{o}" for o in K2 + extra],
+          f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+          "--config.distributed.num_processes=2"]
+  procs = [subprocess.Popen([JAXRL, *args, f"--config.distributed.process_id={i}"],
+                            env=subprocess_env(4), cwd=repo_root, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  try:
+    return [p.communicate(timeout=600)[0] for p in procs], procs
+  finally:
+    for p in procs:
+      p.kill()
+
+
 @pytest.mark.slow
 def test_async_k2_on_two_processes_is_the_one_process_run(repo_root, tmp_path, sft_addition,
                                                           free_port, devices):
@@ -30,19 +47,7 @@ def test_async_k2_on_two_processes_is_the_one_process_run(repo_root, tmp_path, s
   grpo.run(config_lib.load_config(spec, K2 + [f"init.checkpoint={sft_addition}"]), one,
            out=lambda *a: None)
   two = str(tmp_path / "two")
-  args = ["grpo", "--config", "configs/grpo_tiny.py:runlocal",
-          f"--config.init.checkpoint={sft_addition}", "--workdir", two,
-          *[f"--config.{o}" for o in K2],
-          f"--config.distributed.coordinator_address=127.0.0.1:{free_port}",
-          "--config.distributed.num_processes=2"]
-  procs = [subprocess.Popen([JAXRL, *args, f"--config.distributed.process_id={i}"],
-                            env=subprocess_env(4), cwd=repo_root, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True) for i in range(2)]
-  try:
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-  finally:
-    for p in procs:
-      p.kill()
+  outs, procs = _two_processes(repo_root, sft_addition, two, free_port, [])
   for p, out in zip(procs, outs):
     assert p.returncode == 0, out[-3000:]
   m1 = [r for r in read_metrics(one) if "reward/mean" in r]
@@ -57,13 +62,27 @@ def test_async_k2_on_two_processes_is_the_one_process_run(repo_root, tmp_path, s
     assert b["loss"] == pytest.approx(a["loss"], rel=1e-3, abs=1e-9), a["step"]
 
 
-def test_partial_rollouts_on_two_processes_is_one_sentence(repo_root, tmp_path, monkeypatch):
-  """Partial rollouts switch weights by each process's thread timing: refused across
-  processes, with the setting to change."""
-  from jaxrl.errors import ConfigError
-  monkeypatch.setattr("jax.process_count", lambda: 2)
+@pytest.mark.slow
+def test_partial_rollouts_on_two_processes_switch_together(repo_root, tmp_path, sft_addition,
+                                                           free_port, devices):
+  """Partial rollouts across 2 processes x 4 devices: before every prefill and decode call the
+  producers agree on process 0's newest version (one collective over the sampler's devices),
+  so no decode program gets shards of two versions and neither process hangs. With frozen
+  weights any switch points give the same samples, so the rewards and lengths are the
+  one-process synchronous-order run's group for group, and groups stay within k."""
   spec = os.path.join(repo_root, "configs/grpo_tiny.py:runlocal")
-  config = config_lib.load_config(spec, K2 + ["rollout.partial_rollouts=True"])
-  with pytest.raises(ConfigError, match=r"rollout.partial_rollouts=True runs in one process "
-                     r"for now \(this run has 2\).*set rollout.partial_rollouts=False"):
-    grpo.run(config, str(tmp_path / "x"), out=lambda *a: None)
+  one = str(tmp_path / "one")
+  grpo.run(config_lib.load_config(spec, K2 + [f"init.checkpoint={sft_addition}"]), one,
+           out=lambda *a: None)
+  two = str(tmp_path / "two")
+  outs, procs = _two_processes(repo_root, sft_addition, two, free_port,
+                               ["rollout.partial_rollouts=True"])
+  for p, out in zip(procs, outs):
+    assert p.returncode == 0, out[-3000:]
+  m1 = [r for r in read_metrics(one) if "reward/mean" in r]
+  m2 = [r for r in read_metrics(two) if "reward/mean" in r]
+  assert [r["step"] for r in m2] == [1, 2, 3]
+  for a, b in zip(m1, m2):
+    for key in ("reward/mean", "reward/std", "response_length/mean"):
+      assert b[key] == a[key], (a["step"], key)
+    assert b["staleness/max"] <= 2 and 0.0 <= b["rollout/partial_frac"] <= 1.0

@@ -3,6 +3,7 @@ continues under them from the next decode call, each token tagged with the versi
 sampled it; the rollout queue then dates a group by its oldest token."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -95,3 +96,90 @@ def test_partial_rollouts_are_dated_by_their_oldest_token():
   for step, t in enumerate(taken):
     assert all(step - g.version <= k for g in t.groups)
     assert "rollout/partial_frac" in t.metrics
+
+
+def test_two_processes_switch_weights_at_the_same_decode_call():
+  """Partial rollouts across processes, simulated by two queues in two threads: "process 1"
+  publishes each version later than "process 0" does, so the newest copy it holds often
+  differs from process 0's. With `agree` (process 0's newest, as the trainer's one-integer
+  collective over the sampler's devices returns it) both producers use the same version at
+  every prefill and decode call, process 1 waiting for a version it has not published yet, and
+  neither deadlocks although process 1's learner takes before it publishes."""
+  B, G, k, steps, calls_per_unit = 2, 2, 2, 6, 4
+  decided: list[int] = []  # process 0's choice at each call, in call order
+  cond = threading.Condition()
+
+  def agree(rank):
+    def fn(newest):
+      with cond:
+        if rank == 0:
+          decided.append(newest)
+          cond.notify_all()
+          return newest
+        n = len(seen[1])
+        assert cond.wait_for(lambda: len(decided) > n, timeout=30)
+        return decided[n]
+    return fn
+
+  seen = {0: [], 1: []}  # per process: (its newest before agreeing, the version used)
+
+  def sampler(rank):
+    def sample(params, prompts, unit, weights):
+      used = []
+      for _ in range(calls_per_unit):
+        v, copy = weights()
+        assert copy == f"v{v}"  # the copy of the version agreed, never another's
+        used.append(v)
+        time.sleep(0.01)
+      versions = np.array([used + [used[-1]]] * (B * G), np.int32)
+      rollout = type("R", (), {"versions": versions})()
+      return rollout, np.random.default_rng(unit).random(B * G), {}
+    return sample
+
+  queues = []
+  for rank in (0, 1):
+    q = RolloutQueue(sample=sampler(rank), stream=PromptStream(
+        [{"prompt": str(i)} for i in range(60)], B, seed=0), batch=B, group=G,
+        max_staleness=k, partial=True, end_step=steps, agree=agree(rank))
+    newest = q._newest
+
+    def tracked(q=q, rank=rank, newest=newest):  # record the local newest before agreeing
+      with q._cond:
+        local = max(q._weights)
+      v, copy = newest()
+      seen[rank].append((local, v))
+      return v, copy
+    q._newest = tracked
+    queues.append(q)
+
+  taken = {0: [], 1: []}
+
+  def learner(rank):
+    q = queues[rank]
+    q.publish(0, "v0")
+    for step in range(steps):
+      taken[rank].append(q.take(step))
+      if step:
+        time.sleep(0.05 * rank)  # process 1's weights arrive later
+        q.publish(step, f"v{step}")
+
+  threads = [threading.Thread(target=learner, args=(rank,)) for rank in (0, 1)]
+  try:
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a learner is stuck"
+  finally:
+    for q in queues:
+      q.close()
+  used = {rank: [v for _, v in seen[rank]] for rank in (0, 1)}
+  assert used[0] == used[1] == decided[:len(used[0])]
+  assert len(used[0]) >= steps * calls_per_unit
+  assert len(set(used[0])) > 1  # the weights did change under the units
+  # Process 1 did hold a different newest copy at some calls, and still used process 0's.
+  assert any(local != v for local, v in seen[1])
+  for rank in (0, 1):
+    assert [[g.version for g in t.groups] for t in taken[rank]] == [
+        [g.version for g in t.groups] for t in taken[0]]
+    assert all(s - g.version <= k for s, t in enumerate(taken[rank]) for g in t.groups)

@@ -90,3 +90,24 @@ def to_host(tree):
 def global_array(x, sharding):
   """A global array from data every process holds in full (each takes its own shards)."""
   return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def process_zero_value(mesh):
+  """`agree(x) -> int`: process 0's integer x, the same on every process, by one collective
+  over `mesh`'s devices only (each process fills its own shards; process 0's value wins). A
+  thread that runs programs on those devices alone (async GRPO's producer, on the sampler's)
+  can call it without ordering against another thread's programs on other devices, which
+  `multihost_utils.broadcast_one_to_all` (over every device) would need."""
+  devices = mesh.devices.reshape(-1)
+  flat = jax.sharding.Mesh(devices, ("all",))
+  sharded = jax.sharding.NamedSharding(flat, jax.sharding.PartitionSpec("all"))
+  reduce = jax.jit(lambda a: a.max(), out_shardings=jax.sharding.NamedSharding(
+      flat, jax.sharding.PartitionSpec()))
+
+  def agree(x: int) -> int:
+    mine = np.int32(x if jax.process_index() == 0 else np.iinfo(np.int32).min)
+    shards = jax.make_array_from_callback((len(devices),), sharded,
+                                          lambda idx: np.full((1,), mine, np.int32))
+    return int(reduce(shards))
+
+  return agree

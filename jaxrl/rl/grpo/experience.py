@@ -168,6 +168,7 @@ def queued_rollouts(p: Parts, state, step: int):
   """Async steps 1-3: take B groups from the queue and publish this step's weights (a fresh
   sampler copy of version `step`, which the producer frees once no unit needs it); the prompt
   stream then checkpoints the queue's resume point (producer.py's resume rule)."""
+  from jaxrl.parallel.distributed import process_zero_value
   from jaxrl.rl.grpo.producer import RolloutQueue
   r, a = p.config.rollout, p.config.algo
   if p.queue is None:  # the first step of this run, fresh or resumed
@@ -179,7 +180,10 @@ def queued_rollouts(p: Parts, state, step: int):
         max_refill_rounds=a.max_refill_rounds, start_step=step,
         partial=bool(r.get("partial_rollouts", False)),
         end_step=p.config.train.steps, resume=stream.resume_queue,
-        snapshot=stream.snapshot, release=p.weight_sync.release)
+        snapshot=stream.snapshot, release=p.weight_sync.release,
+        # Partial rollouts across processes: every process switches at process 0's choice.
+        agree=(process_zero_value(p.run.placement.sampler.mesh)
+               if r.get("partial_rollouts") and jax.process_count() > 1 else None))
   # 1. This step's weights, published after its groups are taken (they need version
   # step - max_staleness or older), so that with max_staleness=1 the sync never runs beside a
   # rollout, as before the queue; only the queue's first step needs its own version.

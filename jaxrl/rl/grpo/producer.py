@@ -34,7 +34,13 @@ Partial rollouts (partial=True): a unit starts on the newest version published (
 own), and generate() asks for the newest again before every decode call, so a sequence in
 flight continues under newer weights; each token carries its version (Rollout.versions) and a
 group is dated by its oldest token, which keeps it within k. The switch points follow thread
-timing: reproducible only with frozen weights.
+timing: reproducible only with frozen weights. Across processes every process's producer runs
+the same decode program, so all must switch at the same call: `agree(v)` returns process 0's
+newest version (a one-integer collective over the sampler's devices, made by the trainer), and
+a process that has not yet published that version waits for it. Its learner is never waiting
+on this producer then: process 0 published v after taking step v's groups, which come from units
+every process has finished, so each process's learner publishes v too (the weight sync is a
+collective of the learners). Agreed versions only grow, so the copy waited for is never freed.
 
 Resume rule (checkpoint_state / RolloutQueue(resume=...)): a checkpoint after step n records
 the unit that step n's last group came from (its index, the stream position before it, the
@@ -97,6 +103,10 @@ class Taken:
   metrics: dict
 
 
+class _Closed(Exception):
+  """The queue closed while the producer waited for an agreed version."""
+
+
 class RolloutQueue:
   """The producer thread and its bounded queue of finished groups (see the module docstring).
 
@@ -105,17 +115,20 @@ class RolloutQueue:
   PromptStream whose position the producer advances (the learner's own stream stays the
   checkpointed one); `snapshot()` returns the host state scoring changes (the
   reward normaliser) for a resume; `release(params)` frees a sampler copy no unit needs any
-  more. No unit is started for `end_step` (the run's train.steps) or later."""
+  more; `agree(version) -> version` (partial rollouts across processes) is process 0's
+  version, the same on every process. No unit is started for `end_step` (the run's
+  train.steps) or later."""
 
   def __init__(self, *, sample: Callable, stream, batch: int, group: int, max_staleness: int,
                filter_zero_std: bool = False, max_refill_rounds: int = 3, partial: bool = False,
                start_step: int = 0, end_step: int | None = None, resume: dict | None = None,
                snapshot: Callable[[], dict] = dict,
-               release: Callable[[Any], None] = lambda params: None):
+               release: Callable[[Any], None] = lambda params: None,
+               agree: Callable[[int], int] | None = None):
     self.sample, self.stream, self.B, self.G = sample, stream, batch, group
     self.k, self.filter, self.rounds = max_staleness, filter_zero_std, max_refill_rounds
     self.partial = partial
-    self.snapshot, self.release = snapshot, release
+    self.snapshot, self.release, self.agree = snapshot, release, agree
     self.floor = start_step  # the oldest version this run will have: the one it starts with
     self.end_step = end_step  # no unit is started for this step or later (the run's end)
     self.unit = int((resume or {}).get("unit", start_step))
@@ -249,6 +262,8 @@ class RolloutQueue:
                        reward_stats, t_gen, start, end, step, nominal,
                        self.units_for_step[step]), step, nominal)
         self.unit += 1
+    except _Closed:
+      return
     except BaseException as e:  # the learner re-raises it from take()
       with self._cond:
         self._error = e
@@ -275,10 +290,20 @@ class RolloutQueue:
     return self._newest() if self.partial else self._use(version)
 
   def _newest(self):
-    """(version, params) of the newest copy published; frees the older ones. Partial
-    rollouts call it before every decode call (jaxrl.sampler.generate's `weights`)."""
+    """(version, params) of the newest copy published (across processes, process 0's newest,
+    once published here); frees the older ones. Partial rollouts call it before every prefill
+    and decode call (jaxrl.sampler.generate's `weights`)."""
     with self._cond:
-      return self._use(max(self._weights))
+      newest = max(self._weights)
+    if self.agree is None:
+      return self._use(newest)
+    version = self.agree(newest)
+    with self._cond:
+      while not self._closed and version not in self._weights:
+        self._cond.wait()
+      if self._closed:  # the learner stopped: this unit is never taken
+        raise _Closed()
+      return self._use(version)
 
   def _use(self, version: int):
     with self._cond:

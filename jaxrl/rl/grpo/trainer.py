@@ -404,10 +404,3 @@ def _check(config) -> None:
     raise ConfigError("rollout.partial_rollouts=True changes weights under sequences the "
                       "async producer has in flight, and async generation is off: set "
                       "rollout.async_generation=True too, or turn partial_rollouts off.")
-  if r.async_generation and r.get("partial_rollouts") and jax.process_count() > 1:
-    # Each process's producer picks newer weights up by its own thread timing: two processes
-    # could feed one decode program shards of two versions (docs/algorithms/grpo.md).
-    raise ConfigError(f"rollout.partial_rollouts=True runs in one process for now (this run "
-                      f"has {jax.process_count()}): its weight switch points follow each "
-                      "process's thread timing; set rollout.partial_rollouts=False, whose "
-                      "queue works across processes.")
