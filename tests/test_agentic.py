@@ -292,7 +292,10 @@ def test_grpo_config_errors(repo_root, tmp_path, devices):
                           (["data.env=", "rewards=task", "rollout.max_turns=3"],
                            "needs an environment"),
                           (["data.env=", "rewards=env", "rollout.max_turns=1"],
-                           "this run has none")]:
+                           "this run has none"),
+                          (["rollout.kv_cache=paged"], "set rollout.kv_cache=dense"),
+                          (["rollout.async_generation=True", "placement.mode=disaggregated"],
+                           "set rollout.async_generation=False")]:
     with pytest.raises(ConfigError, match=says):
       grpo.setup(config_lib.load_config(spec, overrides), str(tmp_path / "x"),
                  out=lambda *a: None)

@@ -395,6 +395,11 @@ def _check(config) -> None:
   if has_env and r.async_generation:
     raise ConfigError("multi-turn rollouts (data.env / env_module) run synchronously for now: "
                       "set rollout.async_generation=False.")
+  if has_env and r.kv_cache == "paged":
+    # Engine.extend appends a turn's observation to a slot's own dense cache.
+    raise ConfigError("multi-turn rollouts (data.env / env_module) continue each "
+                      "conversation's KV in a dense cache for now: set "
+                      "rollout.kv_cache=dense.")
   k = r.get("max_staleness", 1)
   if k != 1 and not r.async_generation:
     raise ConfigError(f"rollout.max_staleness={k} bounds async generation, which "
