@@ -5,6 +5,7 @@ import json
 import os
 import sys
 
+import jax
 import pytest
 
 from jaxrl import config as config_lib
@@ -39,6 +40,25 @@ def test_tiny_programs_compile_for_v5e_within_15_percent(repo_root, v5e_2x2, nam
     if p.kind != "sync":  # (a reshard without a cast does no arithmetic)
       assert c.flops > 0 and c.seconds(chip) > 0, p.name  # the cost model saw the program
   assert all(x.platform == "tpu" for x in v5e_2x2)
+
+
+def test_grpo_sync_compiles_where_the_two_meshes_order_the_chips_differently(repo_root):
+  """On a 3-D slice (v5p:2x2x1) the learner's fsdp=4 mesh lists the chips 0, 2, 1, 3 and a
+  colocated sampler's 2x2 mesh 0, 1, 2, 3; a program over both orders is refused by jit
+  ("incompatible devices"), which stopped `qwen3.py:0.6b,grpo,v5p` at its weight sync."""
+  devices = aot.topology_devices("v5p:2x2x1")
+  config = config_lib.load_config(os.path.join(repo_root, "configs/grpo_tiny.py"), [
+      "mesh.data=1", "mesh.fsdp=4", "mesh.tensor=1", "placement.mode=colocated",
+      "placement.sampler_mesh.data=2", "placement.sampler_mesh.tensor=2"],
+      choices=grpo.CHOICES)
+  _, programs = grpo.programs(config, devices=devices)
+  sync = next(p for p in programs if p.kind == "sync")
+  learner = [d.id for d in programs[0].args[0].params["embed"].sharding.mesh.devices.flat]
+  sampler = [d.id for d in jax.tree.leaves(sync.fn.eval_shape(*sync.args))[0]
+             .sharding.mesh.devices.flat]
+  assert learner == [0, 2, 1, 3]  # the case this test is about (libtpu's order for the ring)
+  c = aot.compile_program(sync)
+  assert c.output > 0 and sampler == learner
 
 
 def _recorded():

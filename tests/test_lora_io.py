@@ -282,6 +282,34 @@ def _placement(mode):
   return make_placement(dict(data=1, fsdp=-1, tensor=1), section)
 
 
+def test_colocated_merge_takes_a_sampler_mesh_in_another_device_order(devices):
+  """On a 3-D TPU slice a colocated learner and sampler mesh of different shapes list the same
+  chips in different orders (v5p-8: the learner's fsdp=4 ring is 0, 2, 1, 3, the sampler's 2x2
+  0, 1, 2, 3), and jit refuses one program over both ("incompatible devices"). CPU devices keep
+  their order, so the sampler mesh is built here over the devices reversed: the merge sync
+  then moves the adapters into the sampler's order first, and its weights equal those of the
+  same-order placement."""
+  import dataclasses
+  from jaxrl.models import get_preset
+  from jaxrl.parallel import init_params
+  from jaxrl.parallel import sync as sync_lib
+  same = _placement("colocated")
+  sampler = same.sampler.mesh
+  reversed_mesh = jax.sharding.Mesh(sampler.devices.reshape(-1)[::-1].reshape(
+      sampler.devices.shape), sampler.axis_names, axis_types=sampler.axis_types)
+  other = dataclasses.replace(same, sampler=dataclasses.replace(same.sampler, mesh=reversed_mesh))
+  cfg = get_preset("tiny-qwen3").replace(lora_rank=4, lora_alpha=8.0, lora_targets=LORA_WEIGHTS)
+  _, params = init_params(cfg, same.learner.mesh, "learner", seed=3)
+  # Non-zero adapters (lora_b starts at zero), so the merge changes the weights.
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, x: x + 0.01 if "lora_b" in jax.tree_util.keystr(path) else x, params)
+  expected = jax.device_get(sync_lib.WeightSync(cfg, same, lora_sampler="merge")(params))
+  out = sync_lib.WeightSync(cfg, other, lora_sampler="merge")(params)
+  assert all(x.sharding.mesh.devices.flat[0] == reversed_mesh.devices.flat[0]
+             for x in jax.tree.leaves(out))
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(out), expected)
+
+
 @pytest.mark.parametrize("mode,lora_sampler", [("colocated", "merge"), ("disaggregated", "merge"),
                                                ("colocated", "apply")])
 def test_adapter_only_sync_moves_adapter_bytes_and_sampler_logits_equal(devices, monkeypatch,

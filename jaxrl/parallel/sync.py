@@ -286,9 +286,20 @@ class HostReshard:
 
 
 def _same_devices(tree, target_shardings) -> bool:
-  """Every leaf already lives on the devices its target sharding spans (colocated)."""
-  return all(x.sharding.device_set == t.device_set
+  """Every leaf already lives on the devices its target sharding spans (colocated), in the
+  same order, so one jitted program can take the leaf and write the target. jit refuses one
+  set of devices in two orders, and a colocated learner and sampler get two when their mesh
+  shapes differ on a 3-D slice (v5p-8, 2x2x1: the learner's fsdp=4 ring is chips 0, 2, 1, 3,
+  the sampler's 2x2 mesh 0, 1, 2, 3)."""
+  return all(x.sharding.device_set == t.device_set and _order(x.sharding) is not None
+             and _order(x.sharding) == _order(t)
              for x, t in zip(jax.tree.leaves(tree), jax.tree.leaves(target_shardings)))
+
+
+def _order(sharding):
+  """A NamedSharding's devices in its mesh's order; None for other shardings."""
+  mesh = getattr(sharding, "mesh", None)
+  return tuple(d.id for d in mesh.devices.flat) if isinstance(mesh, Mesh) else None
 
 
 def _across_device_sets(params, target_shardings) -> bool:

@@ -196,6 +196,16 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
     return p
   sparams = sampler_params(cfg)
   target = jax.tree.map(lambda x: x.sharding, sparams)
+  learner_order = mesh.devices.reshape(-1)
+  if (set(learner_order) == set(smesh.devices.flat)
+      and list(learner_order) != list(smesh.devices.flat)):
+    # Colocated on a 3-D slice (v5p), the sampler's mesh lists the chips in another order
+    # than the learner's, and jit takes no program over both. The run casts on the learner's
+    # layout and device_puts into the sampler's (jaxrl.parallel.sync); the stand-in compiled
+    # here writes the sampler's shards over the learner's order: the same bytes per chip.
+    same_order = jax.sharding.Mesh(learner_order.reshape(smesh.devices.shape),
+                                   smesh.axis_names, axis_types=smesh.axis_types)
+    target = jax.tree.map(lambda s: NamedSharding(same_order, s.spec), target)
   dtype = jnp.dtype(sync_dtype) if sync_dtype else None
 
   def cast(params):
