@@ -61,6 +61,19 @@ def decode_kernel(mesh, cache_spec):
   return None
 
 
+def joins_decode_weights(devices) -> bool:
+  """Whether a decode step on `devices` computes q, k and v with one product against their
+  weights joined (jaxrl.models.llama.Attention._fused_qkv): on CPU only, where XLA's per-kernel
+  cost made the joined product win (bench preset, batch 64: 7.2 -> 6.6 ms per step). On TPU the
+  join is a copy of each layer's q, k and v weights into a new layout on every decode call
+  (the k and v weights [D, K, H], tiled (2, 128) for K = 2 per chip, are re-tiled to join
+  them): compiled for v5e:2x4, Qwen3-0.6B at batch 64, the compiler's own estimate
+  (`estimated_cycles` of each op) gave the join 1.35 of the step's 2.93 ms
+  (benchmarks/paged_decode_tpu.py --ops). GPU has not been measured and takes the three
+  products, as the full-sequence forward does."""
+  return platform_of(devices) == "cpu"
+
+
 def paged_decode_kernel(mesh, cache_spec):
   """A kernel for the decode step's attention over a paged KV cache (jaxrl.sampler.paged) on
   `mesh`, for a sampler whose dense cache would be laid out as `cache_spec` [B, K, W, H] (slots

@@ -71,6 +71,9 @@ class Tracing(NamedTuple):
   # (q [B, K, G, H], key and value pools [K, N, P, H], pages [B, n], pos [B]) -> [B, K, G, H]
   # or None: the paged cache's decode step (paged_decode_attention).
   paged: Callable | None = None
+  # A decode step's q, k and v from one product against the three weights joined (True, the
+  # default and the CPU's choice) or three products (jaxrl.backends.joins_decode_weights).
+  join_qkv: bool = True
 
 
 _TRACING: contextvars.ContextVar[Tracing] = contextvars.ContextVar("jaxrl_tracing",
@@ -78,11 +81,12 @@ _TRACING: contextvars.ContextVar[Tracing] = contextvars.ContextVar("jaxrl_tracin
 
 
 @contextlib.contextmanager
-def tracing(*, pin_rows=None, attention=None, decode=None, paged=None):
+def tracing(*, pin_rows=None, attention=None, decode=None, paged=None, join_qkv=True):
   """While tracing inside this scope, the model pins its residual stream's rows with `pin_rows`
   and calls the `attention`, `decode` and `paged` (decode over a paged cache) kernels (each
-  None: XLA's). The scope sets all four: an inner scope does not inherit an outer one's."""
-  token = _TRACING.set(Tracing(pin_rows, attention, decode, paged))
+  None: XLA's); a decode step joins its q, k and v weights into one product if `join_qkv`.
+  The scope sets all five: an inner scope does not inherit an outer one's."""
+  token = _TRACING.set(Tracing(pin_rows, attention, decode, paged, join_qkv))
   try:
     yield
   finally:
@@ -106,6 +110,11 @@ def paged_decode_kernel(mesh, cache_spec):
   cache would be laid out as `cache_spec` [B, K, W, H] on `mesh` (slots over its first axes,
   KV heads over its second), or None (jaxrl.backends)."""
   return backends.paged_decode_kernel(mesh, cache_spec)
+
+
+def join_qkv() -> bool:
+  """Whether the scope's decode steps join q, k and v into one product (see Tracing)."""
+  return _TRACING.get().join_qkv
 
 
 def pin_rows(x):

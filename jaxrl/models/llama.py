@@ -32,7 +32,7 @@ from flax import nnx
 
 from jaxrl.models import quant
 from jaxrl.models.attention import (Causal, attention, decode_attention, paged_decode_attention,
-                                   paged_write, pin_rows)
+                                   join_qkv, paged_write, pin_rows)
 from jaxrl.models.config import ModelConfig, RopeScaling
 from jaxrl.models.logprobs import chunked_token_logprobs, lm_head
 
@@ -230,7 +230,7 @@ class Attention(_Adapted):
     n, kh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     # Projections as 2-D matmuls over the B*T rows (free reshapes; see MLP).
     x_md = x_btd.reshape(B * T, -1)
-    if T == 1 and B > 1:
+    if T == 1 and B > 1 and join_qkv():
       q, k, v = self._fused_qkv(x_md, B)
       q, k, v = (self.adapted(name, y.reshape(B, -1), x_md, key).reshape(y.shape)
                  for name, y in (("q", q), ("k", k), ("v", v)))
