@@ -87,9 +87,11 @@ CLOCK_HZ = {"v5e": 1.5e9}  # TensorCore clock: 4 MXUs x 128 x 128 x 2 x 1.5 GHz 
 
 def estimated_cycles(hlo: str):
   """(total, by kind): the `estimated_cycles` that libtpu writes on the ops of a compiled
-  module's text, summed over the entry computation and the bodies of its loops (each body
-  times its known trip count, else once: the page allocator's searchsorted loop, a few scalar
-  ops; a loop's condition is left out), and per kind of op (opcode, jax op name, shape)."""
+  module's text, summed over the entry computation and the bodies of its loops, and per kind
+  of op (opcode, jax op name, shape). A loop's body counts its trip count times: the constant
+  its condition compares the counter with (jax's scans and fori_loops count up from 0: the
+  decode scan's steps, the page allocator's searchsorted rounds); a loop's condition is left
+  out."""
   comps, name = {}, None
   for line in hlo.splitlines():
     head = re.match(r"^(?:ENTRY )?%(\S+) .*\{$", line)
@@ -106,9 +108,11 @@ def estimated_cycles(hlo: str):
       if not m:
         continue
       if m.group(2) == "while":
-        n = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-        walk(re.search(r"body=%([\w.\-]+)", line).group(1),
-             times * (int(n.group(1)) if n else 1))
+        cond = "\n".join(comps[re.search(r"condition=%([\w.\-]+)", line).group(1)])
+        n = re.findall(r"s32\[\]\S* constant\((\d+)\)", cond)
+        if len(n) != 1 or "direction=LT" not in cond:
+          raise ValueError(f"a loop whose trip count this does not read: {line[:200]}")
+        walk(re.search(r"body=%([\w.\-]+)", line).group(1), times * int(n[0]))
         continue
       cycles = re.search(r'"estimated_cycles":"(\d+)"', line)
       if cycles:
