@@ -167,7 +167,8 @@ def main():
   gather_kv = slots_chip * max_len * per_pos * 3  # the table read, the copy written and read
   out = {"preset": args.preset, "layers": cfg.num_layers, "topology": args.topology,
          "mesh": args.mesh, "slots": args.slots, "pages": pages, "page_size": args.page,
-         "max_len": max_len, "length_at_step": length, "layouts": args.layouts, "steps_per_call": args.steps}
+         "max_len": max_len, "length_at_step": length, "layouts": args.layouts,
+         "steps_per_call": args.steps}
   clock = CLOCK_HZ.get(args.topology.split(":")[0])
   for choice in args.paths.split(","):
     compiled, weight_bytes = compile_step(cfg, mesh, slots=args.slots, max_len=max_len,

@@ -71,9 +71,10 @@ class Tracing(NamedTuple):
   # (q [B, K, G, H], key and value pools [K, N, P, H], pages [B, n], pos [B]) -> [B, K, G, H]
   # or None: the paged cache's decode step (paged_decode_attention).
   paged: Callable | None = None
-  # A decode step's q, k and v from one product against the three weights joined (True, the
-  # default and the CPU's choice) or three products (jaxrl.backends.joins_decode_weights).
-  join_qkv: bool = True
+  # A decode step's q, k and v (and the MLP's gate and up) from one product against their
+  # weights joined (True, the default and the CPU's choice) or one product per weight
+  # (jaxrl.backends.joins_decode_weights).
+  join_weights: bool = True
 
 
 _TRACING: contextvars.ContextVar[Tracing] = contextvars.ContextVar("jaxrl_tracing",
@@ -81,12 +82,13 @@ _TRACING: contextvars.ContextVar[Tracing] = contextvars.ContextVar("jaxrl_tracin
 
 
 @contextlib.contextmanager
-def tracing(*, pin_rows=None, attention=None, decode=None, paged=None, join_qkv=True):
+def tracing(*, pin_rows=None, attention=None, decode=None, paged=None, join_weights=True):
   """While tracing inside this scope, the model pins its residual stream's rows with `pin_rows`
   and calls the `attention`, `decode` and `paged` (decode over a paged cache) kernels (each
-  None: XLA's); a decode step joins its q, k and v weights into one product if `join_qkv`.
+  None: XLA's); a decode step joins its q, k and v weights into one product, and the MLP's gate
+  and up into another, if `join_weights`.
   The scope sets all five: an inner scope does not inherit an outer one's."""
-  token = _TRACING.set(Tracing(pin_rows, attention, decode, paged, join_qkv))
+  token = _TRACING.set(Tracing(pin_rows, attention, decode, paged, join_weights))
   try:
     yield
   finally:
@@ -112,9 +114,9 @@ def paged_decode_kernel(mesh, cache_spec):
   return backends.paged_decode_kernel(mesh, cache_spec)
 
 
-def join_qkv() -> bool:
-  """Whether the scope's decode steps join q, k and v into one product (see Tracing)."""
-  return _TRACING.get().join_qkv
+def join_weights() -> bool:
+  """Whether the scope's decode steps join their projections' weights (see Tracing)."""
+  return _TRACING.get().join_weights
 
 
 def pin_rows(x):
