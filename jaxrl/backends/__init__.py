@@ -70,7 +70,7 @@ def joins_decode_weights(devices) -> bool:
   each layer's q, k and v weights into a new layout on every decode call (the k and v weights
   [D, K, H], tiled (2, 128) for K = 2 per chip, are re-tiled to join them): compiled for
   v5e:2x4, the compiler's own estimate (`estimated_cycles` of each op) of a one-step decode
-  call's ops went from 2.93 to 1.61 ms without it (Qwen3-0.6B, batch 64) and from 13.2 to
+  call's ops went from 2.97 to 1.61 ms without it (Qwen3-0.6B, batch 64) and from 13.2 to
   8.2 ms (Qwen3-8B). GPU has not been measured and takes one product per weight, as
   the full-sequence forward does."""
   return platform_of(devices) == "cpu"

@@ -161,8 +161,9 @@ def paged_write(pool_knph, page_b, off_b, x_bkh):
   [K, H] windows at two scattered dimensions), XLA:TPU wanted the pool laid out KV head next to
   minor for the scatter, and inside the decode scan, where it picks the loop-carried pools'
   layout, copied every pool into that layout and back to the kernel's row-major one twice per
-  layer per step (v5e, Qwen3-0.6B at batch 64, 8 steps per call: 1.8 ms of copies per step
-  and 0.83 GB of temporaries; benchmarks/paged_decode_tpu.py --steps 8)."""
+  layer per step (v5e, Qwen3-0.6B at batch 64, 8 steps per call: 4.3 ms of copies per step,
+  whose HBM roofline is 1.08 ms, and 0.81 GB of temporaries per chip;
+  benchmarks/paged_decode_tpu.py --steps 8, docs/guides/kernels.md)."""
   K, N, P, H = pool_knph.shape
   pos_b = page_b * P + off_b  # page N or beyond: past the flat pool's N * P rows, dropped
   flat_kxh = pool_knph.reshape(K, N * P, H)
