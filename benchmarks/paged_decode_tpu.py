@@ -20,17 +20,17 @@ Two compiler figures per step, each against that roofline:
     the logits in VMEM (`S(1)` in the compiled HLO), so a weight prefetched there is counted
     when the DMA reads it, when it lands in VMEM and when the matmul reads it; a gather is
     charged its whole table (the embedding lookup of one token per slot: 78 MB for 64 KB read).
-    It is an upper bound on the HBM traffic, not an estimate of it.
+    It counts far more than the HBM traffic and is not an estimate of it.
   - estimated_ms: the compiler's own time estimate. libtpu writes `estimated_cycles` on each op
-    of the compiled module; summed over the entry computation at the chip's clock they give
-    estimated_ops_ms. The asynchronous DMAs that bring the weights into VMEM carry no cycles
+    of the compiled module; summed over the program (a loop's body times its trip count) at
+    the chip's clock they give estimated_ops_ms. The asynchronous DMAs that bring the weights into VMEM carry no cycles
     (they overlap the ops), nor does a Pallas call, so the step is taken as
     max(estimated_ops_ms, the weights over the HBM bandwidth) + the kernel's bytes over the
     HBM bandwidth (kernel_ms).
 `--steps K` compiles the rollout's scan of K decode steps (rollout.steps_per_call, default 8)
 and gives the estimate per step: the ops hoisted out of the scan (loop-invariant work on the
-weights) run once per K steps. XLA's cost model counts a loop's body once, so cost_model_ms is
-given for K = 1 only.
+weights) run once per K steps. XLA's cost model counts a loop's body once (at 2 layers, 8
+steps came to the bytes of 1), so cost_model_ms is given for K = 1 only.
 `--ops N` prints the N ops with the most estimated time (summed over ops of one kind).
 `--layouts auto` compiles the step with the weights in the layouts XLA picks for it (a
 what-if: the engine passes them in the default layouts, which the TPU re-tiles on every call
