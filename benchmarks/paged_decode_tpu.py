@@ -12,15 +12,40 @@ of each slot's pages up to its length (taken at mid-completion, prompt + new / 2
 chip's HBM bandwidth. XLA's cost model does not see inside a Pallas call, so the kernel's
 bytes are counted from its shapes (whole pages up to each slot's length); the gather path's
 are its whole table (n * P positions per slot) read and its gathered copy written and read.
+
+Two compiler figures per step, each against that roofline:
+  - cost_model_ms: XLA's `bytes accessed` (cost_analysis) plus the kernel's bytes, over the
+    HBM bandwidth. It counts every operand and result of every op whatever memory it lives in:
+    on a v5e XLA keeps the weights' slices, the tied embedding (a cross-program prefetch) and
+    the logits in VMEM (`S(1)` in the compiled HLO), so a weight prefetched there is counted
+    when the DMA reads it, when it lands in VMEM and when the matmul reads it; a gather is
+    charged its whole table (the embedding lookup of one token per slot: 78 MB for 64 KB read).
+    It counts far more than the HBM traffic and is not an estimate of it.
+  - estimated_ms: the compiler's own time estimate. libtpu writes `estimated_cycles` on each op
+    of the compiled module; summed over the program (a loop's body times its trip count) at
+    the chip's clock they give estimated_ops_ms. The asynchronous DMAs that bring the weights into VMEM carry no cycles
+    (they overlap the ops), nor does a Pallas call, so the step is taken as
+    max(estimated_ops_ms, the weights over the HBM bandwidth) + the kernel's bytes over the
+    HBM bandwidth (kernel_ms).
+`--steps K` compiles the rollout's scan of K decode steps (rollout.steps_per_call, default 8)
+and gives the estimate per step: the ops hoisted out of the scan (loop-invariant work on the
+weights) run once per K steps. XLA's cost model counts a loop's body once (at 2 layers, 8
+steps came to the bytes of 1), so cost_model_ms is given for K = 1 only.
+`--ops N` prints the N ops with the most estimated time (summed over ops of one kind).
+`--layouts auto` compiles the step with the weights in the layouts XLA picks for it (a
+what-if: the engine passes them in the default layouts, which the TPU re-tiles on every call
+for the k and v weights [D, K, H] with K = 2 per chip, and q's).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +53,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
-def compile_step(cfg, mesh, *, slots, max_len, pages, page_size, choice):
+def compile_step(cfg, mesh, *, slots, max_len, pages, page_size, choice, layouts="default",
+                 steps=1):
   from jaxrl.models import abstract_model
   from jaxrl.sampler import Engine, SamplingParams
   from jaxrl.train import programs as pg
@@ -43,12 +69,59 @@ def compile_step(cfg, mesh, *, slots, max_len, pages, page_size, choice):
       jax.eval_shape(lambda: engine._paged_init_fn(slots, max_len // page_size, pages,
                                                    page_size)(jnp.int32(max_len))),
       engine._paged_shardings(slots))
-  compiled = jax.jit(lambda p, s, k: engine._steps_fn(p, s, k, steps=1),
-                     donate_argnums=1).lower(params, state, key).compile()
+  in_shardings = None
+  if layouts == "auto":  # the weights in the layouts the compiler picks for this program
+    from jax.experimental.layout import Format, Layout
+    in_shardings = (jax.tree.map(lambda x: Format(Layout.AUTO, x.sharding), params),
+                    jax.tree.map(lambda x: x.sharding, state), rep)
+  compiled = jax.jit(lambda p, s, k: engine._steps_fn(p, s, k, steps=steps), donate_argnums=1,
+                     in_shardings=in_shardings).lower(params, state, key).compile()
   # What one chip holds of the weights: one shard of each.
   weight_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
                      for x in jax.tree.leaves(params))
   return compiled, weight_bytes
+
+
+CLOCK_HZ = {"v5e": 1.5e9}  # TensorCore clock: 4 MXUs x 128 x 128 x 2 x 1.5 GHz = 197 TFLOP/s
+
+
+def estimated_cycles(hlo: str):
+  """(total, by kind): the `estimated_cycles` that libtpu writes on the ops of a compiled
+  module's text, summed over the entry computation and the bodies of its loops, and per kind
+  of op (opcode, jax op name, shape). A loop's body counts its trip count times: the constant
+  its condition compares the counter with (jax's scans and fori_loops count up from 0: the
+  decode scan's steps, the page allocator's searchsorted rounds); a loop's condition is left
+  out."""
+  comps, name = {}, None
+  for line in hlo.splitlines():
+    head = re.match(r"^(?:ENTRY )?%(\S+) .*\{$", line)
+    if head:
+      name = "ENTRY" if line.startswith("ENTRY") else head.group(1)
+      comps[name] = []
+    elif name and line.startswith("  "):
+      comps[name].append(line)
+  by_kind = collections.Counter()
+
+  def walk(comp, times):
+    for line in comps[comp]:
+      m = re.match(r"\s+(?:ROOT )?%\S+ = (.*?) ([a-z][a-z0-9\-_]*)\(", line)
+      if not m:
+        continue
+      if m.group(2) == "while":
+        cond = "\n".join(comps[re.search(r"condition=%([\w.\-]+)", line).group(1)])
+        n = re.findall(r"s32\[\]\S* constant\((\d+)\)", cond)
+        if len(n) != 1 or "direction=LT" not in cond:
+          raise ValueError(f"a loop whose trip count this does not read: {line[:200]}")
+        walk(re.search(r"body=%([\w.\-]+)", line).group(1), times * int(n[0]))
+        continue
+      cycles = re.search(r'"estimated_cycles":"(\d+)"', line)
+      if cycles:
+        op = re.search(r'op_name="([^"]*)"', line)
+        op = re.sub(r"\.\d+", "", op.group(1).split("eval_jaxpr/")[-1]) if op else ""
+        by_kind[f"{m.group(2)} {op} {m.group(1).split('{')[0]}"] += times * int(cycles.group(1))
+
+  walk("ENTRY", 1)
+  return sum(by_kind.values()), by_kind
 
 
 def main():
@@ -62,6 +135,13 @@ def main():
   ap.add_argument("--prompt", type=int, default=512)
   ap.add_argument("--new", type=int, default=256)
   ap.add_argument("--page", type=int, default=16)
+  ap.add_argument("--paths", default="pallas,xla", help="decode attention paths to compile")
+  ap.add_argument("--ops", type=int, default=0, help="print the N costliest kinds of op")
+  ap.add_argument("--steps", type=int, default=1,
+                  help="decode steps per call (the rollout's steps_per_call): figures per step")
+  ap.add_argument("--layouts", default="default", choices=("default", "auto"),
+                  help="auto: the weights in the layouts XLA picks (what-if: the engine does "
+                  "not do this today)")
   args = ap.parse_args()
 
   from jaxrl.models import get_preset
@@ -87,16 +167,28 @@ def main():
   gather_kv = slots_chip * max_len * per_pos * 3  # the table read, the copy written and read
   out = {"preset": args.preset, "layers": cfg.num_layers, "topology": args.topology,
          "mesh": args.mesh, "slots": args.slots, "pages": pages, "page_size": args.page,
-         "max_len": max_len, "length_at_step": length}
-  for choice in ("pallas", "xla"):
+         "max_len": max_len, "length_at_step": length, "layouts": args.layouts,
+         "steps_per_call": args.steps}
+  clock = CLOCK_HZ.get(args.topology.split(":")[0])
+  for choice in args.paths.split(","):
     compiled, weight_bytes = compile_step(cfg, mesh, slots=args.slots, max_len=max_len,
-                                          pages=pages, page_size=args.page, choice=choice)
+                                          pages=pages, page_size=args.page, choice=choice,
+                                          layouts=args.layouts, steps=args.steps)
     hlo = compiled.as_text()
     m = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     kv = kernel_kv if choice == "pallas" else gather_kv
     roofline_s = (weight_bytes + kv) / chip.hbm_bytes_per_s
+    cycles, by_kind = estimated_cycles(hlo)
+    cycles /= args.steps  # per step
+    kernel_s = (kv if choice == "pallas" else 0) / chip.hbm_bytes_per_s
+    # The weights' DMAs into VMEM are asynchronous and carry no cycles: they overlap the ops,
+    # so the ops' cycles and the weights' read over the HBM bandwidth bound the step together.
+    ops_s = cycles / clock if clock else float("nan")
+    estimated_s = max(ops_s, weight_bytes / chip.hbm_bytes_per_s) + kernel_s
+    cost_s = (cost.get("bytes accessed", 0) + (kv if choice == "pallas" else 0)
+              ) / chip.hbm_bytes_per_s
     out[choice] = {
         "kernel_calls": hlo.count("custom_call_target=\"tpu_custom_call\""),
         "argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
@@ -105,9 +197,17 @@ def main():
         "weight_bytes_per_chip": weight_bytes, "kv_bytes_read_per_chip": kv,
         "roofline_ms_per_step": roofline_s * 1e3,
         "roofline_tokens_per_s_per_chip": slots_chip / roofline_s,
-        "cost_model_ms": (cost.get("bytes accessed", 0) + (kv if choice == "pallas" else 0))
-        / chip.hbm_bytes_per_s * 1e3}
+        "roofline_us_per_token": roofline_s / args.slots * 1e6,  # the slice's step / batch
+        "cost_model_ms": cost_s * 1e3 if args.steps == 1 else None,
+        "cost_model_ratio": cost_s / roofline_s if args.steps == 1 else None,
+        "estimated_cycles": cycles, "estimated_ops_ms": ops_s * 1e3,
+        "kernel_ms": kernel_s * 1e3, "estimated_ms": estimated_s * 1e3,
+        "estimated_us_per_token": estimated_s / args.slots * 1e6,
+        "estimated_ratio": estimated_s / roofline_s}
     print(choice, json.dumps(out[choice]), flush=True)
+    for kind, c in by_kind.most_common(args.ops):
+      c /= args.steps
+      print(f"  {c / clock * 1e6 if clock else c:9.1f} {'us' if clock else 'cycles'}  {kind}")
   print(json.dumps(out))
 
 

@@ -99,6 +99,21 @@ def test_optimistic_admission_preempts_and_the_rollout_is_still_the_dense_one(mo
   assert st["tokens_generated"] == dense.stats["tokens_generated"]
 
 
+def test_decoding_without_the_joined_weights_samples_the_same_tokens(model, mesh, budget):
+  """The decode step's q, k, v, gate and up as one product per weight (the TPU and GPU
+  engines' choice, jaxrl.backends.joins_decode_weights) instead of one against the joined q, k
+  and v weights and one against gate and up stacked (the CPU's): the same samples token for
+  token, dense and paged, under the same seed."""
+  cfg, graphdef, params = model
+  engine, dense = budget
+  assert engine.join_weights
+  three = Engine(graphdef, cfg, mesh, sampling=engine.sampling)
+  three.join_weights = False
+  _same(dense, generate(three, params, PROMPTS, n=3, slots=4, steps_per_call=4, seed=5,
+                        grow_cache=False))
+  _same(dense, _paged(three, params, "reserve"))
+
+
 def test_bad_paged_settings_are_one_sentence(model, mesh):
   cfg, graphdef, params = model
   engine = Engine(graphdef, cfg, mesh, sampling=SamplingParams(max_new_tokens=8))
@@ -217,6 +232,7 @@ def test_the_paged_decode_step_and_insert_compile_for_v5e():
   graphdef = abstract_model(cfg)[0]
   params = pg.params_of(abstract_model(cfg), mesh, "sampler")
   engine = Engine(graphdef, cfg, mesh, sampling=SamplingParams(max_new_tokens=48))
+  assert not engine.join_weights  # one product per weight on TPU (backends.joins_decode_weights)
   slots, max_len, page_size, pages = 8, 64, 16, 12
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=rep)
@@ -235,6 +251,12 @@ def test_the_paged_decode_step_and_insert_compile_for_v5e():
                        donate_argnums=1).lower(params, state, key).compile()
     assert compiled.memory_analysis().argument_size_in_bytes > 0
     assert {d.platform for d in compiled.input_shardings[0][1]["live"].device_set} == {"tpu"}
+    # No copy of the q, k and v weights joined per KV head ([D, K per chip, G + 2, H]), nor of
+    # gate and up stacked ([D, 2, F per chip]).
+    joined = (f"[{cfg.embed_dim},{cfg.num_kv_heads // 2},"
+              f"{cfg.num_heads // cfg.num_kv_heads + 2},{cfg.head_dim}]")
+    stacked = f"[{cfg.embed_dim},2,{cfg.mlp_dim // 2}]"
+    assert joined not in compiled.as_text() and stacked not in compiled.as_text()
   P = 2
   prefix = {"kv": [(pg.spec((P, cfg.num_kv_heads, 16, cfg.head_dim), "float32", rep),) * 2
                    for _ in range(cfg.num_layers)],

@@ -200,9 +200,10 @@ def test_the_paged_engine_through_the_kernel_equals_dense(devices, monkeypatch):
   np.testing.assert_allclose(pg.logprobs, dense.logprobs, atol=2e-5)
 
 
-def _decode_step_hlo(monkeypatch, choice):
+def _decode_step_hlo(monkeypatch, choice, steps=1, kv_heads=None):
   """The paged decode scan of a 2-layer tiny Qwen3 with head_dim 128 in bfloat16, 8 slots of
-  up to 256 positions over 64 pages of 16, compiled for v5e:2x2 (fsdp 2 x tensor 2)."""
+  up to 256 positions over 64 pages of 16, compiled for v5e:2x2 (fsdp 2 x tensor 2); kv_heads:
+  that many KV heads (and twice as many query heads) instead of the preset's 2."""
   import dataclasses
 
   from jaxrl.models import abstract_model
@@ -213,6 +214,8 @@ def _decode_step_hlo(monkeypatch, choice):
   monkeypatch.setenv(tpu_backend.PAGED_ENV, choice)
   mesh = make_mesh(1, 2, 2, devices=topology_devices("v5e:2x2"))
   cfg = dataclasses.replace(_tiny_head_dim_128("tiny-qwen3"), dtype="bfloat16")
+  if kv_heads:
+    cfg = dataclasses.replace(cfg, num_kv_heads=kv_heads, num_heads=2 * kv_heads)
   model = abstract_model(cfg)
   params = pg.params_of(model, mesh, "sampler")
   engine = Engine(model[0], cfg, mesh, sampling=SamplingParams(max_new_tokens=128))
@@ -223,8 +226,23 @@ def _decode_step_hlo(monkeypatch, choice):
       lambda x, s: pg.spec(x.shape, x.dtype, s),
       jax.eval_shape(lambda: engine._paged_init_fn(slots, max_len // PAGE, pages, PAGE)(
           jnp.int32(max_len))), engine._paged_shardings(slots))
-  return jax.jit(lambda p, s, k: engine._steps_fn(p, s, k, steps=1),
-                 donate_argnums=1).lower(params, state, key).compile()
+  compiled = jax.jit(lambda p, s, k: engine._steps_fn(p, s, k, steps=steps),
+                     donate_argnums=1).lower(params, state, key).compile()
+  pool = state["cache"][0][0]
+  return compiled, pool.sharding.shard_shape(pool.shape)
+
+
+def test_the_decode_scan_writes_the_pools_in_place_for_v5e(monkeypatch):
+  """The rollout's scan of decode steps (4 here) compiled for v5e: no copy of a page pool.
+  With the write as pool[:, page, off] XLA laid the loop-carried pools out for the scatter
+  and copied each into the kernel's layout and back every layer and step
+  (jaxrl.models.attention.paged_write)."""
+  pytest.importorskip("libtpu", reason='libtpu is in the test extra: pip install -e ".[test]"')
+  # Two KV heads per chip, as Qwen3's 8 over tensor 4 (with one the two layouts are the same).
+  compiled, shard = _decode_step_hlo(monkeypatch, "pallas", steps=4, kv_heads=4)
+  copies = re.findall(r"= bf16\[" + ",".join(map(str, shard)) + r"\]\{[^}]*\} copy\(",
+                      compiled.as_text())
+  assert len(shard) == 4 and not copies, copies
 
 
 def test_the_paged_decode_step_compiles_with_the_kernel_for_v5e(monkeypatch):
@@ -235,9 +253,9 @@ def test_the_paged_decode_step_compiles_with_the_kernel_for_v5e(monkeypatch):
   def calls(hlo):  # the kernel's Mosaic calls
     return len(re.findall(r"%paged_attention[.\d]* = .*tpu_custom_call", hlo))
 
-  with_kernel = _decode_step_hlo(monkeypatch, "pallas")
+  with_kernel, _ = _decode_step_hlo(monkeypatch, "pallas")
   assert calls(with_kernel.as_text()) == 2, with_kernel.as_text()[:3000]  # one per layer
-  without = _decode_step_hlo(monkeypatch, "xla")
+  without, _ = _decode_step_hlo(monkeypatch, "xla")
   assert calls(without.as_text()) == 0 and "tpu_custom_call" not in without.as_text()
   for compiled in (with_kernel, without):
     m = compiled.memory_analysis()

@@ -61,6 +61,21 @@ def decode_kernel(mesh, cache_spec):
   return None
 
 
+def joins_decode_weights(devices) -> bool:
+  """Whether a decode step on `devices` computes q, k and v with one product against their
+  weights joined (jaxrl.models.llama.Attention._fused_qkv), and the MLP's gate and up with
+  another: on CPU only, where XLA's per-kernel cost made the joined products win (bench preset,
+  batch 64: 7.2 -> 6.6 ms per step). Inside the decode scan XLA:TPU stacked gate and up again
+  on every step (docs/guides/kernels.md has the figures). On TPU the q, k, v join is a copy of
+  each layer's q, k and v weights into a new layout on every decode call (the k and v weights
+  [D, K, H], tiled (2, 128) for K = 2 per chip, are re-tiled to join them): compiled for
+  v5e:2x4, the compiler's own estimate (`estimated_cycles` of each op) of a one-step decode
+  call's ops went from 2.97 to 1.61 ms without it (Qwen3-0.6B, batch 64) and from 13.2 to
+  8.2 ms (Qwen3-8B). GPU has not been measured and takes one product per weight, as
+  the full-sequence forward does."""
+  return platform_of(devices) == "cpu"
+
+
 def paged_decode_kernel(mesh, cache_spec):
   """A kernel for the decode step's attention over a paged KV cache (jaxrl.sampler.paged) on
   `mesh`, for a sampler whose dense cache would be laid out as `cache_spec` [B, K, W, H] (slots

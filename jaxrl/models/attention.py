@@ -71,6 +71,10 @@ class Tracing(NamedTuple):
   # (q [B, K, G, H], key and value pools [K, N, P, H], pages [B, n], pos [B]) -> [B, K, G, H]
   # or None: the paged cache's decode step (paged_decode_attention).
   paged: Callable | None = None
+  # A decode step's q, k and v (and the MLP's gate and up) from one product against their
+  # weights joined (True, the default and the CPU's choice) or one product per weight
+  # (jaxrl.backends.joins_decode_weights).
+  join_weights: bool = True
 
 
 _TRACING: contextvars.ContextVar[Tracing] = contextvars.ContextVar("jaxrl_tracing",
@@ -78,11 +82,13 @@ _TRACING: contextvars.ContextVar[Tracing] = contextvars.ContextVar("jaxrl_tracin
 
 
 @contextlib.contextmanager
-def tracing(*, pin_rows=None, attention=None, decode=None, paged=None):
+def tracing(*, pin_rows=None, attention=None, decode=None, paged=None, join_weights=True):
   """While tracing inside this scope, the model pins its residual stream's rows with `pin_rows`
   and calls the `attention`, `decode` and `paged` (decode over a paged cache) kernels (each
-  None: XLA's). The scope sets all four: an inner scope does not inherit an outer one's."""
-  token = _TRACING.set(Tracing(pin_rows, attention, decode, paged))
+  None: XLA's); a decode step joins its q, k and v weights into one product, and the MLP's gate
+  and up into another, if `join_weights`.
+  The scope sets all five: an inner scope does not inherit an outer one's."""
+  token = _TRACING.set(Tracing(pin_rows, attention, decode, paged, join_weights))
   try:
     yield
   finally:
@@ -106,6 +112,11 @@ def paged_decode_kernel(mesh, cache_spec):
   cache would be laid out as `cache_spec` [B, K, W, H] on `mesh` (slots over its first axes,
   KV heads over its second), or None (jaxrl.backends)."""
   return backends.paged_decode_kernel(mesh, cache_spec)
+
+
+def join_weights() -> bool:
+  """Whether the scope's decode steps join their projections' weights (see Tracing)."""
+  return _TRACING.get().join_weights
 
 
 def pin_rows(x):
@@ -143,10 +154,22 @@ def paged_write(pool_knph, page_b, off_b, x_bkh):
   """The paged cache's one layout (jaxrl.sampler.paged): a layer's key or value pool is
   [K, N, P, H], KV head first, so that the TPU and GPU paged attention kernels read it in place.
   Returns the pool with slot b's new key or value x_bkh[b] at offset off_b[b] of page page_b[b]
-  (page N or beyond: dropped)."""
-  # Two adjacent advanced indices after a slice: the updated elements are [K, B, H].
-  return pool_knph.at[:, page_b, off_b].set(x_bkh.transpose(1, 0, 2).astype(pool_knph.dtype),
-                                             mode="drop")
+  (page N or beyond: dropped).
+
+  Written as a scatter into the pool viewed as [K, N * P, H] (a free reshape) at the index
+  pairs (k, position), each update one row of H: written as pool[:, page_b, off_b] (updates
+  [K, H] windows at two scattered dimensions), XLA:TPU wanted the pool laid out KV head next to
+  minor for the scatter, and inside the decode scan, where it picks the loop-carried pools'
+  layout, copied every pool into that layout and back to the kernel's row-major one twice per
+  layer per step (v5e, Qwen3-0.6B at batch 64, 8 steps per call: 4.3 ms of copies per step,
+  whose HBM roofline is 1.08 ms, and 0.81 GB of temporaries per chip;
+  benchmarks/paged_decode_tpu.py --steps 8, docs/guides/kernels.md)."""
+  K, N, P, H = pool_knph.shape
+  pos_b = page_b * P + off_b  # page N or beyond: past the flat pool's N * P rows, dropped
+  flat_kxh = pool_knph.reshape(K, N * P, H)
+  out = flat_kxh.at[jnp.arange(K)[:, None], pos_b[None, :]].set(
+      x_bkh.transpose(1, 0, 2).astype(pool_knph.dtype), mode="drop")
+  return out.reshape(K, N, P, H)
 
 
 def paged_decode_attention(q_bkgh, keys_knph, values_knph, pages_bn, pos_b):

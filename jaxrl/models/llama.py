@@ -32,7 +32,7 @@ from flax import nnx
 
 from jaxrl.models import quant
 from jaxrl.models.attention import (Causal, attention, decode_attention, paged_decode_attention,
-                                   paged_write, pin_rows)
+                                   join_weights, paged_write, pin_rows)
 from jaxrl.models.config import ModelConfig, RopeScaling
 from jaxrl.models.logprobs import chunked_token_logprobs, lm_head
 
@@ -230,7 +230,7 @@ class Attention(_Adapted):
     n, kh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     # Projections as 2-D matmuls over the B*T rows (free reshapes; see MLP).
     x_md = x_btd.reshape(B * T, -1)
-    if T == 1 and B > 1:
+    if T == 1 and B > 1 and join_weights():
       q, k, v = self._fused_qkv(x_md, B)
       q, k, v = (self.adapted(name, y.reshape(B, -1), x_md, key).reshape(y.shape)
                  for name, y in (("q", q), ("k", k), ("v", v)))
@@ -410,10 +410,11 @@ class MLP(_Adapted):
     dt = x_btd.dtype
     x_md = x_btd.reshape(-1, x_btd.shape[-1])
     B, T = x_btd.shape[:2]
-    if T == 1 and B > 1:
-      # A decode step: gate and up as one product against the weights stacked [D, 2, F] (see
-      # Attention._fused_qkv; the stack is hoisted out of the decode loop, and a tensor-sharded
-      # F axis stays as it is).
+    if T == 1 and B > 1 and join_weights():
+      # A decode step on CPU: gate and up as one product against the weights stacked [D, 2, F]
+      # (see Attention._fused_qkv; the stack is hoisted out of the decode loop, and a
+      # tensor-sharded F axis stays as it is). XLA:TPU did not hoist it out of the decode scan:
+      # it stacked the weights again every step (jaxrl.backends.joins_decode_weights).
       w_dcf = jnp.stack([self.weight("gate", dt), self.weight("up", dt)], axis=1)
       gu_mcf = jnp.einsum("MD,DCF->MCF", x_md, w_dcf)
       g_mf, u_mf = gu_mcf[:, 0], gu_mcf[:, 1]

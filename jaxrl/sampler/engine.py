@@ -54,7 +54,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl.backends import compiler_options
+from jaxrl.backends import compiler_options, joins_decode_weights
 from jaxrl.models import ModelConfig, attention
 from jaxrl.models.llama import PagedKV, init_cache
 from jaxrl.parallel import batch_sharding, cache_sharding
@@ -84,6 +84,10 @@ class Engine:
     if gemv_options is not None:
       self._steps_gemv = jax.jit(self._steps_fn, donate_argnums=1, static_argnames="steps",
                                  compiler_options=gemv_options)
+    # A decode step's q, k and v (and gate and up) from one product against their joined
+    # weights on CPU, one per weight elsewhere (jaxrl.backends.joins_decode_weights: on TPU the
+    # join is a copy of the weights per call, half the compiler's estimate of a Qwen3-0.6B step).
+    self.join_weights = joins_decode_weights(mesh.devices.flat)
     self._inits: dict[tuple[int, int], Callable] = {}  # (slots, length) -> jitted init
     # Not donated: a wider cache cannot reuse the old buffers (they are freed when the caller
     # drops the old state).
@@ -450,10 +454,11 @@ class Engine:
     self.traces["generate"] += 1
     model = nnx.merge(self.graphdef, params)
     width = window(state)
+    join = self.join_weights
     if is_paged(state):
-      with attention.tracing(paged=self._paged_kernel(state)):
+      with attention.tracing(paged=self._paged_kernel(state), join_weights=join):
         return self._scan_steps(model, state, key, steps, width)
-    with attention.tracing(decode=self._attention_kernel(state)):
+    with attention.tracing(decode=self._attention_kernel(state), join_weights=join):
       return self._scan_steps(model, state, key, steps, width)
 
   def _attention_kernel(self, state: DecodeState):
