@@ -15,7 +15,23 @@ arg: "" (calculator), "runlocal" (2 steps), "guess" (the guess_number game, no t
 from jaxrl.rl.grpo import default_config
 
 
+def sft_config():
+  """The warm start: SFT of the tiny model on calculator conversations, 30% of them calling
+  the tool (jaxrl.envs.calculator.demonstrations), so the policy calls it on few turns."""
+  from jaxrl.train.sft import default_config as sft_default
+  c = sft_default()
+  c.model.preset = "tiny"
+  c.data.update(task="multiply", tool_rate=0.3, train_on="all_assistant", seq_len=256,
+                packing=True, batch_size=16, train_examples=20_000)
+  c.optim.update(lr=3e-3, warmup_steps=30, schedule="cosine", clip_norm=1.0)
+  c.train.update(steps=300, log_every=50, save_every=300)
+  c.eval.update(every=0, examples=128)
+  return c
+
+
 def get_config(arg=None):
+  if arg == "sft":
+    return sft_config()
   c = default_config()  # every field, with what it means: jaxrl/rl/grpo/config.py
   c.data.update(task="multiply", env="calculator")
   c.rewards = "env"

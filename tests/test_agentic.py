@@ -206,6 +206,37 @@ def test_budget_and_max_turns_end_a_conversation():
   assert ro.finish_reasons == ["length"] and ro.lengths[0] <= len(call) + 20
 
 
+def test_calculator_demonstrations_are_the_drivers_conversations():
+  """The SFT warm start's demonstrations (data.tool_rate, plain text, train_on=all_assistant)
+  are token for token the conversations the driver writes when the model says those turns,
+  with the loss on exactly the tokens the rollout's completion_mask trains."""
+  from jaxrl.data.pipeline import tokenize_sft
+  from jaxrl.data.records import check_record
+  from jaxrl.envs.calculator import demonstrations
+  from jaxrl.tasks import get_task
+  tok, data = ByteTokenizer(), {"train_on": "all_assistant"}
+  demos = demonstrations(get_task("multiply"), "train", 40, 0, tool_rate=0.25)
+  called = [d for d in demos if len(d["messages"]) == 4]
+  assert 4 <= len(called) <= 16 and demonstrations(
+      get_task("multiply"), "train", 40, 0, tool_rate=0.25) == demos  # seeded
+  for demo in (called[0], next(d for d in demos if len(d["messages"]) == 2)):
+    m = demo["messages"]
+    record = {"prompt": m[0]["content"], "answer": m[-1]["content"]}
+    ro, rewards, _ = conversations(
+        scripted(tok, [[t["content"] for t in m if t["role"] == "assistant"]], []), [record],
+        env=("calculator", CalculatorEnv), renderer=ChatRenderer(tok, data), n=1, seed=0,
+        max_turns=3, budget=400, pad_id=tok.pad_id, decode=tok.decode)
+    assert rewards[0] == 1.0  # the demonstrated answer is right, with the tool or without
+    ex = tokenize_sft(check_record(demo, "sft", "demo"), tok, data)
+    p, c = int(ro.prompt_lengths[0]), int(ro.lengths[0])
+    seq = list(ro.prompt_ids[0, :p]) + list(ro.completion_ids[0, :c])
+    assert list(ex["inputs"]) + [ex["targets"][-1]] == seq
+    np.testing.assert_array_equal(ex["loss_mask"][p - 1:], ro.completion_mask[0, :c])
+    assert ex["loss_mask"][:p - 1].sum() == 0
+  with pytest.raises(ConfigError, match="data.tool_rate=1.5 is not valid"):
+    demonstrations(get_task("multiply"), "train", 4, 0, tool_rate=1.5)
+
+
 def test_guess_number_game_is_verifiable():
   env = GuessNumberEnv()
   env.reset({"prompt": "guess 1-16 #1:", "answer": "11"})
@@ -342,6 +373,12 @@ def test_grpo_pulse_with_a_users_environment(repo_root, tmp_path, devices):
     assert row["timing_s/env"] >= 0.0 and np.isfinite(row["loss"])
     # Model tokens only: at most 4 per turn, though each conversation holds more.
     assert 3.0 <= row["response_length/mean"] <= 12.0
+  # The held-out eval holds the same conversations, greedy, on the task's test split: every
+  # one runs three turns and earns 1.2, a full mark.
+  evals = [r for r in rows if "eval/accuracy" in r]
+  assert [r["step"] for r in evals] == [2]
+  assert evals[0]["eval/accuracy"] == 1.0 and evals[0]["eval/reward"] == pytest.approx(1.2)
+  assert evals[0]["eval/turns/mean"] == 3.0 and evals[0]["eval/tool_calls/mean"] == 0.0
 
 
 # ----------------------------------------------------------------------------- KV continuation
