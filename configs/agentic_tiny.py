@@ -21,10 +21,10 @@ def sft_config():
   from jaxrl.train.sft import default_config as sft_default
   c = sft_default()
   c.model.preset = "tiny"
-  c.data.update(task="multiply", tool_rate=0.3, train_on="all_assistant", seq_len=256,
+  c.data.update(task="multiply", tool_rate=0.15, train_on="all_assistant", seq_len=256,
                 packing=True, batch_size=16, train_examples=20_000)
   c.optim.update(lr=3e-3, warmup_steps=30, schedule="cosine", clip_norm=1.0)
-  c.train.update(steps=300, log_every=50, save_every=300)
+  c.train.update(steps=800, log_every=100, save_every=800)
   c.eval.update(every=0, examples=128)
   return c
 
@@ -35,13 +35,17 @@ def get_config(arg=None):
   c = default_config()  # every field, with what it means: jaxrl/rl/grpo/config.py
   c.data.update(task="multiply", env="calculator")
   c.rewards = "env"
-  c.rollout.update(prompts_per_step=8, group_size=4, max_new_tokens=48, max_turns=3,
-                   max_conversation_tokens=192, slots=32)
-  c.train.update(steps=40, log_every=5, save_every=20)
+  # A turn holds a whole call (about 80 bytes); a call, its result and the answer fit in 160.
+  c.rollout.update(prompts_per_step=8, group_size=4, max_new_tokens=96, max_turns=2,
+                   max_conversation_tokens=160, slots=32)
+  c.optim.lr = 2e-4
+  c.train.update(steps=20, log_every=5, save_every=20)
+  c.eval.update(every=10, examples=64)
   if arg == "runlocal":
     c.rollout.update(prompts_per_step=2, group_size=4, slots=8, max_new_tokens=16,
                      max_conversation_tokens=64)
     c.train.update(steps=2, log_every=1, save_every=2)
+    c.eval.examples = 8
   elif arg == "guess":
     c.data.update(task="guess", env="guess_number")
     c.rollout.update(max_new_tokens=4, max_turns=6, max_conversation_tokens=96)
