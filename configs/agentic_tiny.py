@@ -1,23 +1,33 @@
 """Multi-turn GRPO with a tool: the calculator environment on 2-3 digit products, tiny model.
 
     jaxrl grpo --config configs/agentic_tiny.py:runlocal --workdir /tmp/agentic   # a pulse
-    jaxrl grpo --config configs/agentic_tiny.py --workdir runs/agentic_tiny
+    jaxrl sft --config configs/agentic_tiny.py:sft --workdir runs/calc_sft          # warm start
+    jaxrl grpo --config configs/agentic_tiny.py --config.init.checkpoint=runs/calc_sft \
+        --workdir runs/calc_grpo
 
 Each conversation is the product ("123*45="), up to max_turns model turns, each of which may
 call the calculator in the Hermes format (<tool_call>{"name": "calculator", "arguments":
 {"expression": "123*45"}}</tool_call>); the environment answers every call, and a turn without
 one is the final answer, rewarded 1 when right (docs/guides/agentic.md). The held-out eval is
-single-turn and is off for environments.
+the same conversation, greedy, on the task's test split (eval/accuracy, eval/tool_calls/mean).
 
-arg: "" (calculator), "runlocal" (2 steps), "guess" (the guess_number game, no tools).
+The recipe: the tiny byte-level model never writes a well-formed call by chance, so `:sft`
+warm-starts it on calculator conversations, 15% of them calling the tool; greedy it then
+answers in its head (held-out accuracy about 0.02), and 20 GRPO steps teach it to call the
+tool (seed 0: eval/accuracy 0.016 -> 0.672, eval/tool_calls/mean 0 -> 0.94; the seeds
+measured are in docs/guides/agentic.md and tests/test_agentic.py).
+
+arg: "" (calculator), "sft" (the warm start, an SFT config), "runlocal" (2 steps), "guess" (the
+guess_number game, no tools).
 """
 
 from jaxrl.rl.grpo import default_config
 
 
 def sft_config():
-  """The warm start: SFT of the tiny model on calculator conversations, 30% of them calling
-  the tool (jaxrl.envs.calculator.demonstrations), so the policy calls it on few turns."""
+  """The warm start: SFT of the tiny model on calculator conversations, 15% of them calling
+  the tool (jaxrl.envs.calculator.demonstrations), so the policy calls it on few turns. 800
+  steps of 16 packed rows: fewer (400 of 8) left the calls' operands miscopied."""
   from jaxrl.train.sft import default_config as sft_default
   c = sft_default()
   c.model.preset = "tiny"
@@ -50,5 +60,5 @@ def get_config(arg=None):
     c.data.update(task="guess", env="guess_number")
     c.rollout.update(max_new_tokens=4, max_turns=6, max_conversation_tokens=96)
   elif arg not in (None, ""):
-    raise ValueError(f"unknown arg {arg!r}: use '', runlocal or guess")
+    raise ValueError(f"unknown arg {arg!r}: use '', sft, runlocal or guess")
   return c

@@ -7,7 +7,8 @@ GRPO steps: eval/accuracy and eval/tool_calls/mean, median and min-max over the 
 
 Each seed S trains WORKDIR/sft_S then WORKDIR/grpo_S (init.checkpoint = sft_S, seed S in both),
 the commands tests/test_agentic.py's learning test runs; a run dir with a summary.json is kept,
-so a second call only plots. Extra arguments after `--` reach both runs as overrides, e.g.
+so a second call only plots. --warm-start SFT_DIR starts every seed's GRPO from one SFT run
+(the spread of GRPO alone). Arguments after `--` reach the GRPO runs as overrides, e.g.
 `-- --config.train.steps=60`. Prints each seed's step-0 and final values and the gain.
 """
 
@@ -31,9 +32,11 @@ def seeds_of(text: str) -> list[int]:
   return out
 
 
-def train(workdir: str, seed: int, overrides: list[str]) -> str:
-  """The seed's GRPO run dir, after its SFT warm start (both kept when already finished)."""
-  sft, grpo = os.path.join(workdir, f"sft_{seed}"), os.path.join(workdir, f"grpo_{seed}")
+def train(workdir: str, seed: int, overrides: list[str], warm_start: str = "") -> str:
+  """The seed's GRPO run dir, after its SFT warm start (both kept when already finished), or
+  from `warm_start`'s SFT run when given."""
+  sft, grpo = warm_start or os.path.join(workdir, f"sft_{seed}"), os.path.join(
+      workdir, f"grpo_{seed}")
   if not os.path.isfile(os.path.join(sft, "summary.json")):
     cli.main(["sft", "--config", "configs/agentic_tiny.py:sft", "--workdir", sft,
               f"--config.seed={seed}"])
@@ -75,9 +78,12 @@ def main(argv=None):
   ap.add_argument("--seeds", default="0-4")
   ap.add_argument("--workdir", default="runs/agentic_seeds")
   ap.add_argument("--out", default="docs/guides/img/agentic_seeds.png")
+  ap.add_argument("--warm-start", default="", metavar="SFT_DIR",
+                  help="every seed's GRPO starts from this SFT run (default: each its own)")
   ap.add_argument("overrides", nargs="*", help="GRPO overrides, after --")
   args = ap.parse_args(argv)
-  runs = {s: train(args.workdir, s, args.overrides) for s in seeds_of(args.seeds)}
+  runs = {s: train(args.workdir, s, args.overrides, args.warm_start)
+          for s in seeds_of(args.seeds)}
   for s, d in runs.items():
     evals = [r for r in read_metrics(d) if "eval/accuracy" in r]
     first, last = evals[0], evals[-1]
