@@ -52,7 +52,7 @@ def get_config(arg=None):
   c.train.update(steps=20, log_every=5, save_every=20)
   c.eval.update(every=10, examples=64)
   if arg == "runlocal":
-    c.rollout.update(prompts_per_step=2, group_size=4, slots=8, max_new_tokens=16,
+    c.rollout.update(prompts_per_step=2, group_size=4, slots=8, max_new_tokens=16, max_turns=3,
                      max_conversation_tokens=64)
     c.train.update(steps=2, log_every=1, save_every=2)
     c.eval.examples = 8
