@@ -156,14 +156,23 @@ def rm_logprob(sft_addition, tmp_path_factory):
       "init.checkpoint": sft_addition, "train.log_every": 100})
 
 
-_SHARED_RUNS = {"sft_addition", "sft_slip", "reward_models", "rm_logprob"}
+@pytest.fixture(scope="session")
+def sft_calculator(tmp_path_factory):
+  """The calculator recipe's warm start (configs/agentic_tiny.py:sft, seed 0): SFT on
+  calculator conversations, 15% of them calling the tool, so greedy it answers in its head
+  (tests/test_agentic.py's learning test gives its figures)."""
+  return _shared_run(tmp_path_factory, "sft_calculator", "sft", "agentic_tiny.py:sft", {})
+
+
+_SHARED_RUNS = {"sft_addition", "sft_slip", "reward_models", "rm_logprob", "sft_calculator"}
 # Which of the two workers trains each shared run: a test that reads several goes to the worker
 # of the first it reads in this order (the runs built on others first). The reward models
 # both start from sft_addition, trained first on worker 0; worker 1 trains sft_slip, runs the
 # demo test, and finds sft_addition done by then. Dealt alternately by file order instead, a
 # test on each worker wanted `reward_models` at about the same time, and one worker sat on its
 # lock while the other trained it (setups of 111 and 117 s, CI at 14812a9, 2026-12-02).
-_BUILDER = {"reward_models": 0, "rm_logprob": 1, "sft_addition": 0, "sft_slip": 1}
+_BUILDER = {"reward_models": 0, "rm_logprob": 1, "sft_addition": 0, "sft_slip": 1,
+            "sft_calculator": 1}
 
 
 def pytest_collection_modifyitems(config, items):

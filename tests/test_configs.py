@@ -16,7 +16,8 @@ ARGS = {"tiny.py": [None, "tp", "sampler"], "model.py": [None, *PRESETS],
         "sft_tiny.py": [None, "runlocal"], "rm_tiny.py": [None, "biased", "logprob", "runlocal"],
         "grpo_tiny.py": [None, "runlocal", "dapo", "dr_grpo", "gspo", "rloo", "async"],
         "dpo_tiny.py": [None, "ipo", "kto", "orpo", "simpo", "runlocal"],
-        "ppo_tiny.py": [None, "runlocal", "group"], "agentic_tiny.py": [None, "runlocal", "guess"],
+        "ppo_tiny.py": [None, "runlocal", "group"],
+        "agentic_tiny.py": [None, "sft", "runlocal", "guess"],
         "gsm8k_qwen3.py": [None, "grpo", "sft", "fixture", "sft_fixture"],
         **{f: [None, "grpo", "sft", "fixture"] for f in ("qwen3_0p6b.py", "qwen2p5_1p5b.py",
                                                          "llama3p2_1b.py")},
@@ -31,7 +32,8 @@ COMMAND = {"sft_tiny.py": "sft", "rm_tiny.py": "rm", "grpo_tiny.py": "grpo", "dp
 
 
 def _choices(path, arg):
-  sft_args = ("sft", "sft_fixture")  # gsm8k_qwen3.py's SFT stage, on the fixture too
+  # gsm8k_qwen3.py's SFT stage (on the fixture too), agentic_tiny.py's warm start
+  sft_args = ("sft", "sft_fixture")
   command = "sft" if set(sft_args) & set((arg or "").split(",")) else \
       COMMAND.get(os.path.basename(path))
   if command == "sample":

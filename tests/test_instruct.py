@@ -331,8 +331,11 @@ def test_train_on_all_assistant_masks_every_assistant_turn():
                            data_cfg={"train_on": "all_assistant"}))
   assert tok.decode(batch["targets"][0][batch["loss_mask"][0] > 0], skip_special=False) == \
       "3<|im_end|>\n4<|im_end|>\n"
-  with pytest.raises(ConfigError, match="data.train_on=all_assistant needs chat-templated"):
-    tokenize_sft(record, ByteTokenizer(), {"train_on": "all_assistant"})
+  # Without a chat template: the multi-turn rollouts' plain-text convention (jaxrl.envs.chat),
+  # each assistant turn and its eos trained.
+  ex = tokenize_sft(record, ByteTokenizer(), {"train_on": "all_assistant"})
+  assert ByteTokenizer().decode(ex["targets"][ex["loss_mask"] > 0], skip_special=False) == \
+      "3<eos>4<eos>"
 
 
 def test_sft_prompt_rows_use_the_same_prompt_as_sampling():

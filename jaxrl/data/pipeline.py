@@ -72,9 +72,13 @@ def tokenize_sft(record: dict, tokenizer: Tokenizer, data_cfg=None) -> dict[str,
   check_choice("data.train_on", train_on, TRAIN_ON)
   if train_on == "all_assistant" and messages:
     if not chat_on(tokenizer, data_cfg):
-      raise ConfigError("data.train_on=all_assistant needs chat-templated records (a "
-                        "checkpoint tokenizer with a chat template, data.chat on): set "
-                        "data.train_on=last.")
+      # Without a chat template: the multi-turn rollouts' plain-text convention (jaxrl.envs.
+      # chat), so a demonstration is token for token the conversation GRPO samples.
+      from jaxrl.envs.chat import ChatRenderer
+      ids, mask = ChatRenderer(tokenizer, data_cfg).conversation_ids(messages, None)
+      return {"inputs": np.asarray(ids[:-1], np.int32),
+              "targets": np.asarray(ids[1:], np.int32),
+              "loss_mask": np.asarray(mask[1:], np.float32)}
     turns = chat_turns({"messages": messages}, data_cfg)
     ids, mask = tokenizer.encode_chat_with_mask(turns, **template_kwargs(data_cfg))
     # Target t is ids[t + 1]: it carries loss where that token is an assistant token.

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 KINDS = ("sft", "rl", "prefs", "kto", "prompt")
 ON_BAD_ROW = ("error", "skip")
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 _FIELDS = {"sft": ("prompt", "completion"), "rl": ("prompt", "answer"),
            "prefs": ("prompt", "chosen", "rejected"), "kto": ("prompt", "completion"),
            "prompt": ("prompt",)}

@@ -13,9 +13,13 @@ the whitelist is what makes it safe.
 from __future__ import annotations
 
 import ast
+import json
 import math
 import operator
 
+import numpy as np
+
+from jaxrl.errors import ConfigError
 from jaxrl.rewards import extract_answer, normalize_answer
 
 MAX_CHARS = 200
@@ -126,3 +130,36 @@ class CalculatorEnv:
         obs.append({"role": "tool", "content": f"error: {e}"})
     obs += [{"role": "tool", "content": f"error: {e}"} for e in errors]
     return obs, 0.0, False, {"tool_calls": len(calls) + len(errors), "bad_tool_calls": bad}
+
+
+def tool_call_text(expression: str) -> str:
+  """A calculator call as a model writes it in the Hermes format, in compact JSON (the fewest
+  tokens for a byte-level model to learn)."""
+  call = {"name": "calculator", "arguments": {"expression": expression}}
+  return f"<tool_call>{json.dumps(call, separators=(',', ':'))}</tool_call>"
+
+
+def demonstrations(task, split: str, n: int, seed: int, tool_rate: float) -> list[dict]:
+  """SFT conversations {"messages"} on `n` of the task's records: a `tool_rate` share of them
+  (drawn at random, seeded) call the calculator on the prompt's expression, read its result
+  and answer with it; the rest answer at once, in the head, with the right answer (which a
+  tiny model imitates only as well as it can multiply). A warm start for GRPO with the
+  calculator environment, whose rollouts these are token for token (data.train_on=
+  all_assistant renders them as the multi-turn driver does): the policy starts calling the
+  tool on about tool_rate of its turns, and RL has the rest to learn."""
+  if not 0.0 <= tool_rate <= 1.0:
+    raise ConfigError(f"data.tool_rate={tool_rate!r} is not valid: give the share of "
+                      "demonstrations that call the calculator, in [0, 1].")
+  out = []
+  rng = np.random.default_rng([int(seed), 104729, int(split == "test")])
+  for r, u in zip(task.records(split, n, seed), rng.random(n)):
+    user = {"role": "user", "content": r["prompt"]}
+    answer = {"role": "assistant", "content": r["answer"]}
+    if u < tool_rate:
+      expression = r["prompt"].strip().removesuffix("=")
+      out.append({"messages": [user, {"role": "assistant", "content": tool_call_text(expression)},
+                               {"role": "tool", "content": show(calculate(expression))}, answer]})
+    else:
+      out.append({"messages": [user, answer]})
+  return out
+

@@ -169,5 +169,32 @@ class ChatRenderer:
     glue = own.rsplit(self.eos_text, 1)[1] if self.eos_text and self.eos_text in own else ""
     return self.tokenizer.encode(("" if closed else self.eos_text) + glue + after[len(through):])
 
+  def conversation_ids(self, messages: list[dict], tools: list[dict] | None
+                       ) -> tuple[list[int], list[int]]:
+    """(ids, mask) of a whole conversation as the multi-turn driver writes it (prompt, each
+    model turn's text and end-of-turn token, each observation by observation_ids), mask 1 on
+    the model's tokens: an SFT demonstration of the rollouts GRPO then samples (data.train_on=
+    all_assistant without a chat template). Plain text only: a chat template's conversations
+    are rendered by its own tokenizer (encode_chat_with_mask)."""
+    if self.chat:
+      raise ConfigError("conversation_ids renders plain-text conversations; a chat-templated "
+                        "tokenizer renders its own (encode_chat_with_mask).")
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    ids = self.prompt_ids(messages[:first], tools)
+    mask = [0] * len(ids)
+    i = first
+    while i < len(messages):
+      turn = assistant_turn(messages[i]["content"], self.format)
+      own = self.tokenizer.encode(turn["content"]) + [self.tokenizer.eos_id]
+      ids, mask = ids + own, mask + [1] * len(own)
+      j = i + 1
+      while j < len(messages) and messages[j]["role"] != "assistant":
+        j += 1
+      if j > i + 1:
+        more = self.observation_ids(messages[:i], turn, messages[i + 1:j], tools)
+        ids, mask = ids + more, mask + [0] * len(more)
+      i = j
+    return ids, mask
+
 
 __all__ = ["FORMATS", "ChatRenderer", "assistant_turn", "parse_tool_calls", "tool_format"]

@@ -195,7 +195,10 @@ def continued(engine, params, records: list[dict], *, env, renderer, n: int, see
   sp = engine.sampling
   stops = set(sp.stop_tokens)
   max_prompt_len = bucket(max_prompt_len or max(map(len, firsts)))
-  max_len = max_prompt_len + budget + 1
+  # An observation is right-padded to a bucket of its length for Engine.extend, and the
+  # padding's positions must fit in the window too: room for one such bucket past the budget
+  # (a window grows only as far as it is needed, so this costs nothing until then).
+  max_len = max_prompt_len + budget + 1 + bucket(budget, minimum=8)
 
   def fit(need):
     return min(max_len, window_bucket(need)) if grow_cache else max_len

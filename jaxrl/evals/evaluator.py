@@ -242,3 +242,65 @@ class Evaluator:
   def samples(self, prompts: int) -> list[dict]:
     """The last call's completions of its first `prompts` prompts (greedy, then sampled)."""
     return [c for c in self.completions if c["prompt_index"] < prompts]
+
+
+class EnvEvaluator:
+  """The held-out eval of a multi-turn run: each held-out record's conversation with the
+  run's environment, decoded greedily by the same driver GRPO's rollouts use
+  (jaxrl.envs.rollout.continued: up to max_turns model turns, KV continued between turns,
+  `budget` tokens after the prompt), one conversation per record.
+
+  eval/accuracy is the share of conversations whose summed environment reward is a full mark
+  (>= 1: for the calculator, the right final answer), as a checker's full mark counts for
+  pass@k; eval/reward is their mean reward, and eval/tool_calls/mean, eval/turns/mean and
+  eval/bad_tool_calls are the conversations' tool calls and model turns per conversation and
+  malformed calls in all, named as the rollouts' env/ metrics. Greedy only (eval.n is refused
+  for now). It runs on the sampler layout: `to_sampler(params)` is freed once decoded."""
+
+  def __init__(self, graphdef, cfg, sampler_mesh, tokenizer, records: Sequence[dict], *, env,
+               renderer, max_new: int, max_turns: int, budget: int, prompt_len: int,
+               slots: int, steps_per_call: int = 8, to_sampler: Callable | None = None,
+               prefix: str = "eval/"):
+    self.records, self.tokenizer, self.prefix = list(records), tokenizer, prefix
+    if not self.records:
+      raise ConfigError("the held-out set is empty: give a data file with at least one "
+                        "{\"prompt\", \"answer\"} line.")
+    self.env, self.renderer = env, renderer
+    self.max_turns, self.budget, self.prompt_len = int(max_turns), int(budget), int(prompt_len)
+    replicas = sampler_mesh.shape["data"] * sampler_mesh.shape["fsdp"]
+    self.slots = -(-min(slots, len(self.records)) // replicas) * replicas
+    self.steps_per_call = steps_per_call
+    self.engine = Engine(graphdef, cfg, sampler_mesh, sampling=SamplingParams(
+        greedy=True, max_new_tokens=int(max_new), eos_id=tokenizer.eos_id,
+        stop_ids=eos_ids(tokenizer)[1:]))
+    self.to_sampler, self.own_copy = to_sampler or (lambda params: params), to_sampler is not None
+    self.completions: list[dict] = []
+    self.timing: dict[str, float] = {}
+
+  def __call__(self, params) -> dict[str, float]:
+    from jaxrl.envs.rollout import continued
+    t0 = time.perf_counter()
+    params_s = self.to_sampler(params)
+    ro, rewards, _ = continued(
+        self.engine, params_s, self.records, env=self.env, renderer=self.renderer, n=1, seed=0,
+        max_turns=self.max_turns, budget=self.budget, slots=self.slots,
+        steps_per_call=self.steps_per_call, max_prompt_len=self.prompt_len,
+        pad_id=self.tokenizer.pad_id, decode=self.tokenizer.decode)
+    if self.own_copy:
+      release(params_s)
+    st, correct = ro.stats, rewards >= 1.0
+    self.completions = [
+        dict(prompt_index=i, mode="greedy", prompt=r.get("prompt"), answer=r.get("answer"),
+             conversation=self.tokenizer.decode(ro.completion_ids[i, :int(ro.lengths[i])],
+                                                skip_special=False),
+             score=float(rewards[i]), finish_reason=ro.finish_reasons[i])
+        for i, r in enumerate(self.records)]
+    self.timing = {"greedy_s": time.perf_counter() - t0}
+    p = self.prefix
+    return {f"{p}accuracy": float(correct.mean()), f"{p}reward": float(rewards.mean()),
+            f"{p}tool_calls/mean": st["env_tool_calls"], f"{p}turns/mean": st["env_turns"],
+            f"{p}bad_tool_calls": st["env_bad_tool_calls"]}
+
+  def samples(self, prompts: int) -> list[dict]:
+    """The last call's conversations of its first `prompts` prompts."""
+    return [c for c in self.completions if c["prompt_index"] < prompts]

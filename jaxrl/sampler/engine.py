@@ -383,8 +383,9 @@ class Engine:
     tokens_et = np.asarray(tokens_et, np.int32)
     length_e = np.asarray(length_e, np.int32)
     num_slots = state["live"].shape[0]
-    pos = np.asarray(jax.device_get(state["pos"]))[np.minimum(slots, num_slots - 1)]
-    if int((pos + 1 + tokens_et.shape[1]).max()) > window(state):
+    # Padding entries (slot >= num_slots) are dropped: only real slots must fit.
+    pos = np.asarray(jax.device_get(state["pos"]))[slots[slots < num_slots]]
+    if len(pos) and int((pos + 1 + tokens_et.shape[1]).max()) > window(state):
       raise ValueError(f"extend: the window holds {window(state)} positions but a slot needs "
                        f"{int((pos + 1 + tokens_et.shape[1]).max())}: grow the state first "
                        "(Engine.grow)")

@@ -17,6 +17,7 @@ from jaxrl import config as config_lib
 from jaxrl.data import ON_BAD_ROW, prefs, sft_batches
 from jaxrl.data.pipeline import TRAIN_ON
 from jaxrl.data.prompts import prompt_section
+from jaxrl.errors import ConfigError
 from jaxrl.models import apply_logprobs, lora
 from jaxrl.models.flops import packed_flops
 from jaxrl.parallel import batch_sharding
@@ -59,6 +60,10 @@ def default_config():
                            # independent of the process count
       on_bad_row="error",  # or "skip" (counted and reported)
       train_on="last",     # {"messages"} rows: "last" assistant turn, or "all_assistant" turns
+      tool_rate=0.0,       # > 0: the task's demonstrations are calculator conversations, this
+                           # share calling the tool (jaxrl.envs.calculator.demonstrations; a
+                           # warm start for GRPO with data.env=calculator); needs train_on=
+                           # all_assistant
       # chat (None: chat-templated when the tokenizer has a template), chat_template_kwargs,
       # system_prompt: how prompts are rendered, as in GRPO and sampling (jaxrl.data.prompts)
       **prompt_section(),
@@ -92,6 +97,13 @@ def _records(config, task):
   d = config.data
 
   def build(split, n, seed):
+    if d.get("tool_rate"):
+      if d.train_on != "all_assistant":
+        raise ConfigError(f"data.tool_rate={d.tool_rate} makes the demonstrations calculator "
+                          "conversations, whose tool-calling turns are trained only with "
+                          "data.train_on=all_assistant: set it.")
+      from jaxrl.envs.calculator import demonstrations
+      return demonstrations(task, split, n, seed, d.tool_rate)
     wrong = dict(error_rate=d.error_rate, error_mode=d.error_mode) if split == "train" else {}
     return task.sft_records(split, n, seed, **wrong)
   train, held_out, _ = records(config, task, "sft", build=build,

@@ -56,7 +56,7 @@ from jaxrl.data import prefs
 from jaxrl.data.hf_tokenizer import eos_ids
 from jaxrl.envs import env_factory
 from jaxrl.errors import ConfigError
-from jaxrl.evals.evaluator import Evaluator, checker_for
+from jaxrl.evals.evaluator import EnvEvaluator, Evaluator, checker_for
 from jaxrl.models import abstract_model, lora
 from jaxrl.models.flops import rollout_flops
 from jaxrl.parallel import batch_sharding
@@ -198,7 +198,8 @@ class Parts:
   reference: Any              # the frozen reference's params
   beta: KLCoefficient
   alarms: Alarms
-  evaluator: Evaluator | None  # held-out eval; None: no held-out records or no checker
+  # The held-out eval (multi-turn with an environment); None: no held-out records or checker.
+  evaluator: Evaluator | EnvEvaluator | None
   # Multi-turn rollouts (jaxrl.envs): (name, make_env) and the chat renderer; None: single-turn.
   env: Any = None
   renderer: Any = None
@@ -293,7 +294,7 @@ def setup(config, workdir: str, *, out=print, command: str = "grpo", choices=Non
     from jaxrl.envs.rollout import prompt_ids
     renderer = ChatRenderer(tokenizer, config.data)
     longest = max(len(prompt_ids(renderer, Timed(*env), x)[0])
-                  for x in train_records)
+                  for x in train_records + held_out)
   else:
     longest = max(len(run.prompts.ids(x)) for x in train_records + held_out)
   prompt_len = prompt_length(config, longest)
@@ -318,9 +319,8 @@ def setup(config, workdir: str, *, out=print, command: str = "grpo", choices=Non
                         learner_state={"kl_coef": beta, "alarms": alarms})
   run.checkpointer()
   if env is not None:
-    run.say(f"held-out eval off: the held-out eval is single-turn and environment {env[0]!r} "
-            "is multi-turn (docs/guides/agentic.md); the reward-hacking alarm is off")
-    evaluator = None
+    evaluator = _env_evaluator(run, graphdef, held_out, task, weight_sync, alarms, env=env,
+                               renderer=renderer, prompt_len=prompt_len, budget=completion)
   else:
     evaluator = _evaluator(run, graphdef, held_out, task, weight_sync, alarms)
   parts = Parts(
@@ -370,6 +370,41 @@ def _evaluator(run: Run, graphdef, held_out: list[dict], task, weight_sync: Weig
   alarms.watching = f"eval/accuracy ({checker.name} on {len(held_out)} prompts of {where})"
   run.say(f"held-out eval every {e.every} steps: {len(held_out)} prompts of {where}, checker "
           f"{checker.name}; greedy eval/accuracy{sampled}; reward-hacking alarm armed")
+  return ev
+
+
+def _env_evaluator(run: Run, graphdef, held_out: list[dict], task, weight_sync: WeightSync,
+                   alarms: Alarms, *, env, renderer, prompt_len: int, budget: int
+                   ) -> EnvEvaluator | None:
+  """The multi-turn held-out eval: each held-out record's conversation with the run's
+  environment, greedy, through the rollouts' own driver (jaxrl.evals.EnvEvaluator), and the
+  reward-hacking alarm armed on its eval/accuracy. Says in one line what is evaluated, or why
+  nothing is."""
+  config = run.config
+  e, r, d = config.eval, config.rollout, config.data
+  where = d.eval_file or (f"{task.name}'s test split" if task is not None else "")
+  off = None
+  if not held_out:
+    off = "no held-out prompts (set data.eval_file to a JSONL of {prompt, answer})"
+  elif e.every == 0:
+    off = "eval.every=0"
+  if off is not None:
+    run.say(f"held-out eval off: {off}; the reward-hacking alarm is off")
+    return None
+  if e.n:
+    raise ConfigError(f"eval.n={e.n}: the multi-turn held-out eval (environment {env[0]!r}) "
+                      "is greedy only for now; set --config.eval.n=0.")
+  ev = EnvEvaluator(graphdef, run.cfg, run.placement.sampler.mesh, run.tokenizer, held_out,
+                    env=env, renderer=renderer, max_new=e.max_new_tokens or r.max_new_tokens,
+                    max_turns=r.max_turns, budget=budget, prompt_len=prompt_len,
+                    slots=r.slots, steps_per_call=r.steps_per_call,
+                    to_sampler=lambda params: sync(params, weight_sync.target,
+                                                   dtype=weight_sync.dtype))
+  alarms.watching = (f"eval/accuracy (environment {env[0]!r} on {len(held_out)} prompts of "
+                     f"{where})")
+  run.say(f"held-out eval every {e.every} steps: {len(held_out)} prompts of {where}, "
+          f"conversations with environment {env[0]!r} (greedy, up to {r.max_turns} turns): "
+          "eval/accuracy (reward >= 1), eval/tool_calls/mean; reward-hacking alarm armed")
   return ev
 
 
