@@ -80,6 +80,9 @@ def measure(row: str, out=print) -> dict:
             # Whether XLA's collective matmul ran for the FSDP all-gathers
             # (JAXRL_TPU_COLLECTIVE_MATMUL); rows without it: on (libtpu's default then).
             "collective_matmul": tpu_backend.collective_matmul(),
+            # The learner programs' libtpu options exactly (rows without it: the all-gather's
+            # windowed einsum alone was off under collective_matmul=off).
+            "learner_options": tpu_backend.compiler_options("learner") or {},
             "programs": []}
   c = aot.chip_of(TOPOLOGY[chip])
   for p, e in zip(programs, estimates):
