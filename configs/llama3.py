@@ -32,8 +32,11 @@ MODELS = {"3.2-1b": ("llama-3.2-1b", "checkpoints/Llama-3.2-1B-Instruct"),
           "3.2-3b": ("llama-3.2-3b", "checkpoints/Llama-3.2-3B-Instruct"),
           "3.1-8b": ("llama-3.1-8b", "checkpoints/Llama-3.1-8B-Instruct")}
 # (model, trainer, chip) -> memory knobs where the family default (full remat; 1, 4 or 8
-# micro-batches by size: jaxrl.config.family_config) does not fit; none so far.
-SIZING = {}
+# micro-batches by size: jaxrl.config.family_config) does not fit. 1B's GRPO on a v5e at one
+# micro-batch (16 rows of 2,048 tokens per chip) ran the TPU compiler out of HBM (30.09 GiB of
+# temporaries; the plan said 19.58 GiB at the peak, so it refused the run too); at 2
+# micro-batches it compiled to 13.42 GiB per chip at the run's peak (plan 12.25), and fits.
+SIZING = {("3.2-1b", "grpo", "v5e"): {"accum_steps": 2}}
 # (model, trainer, chip) -> the QLoRA variant's sampler mesh (data, tensor) where the
 # family default (data=auto x tensor=2) does not fit: as configs/qwen3.py's 8B (8 KV heads, one
 # per chip at tensor=8; docs/guides/lora.md).
