@@ -271,9 +271,10 @@ def test_describe_and_bad_choice(monkeypatch):
 
 
 def test_tpu_learner_programs_turn_the_collective_matmul_off(monkeypatch):
-  """Learner programs compiled for a TPU carry the libtpu option that turns the windowed einsum
-  of FSDP all-gathers off (jaxrl.backends.tpu.compiler_options: what it cost Qwen3-0.6B's step
-  per layer); libtpu accepts it (an unknown option fails the compile, checked below), decode
+  """Learner programs compiled for a TPU carry the libtpu options that turn the windowed einsum
+  of FSDP all-gathers and of the gradients' reduce-scatters off (jaxrl.backends.tpu.
+  compiler_options: what they cost Qwen3-0.6B's step per layer on v5e and on v6e); libtpu
+  accepts them (an unknown option fails the compile, checked below), decode
   programs keep libtpu's defaults, and JAXRL_TPU_COLLECTIVE_MATMUL=on brings it back."""
   pytest.importorskip("libtpu", reason='libtpu is in the test extra: pip install -e ".[test]"')
   from jaxrl import backends
@@ -282,7 +283,8 @@ def test_tpu_learner_programs_turn_the_collective_matmul_off(monkeypatch):
   devices = aot.topology_devices("v5e:2x2")
   monkeypatch.delenv(tpu_backend.COLLECTIVE_MATMUL_ENV, raising=False)
   options = backends.compiler_options(devices)
-  assert options == {"xla_tpu_enable_windowed_einsum_for_all_gather": False}
+  assert options == {"xla_tpu_enable_windowed_einsum_for_all_gather": False,
+                     "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False}
   assert backends.compiler_options(devices, "decode_one_slot") is None
   mesh = jax.sharding.Mesh(np.array(devices).reshape(4), ("fsdp",))
   row = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
