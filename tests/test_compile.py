@@ -78,17 +78,13 @@ KNOWN_MISSES = {
     # program (scale.md). Conservative, so it never passes a run that does not fit; recalibrating
     # the train step's terms on compiles without the collective matmul is open.
     "llama3:3.1-8b,grpo,v5e,qlora",
-    # XLA holds 22.15 GiB of temporaries on a v6e-8 for the same program that takes 6.40 on a
-    # v5e-8 (the plan: 7.09). Cut to 2 and 6 layers, the v6e step compiled to 4.44 and 6.96 GiB
-    # (0.63 GiB per layer) where the v5e one took 4.95 and 5.18 (0.06): on v6e the compiler
-    # keeps about one recomputed block's activations per layer alive (the shape of the
-    # collective-matmul placement the plan's option removes on v5e), which the plan does not
-    # model. It fits the v6e's 32 GiB either way; finding the v6e option is open (scale.md).
+    # The v6e rows, compiled with both windowed einsums off (jaxrl.backends.tpu: with the
+    # reduce-scatter's on, which libtpu enables on v6e, the SFT step held 22.98 GiB and the
+    # GRPO step ran out of the 32 GiB). Now the plan is over XLA, the safe direction: SFT 7.92
+    # GiB against 6.16 (+29%), GRPO's run peak 11.87 against 9.53 (+25%), where the same
+    # programs on v5e-8 compile to 7.23 and 10.54: v6e's compiler holds less than v5e's, which
+    # the plan's terms (calibrated on v5e) do not model.
     "qwen3:0.6b,sft,v6e",
-    # The same v6e behaviour at GRPO's shapes: its train step ran out of the v6e's 32 GiB
-    # (33.89 GiB of temporaries alone) where the v5e-8 compiles it to 10.82 GiB per chip and the
-    # plan says 11.87. The plan passes a run the v6e compiler refuses (at the first step, with
-    # XLA's own out-of-memory message): the dangerous direction, open with the v6e option.
     "qwen3:0.6b,grpo,v6e",
 }
 
