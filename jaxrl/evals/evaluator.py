@@ -178,9 +178,7 @@ class Evaluator:
     self.engine = None
     if self.n > 0:
       sampler_mesh = mesh if sampler_mesh is None else sampler_mesh
-      replicas = sampler_mesh.shape["data"] * sampler_mesh.shape["fsdp"]
-      want = min(slots or batch, len(self.records) * self.n)
-      self.slots = -(-want // replicas) * replicas  # slots are split over the replicas
+      self.slots = _slots(sampler_mesh, min(slots or batch, len(self.records) * self.n))
       self.steps_per_call = steps_per_call
       self.engine = Engine(graphdef, cfg, sampler_mesh, sampling=SamplingParams(
           temperature=float(temperature), max_new_tokens=int(max_new),
@@ -267,8 +265,7 @@ class EnvEvaluator:
                         "{\"prompt\", \"answer\"} line.")
     self.env, self.renderer = env, renderer
     self.max_turns, self.budget, self.prompt_len = int(max_turns), int(budget), int(prompt_len)
-    replicas = sampler_mesh.shape["data"] * sampler_mesh.shape["fsdp"]
-    self.slots = -(-min(slots, len(self.records)) // replicas) * replicas
+    self.slots = _slots(sampler_mesh, min(slots, len(self.records)))
     self.steps_per_call = steps_per_call
     self.engine = Engine(graphdef, cfg, sampler_mesh, sampling=SamplingParams(
         greedy=True, max_new_tokens=int(max_new), eos_id=tokenizer.eos_id,
@@ -304,3 +301,10 @@ class EnvEvaluator:
   def samples(self, prompts: int) -> list[dict]:
     """The last call's conversations of its first `prompts` prompts."""
     return [c for c in self.completions if c["prompt_index"] < prompts]
+
+
+def _slots(sampler_mesh, want: int) -> int:
+  """`want` decode slots rounded up to a multiple of the sampler's replicas (data x fsdp), over
+  which the slots are split."""
+  replicas = sampler_mesh.shape["data"] * sampler_mesh.shape["fsdp"]
+  return -(-want // replicas) * replicas
