@@ -161,10 +161,7 @@ class Evaluator:
                temperature: float = 1.0, seed: int = 0, sampler_mesh=None,
                to_sampler: Callable | None = None, slots: int | None = None,
                steps_per_call: int = 8, prefix: str = "eval/", data_cfg=None):
-    self.records, self.checker, self.tokenizer = list(records), checker, tokenizer
-    if not self.records:
-      raise ConfigError("the held-out set is empty: give a data file with at least one "
-                        "{\"prompt\", \"answer\"} line.")
+    self.records, self.checker, self.tokenizer = _held_out(records), checker, tokenizer
     self.n, self.ks = int(n), tuple(int(k) for k in ks)
     bad = [k for k in self.ks if not 1 <= k <= max(self.n, 0)]
     if bad:
@@ -180,9 +177,8 @@ class Evaluator:
       sampler_mesh = mesh if sampler_mesh is None else sampler_mesh
       self.slots = _slots(sampler_mesh, min(slots or batch, len(self.records) * self.n))
       self.steps_per_call = steps_per_call
-      self.engine = Engine(graphdef, cfg, sampler_mesh, sampling=SamplingParams(
-          temperature=float(temperature), max_new_tokens=int(max_new),
-          eos_id=tokenizer.eos_id, stop_ids=eos_ids(tokenizer)[1:]))
+      self.engine = _engine(graphdef, cfg, sampler_mesh, tokenizer, max_new,
+                            temperature=float(temperature))
     # A copy made for sampling is freed once sampled from (GRPO's learner and sampler share
     # devices); params used as given are the caller's.
     self.to_sampler, self.own_copy = to_sampler or (lambda params: params), to_sampler is not None
@@ -259,17 +255,12 @@ class EnvEvaluator:
                renderer, max_new: int, max_turns: int, budget: int, prompt_len: int,
                slots: int, steps_per_call: int = 8, to_sampler: Callable | None = None,
                prefix: str = "eval/"):
-    self.records, self.tokenizer, self.prefix = list(records), tokenizer, prefix
-    if not self.records:
-      raise ConfigError("the held-out set is empty: give a data file with at least one "
-                        "{\"prompt\", \"answer\"} line.")
+    self.records, self.tokenizer, self.prefix = _held_out(records), tokenizer, prefix
     self.env, self.renderer = env, renderer
     self.max_turns, self.budget, self.prompt_len = int(max_turns), int(budget), int(prompt_len)
     self.slots = _slots(sampler_mesh, min(slots, len(self.records)))
     self.steps_per_call = steps_per_call
-    self.engine = Engine(graphdef, cfg, sampler_mesh, sampling=SamplingParams(
-        greedy=True, max_new_tokens=int(max_new), eos_id=tokenizer.eos_id,
-        stop_ids=eos_ids(tokenizer)[1:]))
+    self.engine = _engine(graphdef, cfg, sampler_mesh, tokenizer, max_new, greedy=True)
     self.to_sampler, self.own_copy = to_sampler or (lambda params: params), to_sampler is not None
     self.completions: list[dict] = []
     self.timing: dict[str, float] = {}
@@ -301,6 +292,22 @@ class EnvEvaluator:
   def samples(self, prompts: int) -> list[dict]:
     """The last call's conversations of its first `prompts` prompts."""
     return [c for c in self.completions if c["prompt_index"] < prompts]
+
+
+def _held_out(records: Sequence[dict]) -> list[dict]:
+  """The held-out records as a list; an empty set is one sentence."""
+  records = list(records)
+  if not records:
+    raise ConfigError("the held-out set is empty: give a data file with at least one "
+                      "{\"prompt\", \"answer\"} line.")
+  return records
+
+
+def _engine(graphdef, cfg, sampler_mesh, tokenizer, max_new: int, **sampling) -> Engine:
+  """The eval's engine: `max_new` tokens per turn, stopping at the tokenizer's end ids."""
+  return Engine(graphdef, cfg, sampler_mesh, sampling=SamplingParams(
+      max_new_tokens=int(max_new), eos_id=tokenizer.eos_id, stop_ids=eos_ids(tokenizer)[1:],
+      **sampling))
 
 
 def _slots(sampler_mesh, want: int) -> int:
