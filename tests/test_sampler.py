@@ -1,5 +1,6 @@
 """The sampler on 2 (fsdp) x 4 (tensor) fake CPU devices: exactness against a full forward without
-cache, logprobs, keys, continuous vs static batching, stopping, and weight swaps."""
+cache, logprobs, keys, continuous vs static batching, stopping, weight swaps, per-slot keys and
+the streaming driver."""
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ from jaxrl.errors import ConfigError
 from jaxrl.models import apply, get_preset, token_logprobs
 from jaxrl.parallel import init_params, make_mesh
 from jaxrl.sampler import Engine, SamplingParams, generate, sample_logits
+from jaxrl.sampler.rollout import generate_stream
 
 # Mixed lengths on purpose: they land in two prefill buckets (16 and 32).
 PROMPTS = [[1, 40, 41, 42], [1, 50], [1] + list(range(60, 78)), [1, 7, 8, 9, 10, 11, 12]]
@@ -176,6 +178,70 @@ def test_engine_contract_single_steps_equal_the_scan(model):
     return np.asarray(out["tokens"])
 
   np.testing.assert_array_equal(run(True), run(False))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_per_slot_keys_equal_one_key_and_two_seeds_share_a_call(model, paged):
+  """Engine.generate with key=None draws each slot's tokens from the key its prefix was made
+  with: with one key everywhere, the tokens of a call given that key; with two prefixes of two
+  keys in one state, each slot's tokens are those of its prefix's key alone."""
+  mesh, cfg, graphdef, params = model
+  engine = Engine(graphdef, cfg, mesh, sampling=SamplingParams(max_new_tokens=16, eos_id=None))
+  tokens = np.zeros((2, 16), np.int32)
+  tokens[0, :4], tokens[1, :2] = PROMPTS[0], PROMPTS[1]
+  key_a, key_b = jax.random.key(3), jax.random.key(4)
+  prefix_a = engine.prefill(params, tokens, [4, 2], key_a)
+  prefix_b = engine.prefill(params, tokens, [4, 2], key_b)
+
+  def run(prefixes, key):
+    if paged:
+      state = engine.init_paged_state(4, 32, pages=16, page_size=4)
+    else:
+      state = engine.init_decode_state(4, 32)
+    for slots, prefix in zip(([0, 1], [2, 3]), prefixes):
+      state, _ = engine.insert_group(prefix, state, slots, row=0, samples=[0, 1])
+    state, out = engine.generate_steps(params, state, key, steps=6)
+    return np.asarray(out["tokens"])
+
+  one_key = run([prefix_a, prefix_a], key_a)
+  np.testing.assert_array_equal(run([prefix_a, prefix_a], None), one_key)
+  mixed = run([prefix_a, prefix_b], None)
+  np.testing.assert_array_equal(mixed[:, :2], one_key[:, :2])
+  np.testing.assert_array_equal(mixed[:, 2:], run([prefix_b, prefix_b], key_b)[:, 2:])
+  assert (mixed[:, 2:] != one_key[:, 2:]).any(), "the two keys drew the same tokens"
+
+
+def test_streaming_units_equal_each_unit_sampled_alone(model):
+  """generate_stream admits a unit's groups into slots as they free up, beside the previous
+  unit's long completions; each unit is generate()'s rollout for its seed, token for token."""
+  mesh, cfg, graphdef, params = model
+  stops = tuple(range(0, 512, 7))  # mixed lengths, so slots free up at different times
+  engine = Engine(graphdef, cfg, mesh, sampling=SamplingParams(max_new_tokens=24,
+                                                                stop_ids=stops))
+  units = [(PROMPTS[:2], 11), (PROMPTS[2:], 12), ([[1, 90, 91], [1, 33, 34]], 13)]
+  opened = []
+
+  def next_unit(wait):
+    if len(opened) == len(units):
+      return None
+    opened.append(wait)
+    prompts, seed = units[len(opened) - 1]
+    return len(opened) - 1, prompts, seed
+
+  out = list(generate_stream(engine, next_unit, weights=lambda: (7, params), n=3, slots=8,
+                             steps_per_call=4, max_prompt_len=32))
+  assert [tag for tag, _ in out] == [0, 1, 2]
+  assert opened[1:] == [False, False], "a unit waited for the slots to empty: no streaming"
+  for (tag, got), (prompts, seed) in zip(out, units):
+    alone = generate(engine, params, prompts, n=3, slots=8, steps_per_call=4, seed=seed,
+                     max_prompt_len=32)
+    for field in ("completion_ids", "completion_mask", "lengths", "prompt_ids"):
+      np.testing.assert_array_equal(getattr(got, field), getattr(alone, field), err_msg=field)
+    np.testing.assert_allclose(got.logprobs, alone.logprobs, atol=2e-5)
+    assert got.finish_reasons == alone.finish_reasons
+    assert set(got.versions[got.completion_mask > 0].tolist()) == {7}
+  lengths = np.concatenate([r.lengths for _, r in out])
+  assert len(set(lengths.tolist())) > 2, "lengths are not mixed; the test shows nothing"
 
 
 def test_sampling_truncations():

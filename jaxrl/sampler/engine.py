@@ -7,6 +7,7 @@
     state, first = engine.insert(prefix, state, slot)                    # one prefix, one slot
     state, first = engine.insert_group(prefix, state, slots_g)          # one prefix, G slots
     state, out = engine.generate(params, state, key)                    # one step, every slot
+    state, out = engine.generate(params, state)              # ... each slot with its own key
     state, out = engine.generate_steps(params, state, key, steps=k)     # k steps in one scan
     state = engine.evict(state, slots)                                  # preempt: free slots
     state, out = engine.extend(params, state, key, slots=e, tokens_et=obs, length_e=n)
@@ -38,6 +39,11 @@ Decode-state fields, per slot b:
   ngen[b]    tokens generated so far (the first one comes from the prefill)
   max_len[b] the sequence limit: a slot whose next position reaches it is done ("length")
   sample[b]  the global sample index that keys the slot's random draws (see sampling.py)
+  key[b]     the slot's base key ([B, 2] key data): its prefix's key, set at insert. A decode
+             call given a key draws every slot's tokens from that key; one given None draws
+             slot b's from key[b], so slots of two rollouts (two seeds) decode in one call
+             (the streaming producer, jaxrl.sampler.rollout.generate_stream). With every
+             slot's key equal to the call's, the two are the same tokens.
   live[b]    the slot is generating; a finished or empty slot still runs but its output is
              flagged invalid and its state does not advance
 """
@@ -61,7 +67,7 @@ from jaxrl.parallel import batch_sharding, cache_sharding
 from jaxrl.sampler import paged
 from jaxrl.sampler.sampling import SamplingParams, is_stop, sample_logits, token_keys
 
-DecodeState = dict  # {"cache": [per-layer ([B,K,W,H], [B,K,W,H])], "tokens"|"pos"|"ngen"|"sample"|"max_len": [B] i32, "live": [B] bool}
+DecodeState = dict  # {"cache": [per-layer ([B,K,W,H], [B,K,W,H])], "tokens"|"pos"|"ngen"|"sample"|"max_len": [B] i32, "key": [B, 2] u32, "live": [B] bool}
 Prefix = dict  # {"kv": [per-layer ([P,K,T,H], [P,K,T,H])], "logits": [P,V], "length": [P], "tokens", "logprobs": [P], "key"}
 
 
@@ -121,7 +127,7 @@ class Engine:
       z = jnp.zeros((slots,), jnp.int32)
       return {"cache": init_cache(cfg, slots, length), "tokens": z, "pos": z, "ngen": z,
               "sample": z, "max_len": jnp.full((slots,), max_len, jnp.int32),
-              "live": jnp.zeros((slots,), bool)}
+              "key": _empty_keys(slots), "live": jnp.zeros((slots,), bool)}
 
     return init
 
@@ -152,7 +158,7 @@ class Engine:
               "pages": jnp.full((slots, n), -1, jnp.int32),
               "refs": jnp.zeros((pages,), jnp.int32), "tokens": z, "pos": z, "ngen": z,
               "sample": z, "max_len": jnp.full((slots,), max_len, jnp.int32),
-              "live": jnp.zeros((slots,), bool)}
+              "key": _empty_keys(slots), "live": jnp.zeros((slots,), bool)}
 
     return init
 
@@ -165,7 +171,8 @@ class Engine:
     return {"cache": [(pool, pool)] * self.cfg.num_layers,
             "pages": batch_sharding(self.mesh, 2, "sampler"),
             "refs": NamedSharding(self.mesh, PartitionSpec()),
-            "tokens": vec, "pos": vec, "ngen": vec, "sample": vec, "max_len": vec, "live": vec}
+            "tokens": vec, "pos": vec, "ngen": vec, "sample": vec, "max_len": vec, "live": vec,
+            "key": batch_sharding(self.mesh, 2, "sampler")}
 
   def pages_in_use(self, state: DecodeState) -> int:
     """Host side: the pages a paged state's slots hold now (0 for a dense state)."""
@@ -188,7 +195,8 @@ class Engine:
     vec = batch_sharding(self.mesh, 1, "sampler")
     shd = cache_sharding(self.mesh, self.cfg, slots, length)
     return {"cache": [(shd, shd)] * self.cfg.num_layers,
-            "tokens": vec, "pos": vec, "ngen": vec, "sample": vec, "max_len": vec, "live": vec}
+            "tokens": vec, "pos": vec, "ngen": vec, "sample": vec, "max_len": vec, "live": vec,
+            "key": batch_sharding(self.mesh, 2, "sampler")}
 
   def _constrain(self, state: DecodeState) -> DecodeState:
     # Pin the state's layout inside each jit so the donated output keeps the input's shardings
@@ -313,7 +321,8 @@ class Engine:
 
     state = dict(state, tokens=put(state["tokens"], token_m), pos=put(state["pos"], length_m),
                  ngen=put(state["ngen"], jnp.ones_like(token_m)),
-                 sample=put(state["sample"], samples_m), live=put(state["live"], ~done_m))
+                 sample=put(state["sample"], samples_m), live=put(state["live"], ~done_m),
+                 key=_put_key(state["key"], slots_m, prefix["key"]))
     return self._constrain(state), {"tokens": token_m, "logprobs": logprob_m, "done": done_m}
 
   def _insert_paged_fn(self, state, prefix, rows_m, slots_m, samples_m, lead_m, valid_m):
@@ -427,19 +436,21 @@ class Engine:
 
     state = dict(state, cache=cache, tokens=put(state["tokens"], token_e),
                  pos=put(state["pos"], pos_e), ngen=put(state["ngen"], ngen_e + 1),
-                 sample=put(state["sample"], sample_e), live=put(state["live"], ~done_e))
+                 sample=put(state["sample"], sample_e), live=put(state["live"], ~done_e),
+                 key=_put_key(state["key"], slots_e, key) if restart else state["key"])
     return self._constrain(state), {"tokens": token_e, "logprobs": logprob_e, "done": done_e,
                                     "logits": logits_ev}
 
   # --------------------------------------------------------------------------- generate
 
-  def generate(self, params, state: DecodeState, key):
+  def generate(self, params, state: DecodeState, key=None):
     """One decode step for every slot: (state, out) with out's "tokens", "logprobs", "done"
-    and "valid" (the slot was live, so the token is real) each [B]."""
+    and "valid" (the slot was live, so the token is real) each [B]. key=None: each slot draws
+    with its own key (the one its prefix was made with; see "key[b]" above)."""
     state, out = self._decode(state)(params, state, key, steps=1)
     return state, {k: v[0] for k, v in out.items()}
 
-  def generate_steps(self, params, state: DecodeState, key, *, steps: int):
+  def generate_steps(self, params, state: DecodeState, key=None, *, steps: int):
     """`steps` decode steps in one jitted lax.scan: out's arrays are [steps, B]. The host
     needs no sync between the steps; a slot that finishes mid-scan idles until the end."""
     return self._decode(state)(params, state, key, steps=steps)
@@ -504,7 +515,11 @@ class Engine:
       logits, cache = model(state["tokens"][:, None],
                             jnp.where(active_b, state["pos"], width)[:, None],
                             cache=cache)
-      keys_b = token_keys(key, state["sample"], state["ngen"])
+      if key is None:  # each slot's own key
+        keys_b = jax.vmap(lambda k, s, t: token_keys(k, s[None], t[None])[0])(
+            jax.random.wrap_key_data(state["key"]), state["sample"], state["ngen"])
+      else:
+        keys_b = token_keys(key, state["sample"], state["ngen"])
       # The barrier keeps the logits matmul a plain dot: XLA:CPU fused it with log_softmax's
       # max into one kernel that took 338 us per step at batch 64 (bench preset), ~4% of it.
       token_b, logprob_b = sample_logits(jax.lax.optimization_barrier(logits[:, 0]), keys_b, sp)
@@ -523,6 +538,18 @@ class Engine:
 
     state, out = jax.lax.scan(step, state, None, length=steps)
     return self._constrain(state), out
+
+
+def _empty_keys(slots: int):
+  """[B, 2] key data of jax.random.key(0): what an empty slot holds until an insert."""
+  return jnp.tile(jax.random.key_data(jax.random.key(0))[None], (slots, 1))
+
+
+def _put_key(keys_b, slots_m, key):
+  """keys_b with the rows slots_m (>= B: padding, dropped) set to `key`'s data."""
+  data = jax.random.key_data(key)
+  return keys_b.at[slots_m].set(jnp.broadcast_to(data, (slots_m.shape[0],) + data.shape),
+                                mode="drop")
 
 
 def window(state_or_prefix) -> int:

@@ -499,3 +499,149 @@ def metrics(rollout: Rollout) -> dict:
           **({"env/turns/mean": st["env_turns"], "env/tool_calls/mean": st["env_tool_calls"],
               "env/bad_tool_calls": st["env_bad_tool_calls"], "timing_s/env": st["env_s"]}
              if "env_turns" in st else {})}
+
+
+def generate_stream(engine: Engine, next_unit: Callable, *, weights: Callable[[], tuple[int, Any]],
+                    n: int, slots: int = 16, steps_per_call: int = 8, max_prompt_len: int,
+                    pad_id: int = 0, grow_cache: bool = True):
+  """Streaming continuous batching over a sequence of units (the async producer's partial
+  rollouts): yields (tag, Rollout) per unit, in the order the units were opened.
+
+  next_unit(wait) -> (tag, prompts, seed) | None opens the next unit: its prompts' n samples
+  each, keyed by its own seed (so sample i * n + g of a unit is token for token what
+  generate(..., seed=seed) samples for it with the same weights). It is asked whenever n
+  slots are free and no opened unit has a group waiting; wait=False while other slots are
+  live (None: not now, go on decoding), wait=True when none is (None: there is no next unit,
+  the stream ends). A group's n samples are admitted together, one prefill per prompt shared
+  by them (insert_many), as soon as n slots are free, so a unit's short completions free
+  slots for the next unit's groups instead of idling beside its long ones. Each slot carries
+  its unit's key (Engine.generate with key=None). weights() is called before every prefill
+  and decode call, as generate()'s `weights` (every token's version is in Rollout.versions).
+
+  The cache is dense and its window grows with the longest live sequence but is never
+  narrowed (one state serves every unit). A unit's Rollout.stats are the driver's work
+  between the previous unit's emission and its own (decode calls are shared by the units in
+  flight): gen_s, their prefill and decode seconds, is what the producer counts as busy."""
+  sp = engine.sampling
+  replicas = engine.mesh.shape["data"] * engine.mesh.shape["fsdp"]
+  if slots % replicas or slots < n:
+    raise ConfigError(f"slots={slots} must be a multiple of the replica count data x fsdp = "
+                      f"{replicas} and hold a group of {n}: raise rollout.slots.")
+  max_prompt_len = bucket(max_prompt_len)
+  max_len = max_prompt_len + sp.max_new_tokens
+
+  def fit(need: int) -> int:
+    return min(max_len, window_bucket(need)) if grow_cache else max_len
+
+  state = engine.init_decode_state(slots, max_len, length=fit(max_prompt_len + steps_per_call))
+  units: deque = deque()  # opened units, not yet emitted, in order
+  occupant: list = [None] * slots  # slot -> (unit, sample)
+  counters = dict(prefill_s=0.0, decode_s=0.0, prefill_calls=0, prefill_prompts=0,
+                  prefill_tokens=0, decode_steps=0, slot_steps=0, live_slot_steps=0,
+                  live_peak=0, kv_positions_peak=0)
+  since = dict(counters)  # the counters at the last emission
+  version = -1
+
+  def record(u, s, tok, lp, v, done):
+    u["toks"][s].append(int(tok))
+    u["lps"][s].append(float(lp))
+    u["vers"][s].append(v)
+    if done:
+      u["left"] -= 1
+    return done
+
+  while True:
+    # Admit: whole groups into free slots, the oldest opened unit's first.
+    free = [b for b in range(slots) if occupant[b] is None]
+    live = len(free) < slots
+    admits = []  # (unit, prompt index, slots)
+    while len(free) >= n:
+      u = next((u for u in units if u["next"] < len(u["prompts"])), None)
+      if u is None:
+        got = next_unit(not live and not admits)
+        if got is None:
+          break
+        tag, prompts, seed = got
+        prompts = [list(map(int, x)) for x in prompts]
+        if max(map(len, prompts)) > max_prompt_len:
+          raise ConfigError(f"a prompt has {max(map(len, prompts))} tokens, more than "
+                            f"max_prompt_len={max_prompt_len}: raise it or shorten the prompt.")
+        num = len(prompts) * n
+        units.append(dict(tag=tag, prompts=prompts, key=jax.random.key(seed), next=0,
+                          left=num, toks=[[] for _ in range(num)], lps=[[] for _ in range(num)],
+                          vers=[[] for _ in range(num)], t0=time.perf_counter()))
+        continue
+      admits.append((u, u["next"], free[:n]))
+      free = free[n:]
+      u["next"] += 1
+    if not admits and not live:
+      break  # nothing in flight and no next unit: the stream has ended
+    if admits:
+      t0 = time.perf_counter()
+      firsts = []
+      for u in [u for u in units if any(a[0] is u for a in admits)]:
+        mine = [(i, bs) for v, i, bs in admits if v is u]
+        for batch in _prefill_batches([i for i, _ in mine], lambda i: len(u["prompts"][i]),
+                                      slots):
+          ids = [u["prompts"][i] for i in batch]
+          T, P = bucket(max(map(len, ids))), bucket(len(ids), minimum=1)
+          tokens = np.full((P, T), pad_id, np.int32)
+          lengths = np.ones((P,), np.int32)
+          for r, x in enumerate(ids):
+            tokens[r, :len(x)], lengths[r] = x, len(x)
+          version, params = weights()
+          prefix = engine.prefill(params, tokens, lengths, u["key"])
+          counters["prefill_calls"] += 1
+          counters["prefill_prompts"] += len(ids)
+          counters["prefill_tokens"] += int(sum(map(len, ids)))
+          state = engine.grow(state, fit(max(T, max(map(len, ids)) + steps_per_call)))
+          bss = dict(mine)
+          rows, bs, ss = [], [], []
+          for r, i in enumerate(batch):
+            rows += [r] * n
+            bs += bss[i]
+            ss += [i * n + g for g in range(n)]
+          for b, s in zip(bs, ss):
+            occupant[b] = (u, s)
+          state, first = engine.insert_many(prefix, state, rows=rows, slots=bs, samples=ss)
+          firsts.append((u, bs, ss, version, first))
+      # (the units stay out of the transfer: only the arrays go through to_host)
+      for (u, bs, ss, v, _), first in zip(firsts, to_host([f[-1] for f in firsts])):
+        for b, s, tok, lp, done in zip(bs, ss, first["tokens"], first["logprobs"],
+                                       first["done"]):
+          if record(u, s, tok, lp, v, done):
+            occupant[b] = None
+      counters["prefill_s"] += time.perf_counter() - t0
+    if any(o is not None for o in occupant):
+      t0 = time.perf_counter()
+      need = max(len(u["prompts"][s // n]) + len(u["toks"][s]) - 1 + steps_per_call
+                 for u, s in filter(None, occupant))
+      state = engine.grow(state, fit(need))
+      counters["live_peak"] = max(counters["live_peak"], sum(o is not None for o in occupant))
+      counters["kv_positions_peak"] = max(counters["kv_positions_peak"], slots * window(state))
+      version, params = weights()
+      state, out = engine.generate_steps(params, state, None, steps=steps_per_call)
+      out = to_host(out)
+      counters["decode_s"] += time.perf_counter() - t0
+      counters["decode_steps"] += steps_per_call
+      counters["slot_steps"] += steps_per_call * slots
+      counters["live_slot_steps"] += int(out["valid"].sum())
+      for t in range(steps_per_call):
+        for b in np.flatnonzero(out["valid"][t]):
+          u, s = occupant[b]
+          if record(u, s, out["tokens"][t, b], out["logprobs"][t, b], version,
+                    out["done"][t, b]):
+            occupant[b] = None
+    # Emit the finished units at the front, in order.
+    while units and units[0]["next"] == len(units[0]["prompts"]) and not units[0]["left"]:
+      u = units.popleft()
+      stats = {k: counters[k] - since[k] if k not in ("live_peak", "kv_positions_peak")
+               else counters[k] for k in counters}
+      stats.update(kv_cache="dense", gen_s=stats["prefill_s"] + stats["decode_s"])
+      since = dict(counters)
+      rollout = _assemble(u["prompts"], n, u["toks"], u["lps"], sp, pad_id, stats,
+                          time.perf_counter() - u["t0"])
+      versions = np.full(rollout.completion_ids.shape, -1, np.int32)
+      for s, v in enumerate(u["vers"]):
+        versions[s, :len(v)] = v
+      yield u["tag"], dataclasses.replace(rollout, versions=versions)
