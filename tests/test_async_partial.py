@@ -183,3 +183,73 @@ def test_two_processes_switch_weights_at_the_same_decode_call():
     assert [[g.version for g in t.groups] for t in taken[rank]] == [
         [g.version for g in t.groups] for t in taken[0]]
     assert all(s - g.version <= k for s, t in enumerate(taken[rank]) for g in t.groups)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_streaming_gives_the_non_streaming_groups_within_k(model, k):
+  """Streaming (rollout.streaming) over a real engine with frozen weights (every version the
+  same params): the next unit's groups take the slots the current unit's short completions
+  free, and every step's groups are the non-streaming queue's, rewards and lengths group for
+  group (each unit keeps its own key); every group is at most k versions behind its step.
+  About 20 s on 2 cores, both k."""
+  from jaxrl.sampler.rollout import generate_stream
+  mesh, cfg, graphdef, p0, _ = model
+  # Every 7th token stops: most completions are short, a few run to 24 (the long tail).
+  engine = Engine(graphdef, cfg, mesh, sampling=SamplingParams(
+      max_new_tokens=24, stop_ids=tuple(range(0, 512, 7))))
+  B, G, steps = 2, 3, 5
+  records = [{"prompt": str(i), "ids": PROMPTS[i % 4] + [100 + i]} for i in range(40)]
+
+  def score(rollout, prompts):  # a reward of the tokens, so equal rewards mean equal samples
+    return (rollout.completion_ids.sum(1) % 5).astype(np.float32), {"timing_s/reward": 0.0}
+
+  def sample(params, prompts, unit, weights=None):
+    rollout = generate(engine, params, [x["ids"] for x in prompts], n=G, slots=4,
+                       steps_per_call=4, seed=unit, max_prompt_len=16, weights=weights)
+    return (rollout, *score(rollout, prompts))
+
+  opened = []
+
+  def stream(next_unit, weights):
+    def opened_unit(wait):
+      got = next_unit(wait)
+      if got is not None:
+        opened.append(wait)
+        return got[0], [x["ids"] for x in got[1]], got[0][0]
+      return None
+    return generate_stream(engine, opened_unit, weights=weights, n=G, slots=4,
+                           steps_per_call=4, max_prompt_len=16)
+
+  def run(**kw):
+    q = RolloutQueue(sample=sample, stream=PromptStream(records, B, seed=0), batch=B, group=G,
+                     max_staleness=k, partial=True, end_step=steps, **kw)
+    taken = []
+    try:
+      q.publish(0, p0)
+      for step in range(steps):
+        taken.append(q.take(step))
+        if step:
+          q.publish(step, p0)
+    finally:
+      q.close()
+    return taken
+
+  plain, streamed = run(), run(streamer=stream, score=score)
+  # With k = 1 unit n waits for version n - 1, published once unit n - 1 is taken: it cannot
+  # overlap. From k = 2 it can.
+  assert k == 1 or any(not w for w in opened), "no unit was opened beside another's live slots"
+  lengths = []
+  for step, (a, b) in enumerate(zip(plain, streamed)):
+    assert [(g.unit, g.index) for g in a.groups] == [(g.unit, g.index) for g in b.groups]
+    for ga, gb in zip(a.groups, b.groups):
+      ua, ub = a.units[ga.unit], b.units[gb.unit]
+      np.testing.assert_array_equal(ua.rewards_bg[ga.index], ub.rewards_bg[gb.index])
+      rows = slice(ga.index * G, (ga.index + 1) * G)
+      np.testing.assert_array_equal(ua.rollout.lengths[rows], ub.rollout.lengths[rows])
+      np.testing.assert_array_equal(ua.rollout.completion_ids[rows],
+                                    ub.rollout.completion_ids[rows])
+      lengths += ub.rollout.lengths[rows].tolist()
+      assert step - gb.version <= k
+    assert b.metrics["staleness/max"] <= k and b.metrics["rollout/dropped_stale"] == 0
+  assert len(set(lengths)) > 3 and max(lengths) >= 4 * np.median(lengths), \
+      "no long tail: the test shows nothing"

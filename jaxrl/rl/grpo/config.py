@@ -156,6 +156,11 @@ def default_config():
       # own sampler log-prob and version, and algo.tis_cap corrects per token). Fresher, but
       # the switch points follow thread timing: reproducible only with frozen weights.
       partial_rollouts=False,
+      # With partial_rollouts: one streaming driver keeps the sampler's slots busy across
+      # units, the next unit's groups taking the slots the current one's short completions
+      # free (jaxrl/rl/grpo/producer.py, "Streaming"); a group's tokens are the same as
+      # without it for the same weights. Dense KV cache, one process.
+      streaming=False,
       # With an environment (data.env or env_module): model turns per conversation, and the
       # tokens a conversation may hold after its prompt, model and tool tokens together (the
       # learner batch's completion width; 0: 2 x max_turns x max_new_tokens). max_new_tokens

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import time
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ from jaxrl.rl.grpo.rewards import score_rollout
 from jaxrl.rl.grpo.update import old_policy_sums, sampler_log_ratio
 from jaxrl.sampler import Rollout, bucket, generate
 from jaxrl.sampler import metrics as rollout_metrics
+from jaxrl.sampler.rollout import generate_stream
 
 if TYPE_CHECKING:
   from jaxrl.rl.grpo.trainer import Parts
@@ -183,7 +185,9 @@ def queued_rollouts(p: Parts, state, step: int):
         snapshot=stream.snapshot, release=p.weight_sync.release,
         # Partial rollouts across processes: every process switches at process 0's choice.
         agree=(process_zero_value(p.run.placement.sampler.mesh)
-               if r.get("partial_rollouts") and jax.process_count() > 1 else None))
+               if r.get("partial_rollouts") and jax.process_count() > 1 else None),
+        streamer=(functools.partial(stream_units, p) if r.get("streaming") else None),
+        score=lambda rollout, prompts: score_rollout(p, rollout, prompts))
   # 1. This step's weights, published after its groups are taken (they need version
   # step - max_staleness or older), so that with max_staleness=1 the sync never runs beside a
   # rollout, as before the queue; only the queue's first step needs its own version.
@@ -240,12 +244,35 @@ def sample_and_score(p: Parts, params_s, prompts: list[dict], step: int) -> Scor
   return Scored(rollout, rewards_bg, reward_stats, gen_stats, frac_zero, t_gen)
 
 
+def _seed(p: Parts, step: int, round_: int) -> int:
+  """The sampling seed of (run seed, step, round)."""
+  return int(jax.random.randint(jax.random.fold_in(jax.random.key(p.config.seed),
+                                                   step * 16 + round_), (), 0, 2**31 - 1))
+
+
+def stream_units(p: Parts, next_unit, weights):
+  """The async producer's streaming rollouts (rollout.streaming): yields (tag, rollout) per
+  unit as generate_stream finishes them, each unit sampled with its step seed (round 0), as
+  `sample` samples it."""
+  r = p.config.rollout
+
+  def opened(wait):
+    got = next_unit(wait)
+    if got is None:
+      return None
+    tag, records = got  # tag: (unit index, its prompt records)
+    return tag, [p.run.prompts.ids(x) for x in records], _seed(p, tag[0], 0)
+
+  yield from generate_stream(p.engine, opened, weights=weights, n=r.group_size, slots=r.slots,
+                             steps_per_call=r.steps_per_call, max_prompt_len=p.prompt_len,
+                             pad_id=p.tokenizer.pad_id, grow_cache=r.grow_cache)
+
+
 def sample(p: Parts, params_s, prompts: list[dict], step: int, round_: int, weights=None):
   """(rollout, [N] rewards, reward stats) of `prompts` x G, with a seed drawn from (seed, step,
   round). `weights` (partial rollouts): newer (version, params) between decode calls."""
   r = p.config.rollout
-  seed = int(jax.random.randint(jax.random.fold_in(jax.random.key(p.config.seed),
-                                                   step * 16 + round_), (), 0, 2**31 - 1))
+  seed = _seed(p, step, round_)
 
   if p.env is not None:  # multi-turn: the environment's rewards (jaxrl.envs.rollout)
     return env_rollout(p, params_s, prompts, seed)

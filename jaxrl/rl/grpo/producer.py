@@ -42,6 +42,26 @@ on this producer then: process 0 published v after taking step v's groups, which
 every process has finished, so each process's learner publishes v too (the weight sync is a
 collective of the learners). Agreed versions only grow, so the copy waited for is never freed.
 
+Streaming (streamer=..., with partial rollouts): instead of one generate() call per unit, one
+streaming driver (jaxrl.sampler.rollout.generate_stream) keeps the sampler's slots busy across
+units: when a unit's short completions finish, the next unit's groups take their slots (a
+group's G slots together, sharing its prompt's prefill), while the unit's long completions
+still decode. Each slot keeps its own unit's key, so a group's tokens are the non-streaming
+ones for the same weights. A unit is opened (its prompts drawn from the stream) when the driver
+has G free slots and no opened unit's group waits, and once the newest published version is at
+least its gate, max(floor, min(L - k, F - 1)): L the step its last group can fall in (every
+opened unit's groups counted as kept), F the step its first group falls in (the same count;
+with dynamic sampling, where it is not known, none of them counted). Without dynamic sampling
+L = F = the unit's step, so the gate is the
+non-streaming version step - k; F - 1 is published once the learner waits for step F, so the
+producer never waits for a version the learner publishes only after it. Units are emitted in
+order when their last group finishes, and scored, filtered, assigned to steps and checkpointed
+exactly as above (step, round and stream positions are decided then, in unit order); a group
+is dated by its oldest token and dropped (counted) if that is more than k before its step,
+which the gate prevents except with dynamic sampling. The queue then runs ahead of the
+learner by about as many units as without streaming; single process only (the admission
+follows thread timing, which processes would have to agree on at every decode call).
+
 Resume rule (checkpoint_state / RolloutQueue(resume=...)): a checkpoint after step n records
 the unit that step n's last group came from (its index, the stream position before it, the
 reward normaliser's state before it) and how many of its groups the learner has handled. A
@@ -117,22 +137,32 @@ class RolloutQueue:
   reward normaliser) for a resume; `release(params)` frees a sampler copy no unit needs any
   more; `agree(version) -> version` (partial rollouts across processes) is process 0's
   version, the same on every process. No unit is started for `end_step` (the run's
-  train.steps) or later."""
+  train.steps) or later.
+
+  Streaming (see the module docstring): `streamer(next_unit, weights)` yields (tag, rollout)
+  per unit in the order next_unit(wait) -> (tag, prompts) opened them (generate_stream over
+  the engine), and `score(rollout, prompts) -> (rewards [B*G], reward_stats)` scores one."""
 
   def __init__(self, *, sample: Callable, stream, batch: int, group: int, max_staleness: int,
                filter_zero_std: bool = False, max_refill_rounds: int = 3, partial: bool = False,
                start_step: int = 0, end_step: int | None = None, resume: dict | None = None,
                snapshot: Callable[[], dict] = dict,
                release: Callable[[Any], None] = lambda params: None,
-               agree: Callable[[int], int] | None = None):
+               agree: Callable[[int], int] | None = None, streamer: Callable | None = None,
+               score: Callable | None = None):
     self.sample, self.stream, self.B, self.G = sample, stream, batch, group
     self.k, self.filter, self.rounds = max_staleness, filter_zero_std, max_refill_rounds
     self.partial = partial
+    self.streaming, self.score = streamer, score
+    if streamer is not None and not (partial and score is not None and agree is None):
+      raise ValueError("RolloutQueue: streaming needs partial rollouts, a score function and "
+                       "a single process (no agree)")
     self.snapshot, self.release, self.agree = snapshot, release, agree
     self.floor = start_step  # the oldest version this run will have: the one it starts with
     self.end_step = end_step  # no unit is started for this step or later (the run's end)
     self.unit = int((resume or {}).get("unit", start_step))
     self.skip = int((resume or {}).get("skip", 0))
+    self.skip_unit = self.unit  # the unit whose first `skip` groups a resume discards
     if self.skip:
       self.resumed_step = int(resume["unit_step"])
       self.resumed_nominal = int(resume["nominal"])
@@ -235,6 +265,8 @@ class RolloutQueue:
   # ------------------------------------------------------------------------- the producer side
 
   def _run(self) -> None:
+    if self.streaming is not None:
+      return self._run_streaming()
     try:
       while True:
         step = self.filled // self.B
@@ -268,6 +300,68 @@ class RolloutQueue:
       with self._cond:
         self._error = e
         self._cond.notify_all()
+
+  def _run_streaming(self) -> None:
+    """The producer with streaming (see the module docstring): units are opened by the
+    driver's next_unit and put in order as it yields them."""
+    self._open: collections.deque[dict] = collections.deque()  # opened, not yet put
+    try:
+      for (index, prompts), rollout in self.streaming(self._next_unit, self._stream_weights):
+        info = self._open.popleft()
+        step = self.filled // self.B
+        nominal = self._nominal(step)
+        if index == self.skip_unit and self.skip:  # as it was decided before the resume
+          step, nominal = self.resumed_step, self.resumed_nominal
+          self.units_for_step[step] = self.resumed_round - 1
+        start = {**info["start"], **self.snapshot()}
+        rewards, reward_stats = self.score(rollout, prompts)
+        self.units_for_step[step] += 1
+        end = {**info["end"], **self.snapshot()}
+        versions = rollout.versions[rollout.versions >= 0]
+        self._put(Unit(index, int(versions.min()) if versions.size else info["gate"],
+                       rollout, np.asarray(rewards).reshape(-1, self.G), reward_stats,
+                       rollout.stats["gen_s"], start, end, step, nominal,
+                       self.units_for_step[step]), step, nominal)
+    except _Closed:
+      return
+    except BaseException as e:  # the learner re-raises it from take()
+      with self._cond:
+        self._error = e
+        self._cond.notify_all()
+
+  def _next_unit(self, wait: bool):
+    """Streaming: (tag, prompts) of the next unit once its gate version is published (see the
+    module docstring); None when it is not yet (wait=False), or there is none (the run's end,
+    or the queue closed)."""
+    ahead = sum(self.B - o["skip"] for o in self._open)  # the opened units' groups, all kept
+    if self.end_step is not None and (
+        self.filled + (0 if self.filter else ahead)) // self.B >= self.end_step:
+      return None
+    skip = self.skip if self.unit == self.skip_unit else 0
+    last = (self.filled + ahead + self.B - 1 - skip) // self.B
+    first = (self.filled + (0 if self.filter else ahead)) // self.B
+    gate = max(self.floor, min(last - self.k, first - 1))
+    with self._cond:
+      while not self._closed and max(self._weights, default=-1) < gate:
+        if not wait:
+          return None
+        self._cond.wait()
+      if self._closed:
+        return None
+    start = {"epoch": self.stream.epoch, "pos": self.stream.pos}
+    prompts = next(self.stream)
+    self._open.append({"start": start, "end": {"epoch": self.stream.epoch,
+                                               "pos": self.stream.pos},
+                       "skip": skip, "gate": gate})
+    self.unit += 1
+    return (self.unit - 1, prompts), prompts
+
+  def _stream_weights(self):
+    """The newest weights, before each prefill and decode call of the streaming driver; a
+    closed queue stops it there."""
+    if self._closed:
+      raise _Closed()
+    return self._newest()
 
   def _nominal(self, step: int) -> int:
     """The version a unit whose first group falls in `step` is sampled with, before the
@@ -319,19 +413,20 @@ class RolloutQueue:
     groups, dropped = [], collections.Counter()
     versions = getattr(u.rollout, "versions", None)  # per token, with partial rollouts
     for i in range(self.B):
-      if u.index == self.unit and i < self.skip:
+      if u.index == self.skip_unit and i < self.skip:
         continue  # handled before the resume this unit is regenerated for
       if zero[i] and not keep_zero:
         continue
       s = self.filled // self.B
-      if s - nominal > self.k:  # by position, not the floor: a resume decides the same
-        dropped[s] += 1
-        continue
       version, partial = u.version, 0.0
       if versions is not None:  # the group is as old as its oldest token
         rows = versions[i * self.G:(i + 1) * self.G]
         version = int(rows[rows >= 0].min())
         partial = float(np.mean([len(set(r[r >= 0].tolist())) > 1 for r in rows]))
+      # By position, not the floor: a resume decides the same. Streaming: by its own date.
+      if (s - version if self.streaming is not None else s - nominal) > self.k:
+        dropped[s] += 1
+        continue
       groups.append(Group(u.index, i, version, s, bool(zero[i]), partial))
       self.filled += 1
     self.skip = 0
