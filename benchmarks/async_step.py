@@ -9,7 +9,9 @@ Placement: 8 CPU devices, disaggregated (4 learn, 4 sample). Three modes, each a
   async-k1  rollout.async_generation, max_staleness 1 (step n's rollout overlaps step n-1's
             update)
   async-k2p max_staleness 2 with partial rollouts (newer weights between decode calls)
-All three use algo.tis_cap 2 (as configs/grpo_tiny.py:async), so they run the same programs.
+  async-k2ps the same with rollout.streaming: the next unit's groups take the slots a unit's
+            short completions free (jaxrl/rl/grpo/producer.py, "Streaming")
+All four use algo.tis_cap 2 (as configs/grpo_tiny.py:async), so they run the same programs.
 The modes alternate within each round, and rounds repeat (--rounds): this machine is shared and
 its speed drifts, so the modes are compared hour for hour.
 
@@ -28,7 +30,9 @@ distribution this run's policy produces. The reward is the task's (the untrained
 Prints, per round and mode, the median seconds per update (timing_s/step: wall time between two
 logged steps, one logged per step), the median perf/sampler_busy (the producer's decoding
 seconds over wall seconds; sync: the rollout's share of the step, perf/gen_fraction), the
-learner's gen wait and the mean completion length; then each mode's median over rounds and its
+learner's gen wait, the mean completion length, the sampler's slot utilisation (live slot-steps
+over slot-steps: how much of each decode call the long tail leaves idle) and the update's
+seconds (timing_s/update); then each mode's median over rounds and its
 throughput against sync.
 """
 
@@ -65,6 +69,8 @@ MODES = {
     "async-k1": ["rollout.async_generation=True", "rollout.max_staleness=1"],
     "async-k2p": ["rollout.async_generation=True", "rollout.max_staleness=2",
                   "rollout.partial_rollouts=True"],
+    "async-k2ps": ["rollout.async_generation=True", "rollout.max_staleness=2",
+                   "rollout.partial_rollouts=True", "rollout.streaming=True"],
 }
 LONG_TAIL_SCALE = 4.0  # the eos embedding row's norm (see the module docstring)
 
@@ -111,7 +117,10 @@ def run_mode(mode: str, steps: int, warmup: int) -> dict:
           "gen": statistics.median(r["timing_s/gen"] for r in rows),
           "len": statistics.mean(r["response_length/mean"] for r in rows),
           "stale": statistics.mean(r.get("staleness/mean", 0.0) for r in rows),
-          "partial": statistics.mean(r.get("rollout/partial_frac", 0.0) for r in rows)}
+          "partial": statistics.mean(r.get("rollout/partial_frac", 0.0) for r in rows),
+          "util": statistics.median(r["sampler/slot_utilisation"] for r in rows),
+          "update": statistics.median(r["timing_s/update"] for r in rows)
+          if "timing_s/update" in rows[0] else float("nan")}
 
 
 def print_lengths():
@@ -164,7 +173,8 @@ def main():
   if args.lengths:
     print_lengths()
   print(f"{'round':>5s} {'mode':10s} {'s/update':>9s} {'busy':>6s} {'wait s':>7s} "
-        f"{'gen s':>7s} {'len':>6s} {'stale':>6s} {'partial':>8s} {'load':>5s}")
+        f"{'gen s':>7s} {'len':>6s} {'stale':>6s} {'partial':>8s} {'util':>5s} {'upd s':>6s} "
+        f"{'load':>5s}")
   results: dict[str, list[dict]] = {m: [] for m in modes}
   for rnd in range(args.rounds):
     for m in modes:
@@ -172,7 +182,7 @@ def main():
       results[m].append(r)
       print(f"{rnd + 1:5d} {m:10s} {r['step']:9.2f} {r['busy']:6.2f} {r['wait']:7.2f} "
             f"{r['gen']:7.2f} {r['len']:6.1f} {r['stale']:6.2f} {r['partial']:8.2f} "
-            f"{os.getloadavg()[0]:5.1f}", flush=True)
+            f"{r['util']:5.2f} {r['update']:6.2f} {os.getloadavg()[0]:5.1f}", flush=True)
   print(f"\nmedians over {args.rounds} round(s) (sync's busy is its perf/gen_fraction)")
   base = statistics.median(r["step"] for r in results[modes[0]])
   for m in modes:

@@ -34,7 +34,8 @@ def test_async_k2_with_frozen_weights_is_the_synchronous_run(repo_root, tmp_path
   """With the weights frozen, a k = 2 run samples step n with version n - 2's weights, which
   are the same weights: its rewards are the synchronous run's group for group (the logged
   means, and the loss, which reads every group's advantages), staleness is min(n, 2) and never
-  above k. With partial rollouts too (newer weights between decode calls: the same values)."""
+  above k. With partial rollouts too (newer weights between decode calls: the same values), and
+  with streaming on top (the next unit's groups in the slots a unit frees: the same groups)."""
   common = FROZEN + ["train.steps=3"]
   _run(repo_root, tmp_path / "sync", common)
   _run(repo_root, tmp_path / "k2", common + ["rollout.async_generation=True",
@@ -42,9 +43,14 @@ def test_async_k2_with_frozen_weights_is_the_synchronous_run(repo_root, tmp_path
   _run(repo_root, tmp_path / "k2p", common + ["rollout.async_generation=True",
                                              "rollout.max_staleness=2",
                                              "rollout.partial_rollouts=True"])
+  _run(repo_root, tmp_path / "k2ps", common + ["rollout.async_generation=True",
+                                              "rollout.max_staleness=2",
+                                              "rollout.partial_rollouts=True",
+                                              "rollout.streaming=True"])
   sync, k2 = _rows(tmp_path / "sync"), _rows(tmp_path / "k2")
-  partial = _rows(tmp_path / "k2p")
-  for s, a in zip(sync, partial):
+  partial, streamed = _rows(tmp_path / "k2p"), _rows(tmp_path / "k2ps")
+  assert len(streamed) == len(sync) == 3
+  for s, a in [*zip(sync, partial), *zip(sync, streamed)]:
     for key in ("reward/mean", "reward/std", "response_length/mean", "loss"):
       assert a[key] == pytest.approx(s[key], rel=1e-5), (a["step"], key)
     assert a["staleness/max"] <= 2 and 0.0 <= a["rollout/partial_frac"] <= 1.0
@@ -89,6 +95,13 @@ def test_async_dynamic_sampling_refills_and_resumes_mid_queue(repo_root, tmp_pat
   for a, b in zip(whole, resumed):
     for key in ("reward/mean", "reward/std", "loss"):
       assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
+
+
+def test_streaming_without_partial_rollouts_is_one_sentence(repo_root, tmp_path):
+  with pytest.raises(ConfigError, match=r"rollout.streaming=True admits the next unit's groups "
+                     r".* set rollout.async_generation=True and rollout.partial_rollouts=True"):
+    _run(repo_root, tmp_path / "x", ["rollout.streaming=True", "rollout.async_generation=True",
+                                     "placement.mode=disaggregated"])
 
 
 def test_max_staleness_without_async_is_one_sentence(repo_root, tmp_path):
