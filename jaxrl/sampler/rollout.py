@@ -519,9 +519,10 @@ def generate_stream(engine: Engine, next_unit: Callable, *, weights: Callable[[]
   and decode call, as generate()'s `weights` (every token's version is in Rollout.versions).
 
   The cache is dense and its window grows with the longest live sequence but is never
-  narrowed (one state serves every unit). A unit's Rollout.stats are the driver's work
-  between the previous unit's emission and its own (decode calls are shared by the units in
-  flight): gen_s, their prefill and decode seconds, is what the producer counts as busy."""
+  narrowed (one state serves every unit). A unit's Rollout.stats count the driver's work
+  from its opening to its emission (decode calls are shared by the units in flight, so two
+  units' counts overlap), except gen_s: the prefill and decode seconds since the previous
+  unit's emission, which the producer sums as busy time (each second counted once)."""
   sp = engine.sampling
   replicas = engine.mesh.shape["data"] * engine.mesh.shape["fsdp"]
   if slots % replicas or slots < n:
@@ -569,7 +570,8 @@ def generate_stream(engine: Engine, next_unit: Callable, *, weights: Callable[[]
         num = len(prompts) * n
         units.append(dict(tag=tag, prompts=prompts, key=jax.random.key(seed), next=0,
                           left=num, toks=[[] for _ in range(num)], lps=[[] for _ in range(num)],
-                          vers=[[] for _ in range(num)], t0=time.perf_counter()))
+                          vers=[[] for _ in range(num)], t0=time.perf_counter(),
+                          at_open=dict(counters)))
         continue
       admits.append((u, u["next"], free[:n]))
       free = free[n:]
@@ -635,9 +637,10 @@ def generate_stream(engine: Engine, next_unit: Callable, *, weights: Callable[[]
     # Emit the finished units at the front, in order.
     while units and units[0]["next"] == len(units[0]["prompts"]) and not units[0]["left"]:
       u = units.popleft()
-      stats = {k: counters[k] - since[k] if k not in ("live_peak", "kv_positions_peak")
+      stats = {k: counters[k] - u["at_open"][k] if k not in ("live_peak", "kv_positions_peak")
                else counters[k] for k in counters}
-      stats.update(kv_cache="dense", gen_s=stats["prefill_s"] + stats["decode_s"])
+      stats.update(kv_cache="dense", gen_s=counters["prefill_s"] + counters["decode_s"]
+                   - since["prefill_s"] - since["decode_s"])
       since = dict(counters)
       rollout = _assemble(u["prompts"], n, u["toks"], u["lps"], sp, pad_id, stats,
                           time.perf_counter() - u["t0"])
