@@ -52,10 +52,10 @@ has G free slots and no opened unit's group waits, and once the newest published
 least its gate, max(floor, min(L - k, F - 1)): L the step its last group can fall in (every
 opened unit's groups counted as kept), F the step its first group falls in (the same count;
 with dynamic sampling, where it is not known, none of them counted). Without dynamic sampling
-L = F = the unit's step, so the gate is the
-non-streaming version step - k; F - 1 is published once the learner waits for step F, so the
-producer never waits for a version the learner publishes only after it. Units are emitted in
-order when their last group finishes, and scored, filtered, assigned to steps and checkpointed
+L = F = the unit's step, so the gate is the non-streaming version step - k (with k = 1 units
+cannot overlap: streaming helps from k = 2); F - 1 is published once the learner waits for
+step F, so the producer never waits for a version the learner publishes only after it. Units
+are emitted in order when their last group finishes, and scored, filtered, assigned to steps and checkpointed
 exactly as above (step, round and stream positions are decided then, in unit order); a group
 is dated by its oldest token and dropped (counted) if that is more than k before its step,
 which the gate prevents except with dynamic sampling. The queue then runs ahead of the
