@@ -55,8 +55,9 @@ with dynamic sampling, where it is not known, none of them counted). Without dyn
 L = F = the unit's step, so the gate is the non-streaming version step - k (with k = 1 units
 cannot overlap: streaming helps from k = 2); F - 1 is published once the learner waits for
 step F, so the producer never waits for a version the learner publishes only after it. Units
-are emitted in order when their last group finishes, and scored, filtered, assigned to steps and checkpointed
-exactly as above (step, round and stream positions are decided then, in unit order); a group
+are emitted in order when their last group finishes, and scored, filtered, assigned to steps
+and checkpointed exactly as above (step, round and stream positions are decided then, in unit
+order); a group
 is dated by its oldest token and dropped (counted) if that is more than k before its step,
 which the gate prevents except with dynamic sampling. The queue then runs ahead of the
 learner by about as many units as without streaming; single process only (the admission
