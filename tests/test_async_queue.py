@@ -163,3 +163,64 @@ def test_resume_mid_queue_regenerates_in_flight_groups_and_loses_no_prompt(k, fi
       c[1] for c in whole_calls if c[2] == state["unit"]][0]  # that unit, again
   assert before + prompts(after, calls2) == whole
   assert len(set(whole)) == len(whole)
+
+
+def _rewards(prompts):
+  """G rewards per prompt from its id alone (all equal for `zero` prompts)."""
+  rng = np.random.default_rng([x["id"] for x in prompts])
+  rewards = rng.random((len(prompts), G))
+  rewards[[x["zero"] for x in prompts]] = 1.0
+  return rewards.reshape(-1)
+
+
+def _streamer(next_unit, weights):
+  """A stand-in streaming driver: keeps two units in flight, emits them in order, each token
+  dated by the weights at its emission."""
+  pending = []
+  while True:
+    got = next_unit(not pending)  # wait only when nothing is in flight
+    if got is not None:
+      pending.append(got)
+      if len(pending) < 2:
+        continue
+    if not pending:
+      return
+    tag, prompts = pending.pop(0)
+    version, _ = weights()
+    versions = np.full((len(prompts) * G, 3), version, np.int32)
+    yield tag, type("R", (), {"versions": versions, "stats": {"gen_s": 0.0}})()
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_streaming_with_dynamic_sampling_refills_and_stays_within_k(k):
+  """Streaming (the producer's streamer path) with dynamic sampling: every step still gets B
+  groups of unequal rewards and no group is more than k versions behind its step. With k = 2
+  they are the same (unit, index) groups in the same order as without streaming, none dropped;
+  with k = 1 both drop groups of units straddling two steps, the non-streaming queue by
+  position and streaming by the tokens' date, which need not be the same groups."""
+  B, steps = 3, 6
+
+  def sample(params, prompts, unit, weights=None):
+    versions = np.full((len(prompts) * G, 3), weights()[0], np.int32)
+    return type("R", (), {"versions": versions})(), _rewards(prompts), {}
+
+  def run(**kw):
+    q = RolloutQueue(sample=sample, stream=PromptStream(_records(60, zero_every=3), B, seed=0),
+                     batch=B, group=G, max_staleness=k, filter_zero_std=True, partial=True,
+                     end_step=steps, **kw)
+    try:
+      return _run(q, steps)
+    finally:
+      q.close()
+
+  plain = run()
+  streamed = run(streamer=_streamer, score=lambda rollout, prompts: (_rewards(prompts), {}))
+  assert any(g.unit > s for s, t in enumerate(streamed) for g in t.groups)  # refills happened
+  if k > 1:
+    assert sum(t.metrics["rollout/dropped_stale"] for t in streamed) == 0
+  for step, (a, b) in enumerate(zip(plain, streamed)):
+    if k > 1:
+      assert [(g.unit, g.index) for g in a.groups] == [(g.unit, g.index) for g in b.groups]
+    assert not any(g.zero_std for g in b.groups)
+    assert all(step - g.version <= k for g in b.groups)
+    assert b.metrics["staleness/max"] <= k

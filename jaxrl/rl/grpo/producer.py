@@ -49,17 +49,20 @@ group's G slots together, sharing its prompt's prefill), while the unit's long c
 still decode. Each slot keeps its own unit's key, so a group's tokens are the non-streaming
 ones for the same weights. A unit is opened (its prompts drawn from the stream) when the driver
 has G free slots and no opened unit's group waits, and once the newest published version is at
-least its gate, max(floor, min(L - k, F - 1)): L the step its last group can fall in (every
-opened unit's groups counted as kept), F the step its first group falls in (the same count;
-with dynamic sampling, where it is not known, none of them counted). Without dynamic sampling
-L = F = the unit's step, so the gate is the non-streaming version step - k (with k = 1 units
-cannot overlap: streaming helps from k = 2); F - 1 is published once the learner waits for
-step F, so the producer never waits for a version the learner publishes only after it. Units
+least its gate: max(floor, L - k) while other opened units are in flight, max(floor,
+min(L - k, F - 1)) when none is. L is the step its last group can fall in (every opened unit's
+groups counted as kept), F the step its first group falls in (the same count; with dynamic
+sampling, where it is not known, none of them counted). Without dynamic sampling L = F = the
+unit's step, so the gate is the non-streaming version step - k (with k = 1 units cannot
+overlap: streaming helps from k = 2). F - 1 is published once the learner waits for step F, so
+with nothing in flight the producer never waits for a version the learner publishes only
+after it; with units in flight it does not wait at all (it decodes them, and asks again).
+With k >= 2 no group is then ever too stale (L <= F + 1 when nothing is in flight). Units
 are emitted in order when their last group finishes, and scored, filtered, assigned to steps
 and checkpointed exactly as above (step, round and stream positions are decided then, in unit
 order); a group
 is dated by its oldest token and dropped (counted) if that is more than k before its step,
-which the gate prevents except with dynamic sampling. The queue then runs ahead of the
+which the gate prevents except with dynamic sampling and k = 1 (as without streaming). The queue then runs ahead of the
 learner by about as many units as without streaming; single process only (the admission
 follows thread timing, which processes would have to agree on at every decode call).
 
@@ -341,7 +344,8 @@ class RolloutQueue:
     skip = self.skip if self.unit == self.skip_unit else 0
     last = (self.filled + ahead + self.B - 1 - skip) // self.B
     first = (self.filled + (0 if self.filter else ahead)) // self.B
-    gate = max(self.floor, min(last - self.k, first - 1))
+    # With units in flight the learner's wait is theirs to end: the gate may be the strict one.
+    gate = max(self.floor, last - self.k if ahead else min(last - self.k, first - 1))
     with self._cond:
       while not self._closed and max(self._weights, default=-1) < gate:
         if not wait:
