@@ -115,14 +115,15 @@ def test_decoding_without_the_joined_weights_samples_the_same_tokens(model, mesh
 
 
 def test_the_tpu_form_of_the_draw_samples_the_same_tokens(model, mesh, budget):
-  """The decode step's draw in the TPU's form (Engine.mxu_draw, jaxrl.backends
-  .sums_on_matrix_unit: block sums as a product, one pass over V fewer): the dense rollout's
-  samples token for token, dense and paged, under the same seed."""
+  """The decode step's draw and rotary half swap in the TPU's form (Engine.mxu,
+  jaxrl.backends.decode_on_matrix_unit: block sums and the swap as products, one pass over V
+  fewer): the dense rollout's samples token for token, dense and paged, under the same
+  seed."""
   cfg, graphdef, params = model
   engine, dense = budget
-  assert not engine.mxu_draw  # the CPU's draw
+  assert not engine.mxu  # the CPU's form
   mxu = Engine(graphdef, cfg, mesh, sampling=engine.sampling)
-  mxu.mxu_draw = True
+  mxu.mxu = True
   _same(dense, generate(mxu, params, PROMPTS, n=3, slots=4, steps_per_call=4, seed=5,
                         grow_cache=False))
   _same(dense, _paged(mxu, params, "reserve"))

@@ -76,12 +76,15 @@ def joins_decode_weights(devices) -> bool:
   return platform_of(devices) == "cpu"
 
 
-def sums_on_matrix_unit(devices) -> bool:
-  """Whether the decode step draws its tokens in the TPU's form (jaxrl.sampler.sampling's
-  sample_logits with mxu=True: the inverse CDF's block sums as a product on the matrix unit,
-  one pass over the vocabulary fewer). On TPU only: compiled for v5e:2x4 it took the draw from
-  207 to 104 us per step at Qwen3-0.6B batch 64 (the compiler's estimate); on CPU the product
-  would do 128x the sum's work, and GPU has not been measured."""
+def decode_on_matrix_unit(devices) -> bool:
+  """Whether a decode step on `devices` moves two lane-bound steps to the matrix unit: the
+  draw's block sums (jaxrl.sampler.sampling.sample_logits with mxu=True, which also skips a
+  pass over the vocabulary) and the rotary embedding's half swap (a product with a permutation
+  matrix, jaxrl.models.llama.rotate). Both exact up to the block sums' order of addition. On
+  TPU only: compiled for v5e:2x4 (Qwen3-0.6B, batch 64, the compiler's estimate) the draw went
+  from 207 to 104 us per step and the swap saved ~4 us per layer, its slices and concatenate
+  fused into the projections' products; on CPU each product does ~100x the work it replaces,
+  and GPU has not been measured."""
   return platform_of(devices) == "tpu"
 
 

@@ -75,7 +75,7 @@ def sample_logits(logits_bv: jax.Array, keys_b: jax.Array, sp: SamplingParams, *
 
   The logprob is log_softmax(logits / temperature) at the token, before truncation.
 
-  mxu: the TPU's form of the untruncated draw (jaxrl.backends.sums_on_matrix_unit): the inverse
+  mxu: the TPU's form of the untruncated draw (jaxrl.backends.decode_on_matrix_unit): the inverse
   CDF's block sums as a product on the matrix unit, and the log-probs' maximum taken as minus
   their log-sum-exp instead of another pass over [B, V]. The same tokens and log-probs, up to
   the order in which a block sum adds its 32 terms (see _inverse_cdf).
