@@ -219,12 +219,12 @@ def test_draws_follow_the_distribution_and_never_pick_masked_tokens():
 def test_the_tpu_form_of_the_draw_picks_the_same_tokens():
   """sample_logits with mxu=True (the TPU decode step's draw: block sums as a product, the
   log-probs' max taken from their log-sum-exp) against the default: the same tokens and
-  bit-equal log-probs over 4,096 rows at three temperatures, with -inf entries (never drawn)."""
+  bit-equal log-probs over 4,096 rows at two temperatures, with -inf entries (never drawn)."""
   n, V = 4096, 1024
   logits = 3 * jax.random.normal(jax.random.key(2), (n, V), jnp.float32)
   logits = logits.at[:, 64:96].set(-jnp.inf).at[::3, 5].set(-jnp.inf)
   keys = jax.random.split(jax.random.key(3), n)
-  for temperature in (0.6, 1.0, 1.7):
+  for temperature in (0.7, 1.5):
     sp = SamplingParams(temperature=temperature)
     draw = jax.jit(lambda k, x, mxu: sample_logits(x, k, sp, mxu=mxu), static_argnums=2)
     tok, logp = draw(keys, logits, False)
