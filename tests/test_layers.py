@@ -34,6 +34,28 @@ def test_rope_rotation_golden():
   np.testing.assert_allclose(np.asarray(out0), np.asarray(x))
 
 
+def test_rope_half_swap_as_a_product_is_bit_equal():
+  """The TPU decode step's rotary half swap (a product with a permutation matrix, under
+  attention.tracing(rope_matmul=True); jaxrl.backends.decode_on_matrix_unit) against the
+  concatenate of the halves: bit-equal outputs, float32 and bfloat16, head_dim 128."""
+  import jax
+  from jaxrl.models import attention
+  rng = np.random.default_rng(1)
+  pos = jnp.asarray(rng.integers(0, 4096, size=(3, 2)))
+  inv = jnp.asarray(rope_inv_freq(128, 1e6))
+  for dtype in (jnp.float32, jnp.bfloat16):
+    x = jnp.asarray(rng.normal(size=(3, 2, 4, 128)) * 5, dtype)
+    # A fresh function per trace: jax caches a function's trace whatever the scope.
+    want = jax.jit(lambda *a: apply_rope(*a))(x, pos, inv)
+    with attention.tracing(rope_matmul=True):
+      swap = jax.jit(lambda *a: apply_rope(*a))
+      assert "dot_general" in str(jax.make_jaxpr(lambda *a: apply_rope(*a))(x, pos, inv))
+      got = swap(x, pos, inv)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert not np.array_equal(np.asarray(want, np.float32), np.asarray(x, np.float32))
+
+
 def test_rope_preserves_norm_and_relative_position():
   inv = jnp.asarray(rope_inv_freq(8, 500.0))
   rng = np.random.default_rng(0)

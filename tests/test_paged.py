@@ -114,6 +114,21 @@ def test_decoding_without_the_joined_weights_samples_the_same_tokens(model, mesh
   _same(dense, _paged(three, params, "reserve"))
 
 
+def test_the_tpu_form_of_the_draw_samples_the_same_tokens(model, mesh, budget):
+  """The decode step's draw and rotary half swap in the TPU's form (Engine.mxu,
+  jaxrl.backends.decode_on_matrix_unit: block sums and the swap as products, one pass over V
+  fewer): the dense rollout's samples token for token, dense and paged, under the same
+  seed."""
+  cfg, graphdef, params = model
+  engine, dense = budget
+  assert not engine.mxu  # the CPU's form
+  mxu = Engine(graphdef, cfg, mesh, sampling=engine.sampling)
+  mxu.mxu = True
+  _same(dense, generate(mxu, params, PROMPTS, n=3, slots=4, steps_per_call=4, seed=5,
+                        grow_cache=False))
+  _same(dense, _paged(mxu, params, "reserve"))
+
+
 def test_bad_paged_settings_are_one_sentence(model, mesh):
   cfg, graphdef, params = model
   engine = Engine(graphdef, cfg, mesh, sampling=SamplingParams(max_new_tokens=8))
@@ -171,10 +186,12 @@ def test_a_group_shares_its_prompt_pages_and_frees_them_when_done(model, mesh):
 
 def test_allocate_hands_out_the_lowest_free_pages_in_request_order():
   refs = jnp.array([1, 0, 2, 0, 0, 1], jnp.int32)
-  page, granted = paged.allocate(refs, jnp.array([True, False, True, True, True]))
-  # Free pages are 1, 3, 4: requests 0, 2, 3 get them in order, request 4 gets none (N = 6).
-  np.testing.assert_array_equal(page, [1, 6, 3, 4, 6])
-  np.testing.assert_array_equal(granted, [True, False, True, True, False])
+  for method in ("scan", "compare_all"):  # the default, and the decode step's
+    page, granted = paged.allocate(refs, jnp.array([True, False, True, True, True]),
+                                   method=method)
+    # Free pages are 1, 3, 4: requests 0, 2, 3 get them in order, request 4 gets none (N = 6).
+    np.testing.assert_array_equal(page, [1, 6, 3, 4, 6])
+    np.testing.assert_array_equal(granted, [True, False, True, True, False])
   refs2, table = paged.release(paged.hold(refs, page, 1), jnp.array([[1, 3], [4, -1]]),
                                jnp.array([True, False]))
   np.testing.assert_array_equal(refs2, [1, 0, 2, 0, 1, 1])

@@ -75,6 +75,9 @@ class Tracing(NamedTuple):
   # weights joined (True, the default and the CPU's choice) or one product per weight
   # (jaxrl.backends.joins_decode_weights).
   join_weights: bool = True
+  # A decode step's rotary half swap as a product with a permutation matrix (True, the TPU's
+  # choice: jaxrl.backends.decode_on_matrix_unit) or a concatenate of the halves (False).
+  rope_matmul: bool = False
 
 
 _TRACING: contextvars.ContextVar[Tracing] = contextvars.ContextVar("jaxrl_tracing",
@@ -82,13 +85,14 @@ _TRACING: contextvars.ContextVar[Tracing] = contextvars.ContextVar("jaxrl_tracin
 
 
 @contextlib.contextmanager
-def tracing(*, pin_rows=None, attention=None, decode=None, paged=None, join_weights=True):
+def tracing(*, pin_rows=None, attention=None, decode=None, paged=None, join_weights=True,
+            rope_matmul=False):
   """While tracing inside this scope, the model pins its residual stream's rows with `pin_rows`
   and calls the `attention`, `decode` and `paged` (decode over a paged cache) kernels (each
   None: XLA's); a decode step joins its q, k and v weights into one product, and the MLP's gate
-  and up into another, if `join_weights`.
-  The scope sets all five: an inner scope does not inherit an outer one's."""
-  token = _TRACING.set(Tracing(pin_rows, attention, decode, paged, join_weights))
+  and up into another, if `join_weights`, and swaps rotary halves by a product if
+  `rope_matmul`. The scope sets all six: an inner scope does not inherit an outer one's."""
+  token = _TRACING.set(Tracing(pin_rows, attention, decode, paged, join_weights, rope_matmul))
   try:
     yield
   finally:
@@ -117,6 +121,11 @@ def paged_decode_kernel(mesh, cache_spec):
 def join_weights() -> bool:
   """Whether the scope's decode steps join their projections' weights (see Tracing)."""
   return _TRACING.get().join_weights
+
+
+def rope_matmul() -> bool:
+  """Whether the scope's rotary embedding swaps halves by a product (see Tracing)."""
+  return _TRACING.get().rope_matmul
 
 
 def pin_rows(x):

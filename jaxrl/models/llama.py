@@ -32,7 +32,7 @@ from flax import nnx
 
 from jaxrl.models import quant
 from jaxrl.models.attention import (Causal, attention, decode_attention, paged_decode_attention,
-                                   join_weights, paged_write, pin_rows)
+                                   join_weights, paged_write, pin_rows, rope_matmul)
 from jaxrl.models.config import ModelConfig, RopeScaling
 from jaxrl.models.logprobs import chunked_token_logprobs, lm_head
 
@@ -98,7 +98,14 @@ def rotate(x_btnh: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
   half = x.shape[-1] // 2
   # x * [cos, cos] + [x2, x1] * [-sin, sin]: one elementwise pass (as two half-width products
   # joined by a concatenate, XLA:CPU ran each half as its own kernel).
-  swapped = jnp.concatenate([x[..., half:], x[..., :half]], axis=-1)
+  if rope_matmul():
+    # On TPU (jaxrl.backends.decode_on_matrix_unit) the half-lane slices and their concatenate
+    # were fusions of their own; as a product with the permutation matrix (exact: one term of
+    # each sum is x * 1, the rest x * 0) XLA fuses the swap into the projections' products.
+    perm_hh = np.roll(np.eye(x.shape[-1], dtype=np.float32), half, axis=1)
+    swapped = jnp.matmul(x, jnp.asarray(perm_hh), precision=jax.lax.Precision.HIGHEST)
+  else:
+    swapped = jnp.concatenate([x[..., half:], x[..., :half]], axis=-1)
   out = (x * jnp.concatenate([cos, cos], axis=-1) +
          swapped * jnp.concatenate([-sin, sin], axis=-1))
   return out.astype(x_btnh.dtype)

@@ -60,7 +60,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl.backends import compiler_options, joins_decode_weights
+from jaxrl.backends import compiler_options, decode_on_matrix_unit, joins_decode_weights
 from jaxrl.models import ModelConfig, attention
 from jaxrl.models.llama import PagedKV, init_cache
 from jaxrl.parallel import batch_sharding, cache_sharding
@@ -94,6 +94,9 @@ class Engine:
     # weights on CPU, one per weight elsewhere (jaxrl.backends.joins_decode_weights: on TPU the
     # join is a copy of the weights per call, half the compiler's estimate of a Qwen3-0.6B step).
     self.join_weights = joins_decode_weights(mesh.devices.flat)
+    # The decode step's draw and rotary half swap as products on TPU (same tokens;
+    # jaxrl.backends.decode_on_matrix_unit).
+    self.mxu = decode_on_matrix_unit(mesh.devices.flat)
     self._inits: dict[tuple[int, int], Callable] = {}  # (slots, length) -> jitted init
     # Not donated: a wider cache cannot reuse the old buffers (they are freed when the caller
     # drops the old state).
@@ -468,9 +471,11 @@ class Engine:
     width = window(state)
     join = self.join_weights
     if is_paged(state):
-      with attention.tracing(paged=self._paged_kernel(state), join_weights=join):
+      with attention.tracing(paged=self._paged_kernel(state), join_weights=join,
+                             rope_matmul=self.mxu):
         return self._scan_steps(model, state, key, steps, width)
-    with attention.tracing(decode=self._attention_kernel(state), join_weights=join):
+    with attention.tracing(decode=self._attention_kernel(state), join_weights=join,
+                           rope_matmul=self.mxu):
       return self._scan_steps(model, state, key, steps, width)
 
   def _attention_kernel(self, state: DecodeState):
@@ -506,7 +511,7 @@ class Engine:
         pages_bn, pos_b = state["pages"], state["pos"]
         j_b = jnp.minimum(pos_b // page_size, pages_bn.shape[1] - 1)
         need_b = active_b & (jnp.take_along_axis(pages_bn, j_b[:, None], axis=1)[:, 0] < 0)
-        page_b, got_b = paged.allocate(state["refs"], need_b)
+        page_b, got_b = paged.allocate(state["refs"], need_b, method="compare_all")
         active_b = active_b & (~need_b | got_b)
         rows_b = jnp.where(got_b, jnp.arange(pages_bn.shape[0]), pages_bn.shape[0])
         pages_bn = pages_bn.at[rows_b, j_b].set(page_b, mode="drop")
@@ -522,7 +527,8 @@ class Engine:
         keys_b = token_keys(key, state["sample"], state["ngen"])
       # The barrier keeps the logits matmul a plain dot: XLA:CPU fused it with log_softmax's
       # max into one kernel that took 338 us per step at batch 64 (bench preset), ~4% of it.
-      token_b, logprob_b = sample_logits(jax.lax.optimization_barrier(logits[:, 0]), keys_b, sp)
+      token_b, logprob_b = sample_logits(jax.lax.optimization_barrier(logits[:, 0]), keys_b, sp,
+                                         mxu=self.mxu)
       ngen_b = state["ngen"] + active_b
       pos_b = state["pos"] + active_b
       done_b = active_b & (is_stop(token_b, sp) | (ngen_b >= sp.max_new_tokens) |

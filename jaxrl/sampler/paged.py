@@ -19,15 +19,21 @@ import jax
 import jax.numpy as jnp
 
 
-def allocate(refs_n, request_k):
+def allocate(refs_n, request_k, *, method: str = "scan"):
   """Free pages for the requests request_k [M] (bool): the k-th request (in order) takes the
   k-th free page by page id. Returns (page_k, granted_k): page_k is N (one past the pool,
-  which scatters drop) where nothing was requested or no page was left."""
+  which scatters drop) where nothing was requested or no page was left.
+
+  method: jnp.searchsorted's. "compare_all" ([M, N] comparisons in one pass) is the decode
+  step's: the default "scan" is a loop of log2(N) rounds of small ops, which compiled for v5e
+  took 40 us of a Qwen3-0.6B decode step (batch 64, 1,280 pages), ~2 us as one pass. Both find
+  the same pages."""
   num_pages = refs_n.shape[0]
   free_n = refs_n == 0
   rank_k = jnp.cumsum(request_k.astype(jnp.int32)) - 1
   # The r-th free page is the first index whose running count of free pages reaches r + 1.
-  page_k = jnp.searchsorted(jnp.cumsum(free_n.astype(jnp.int32)), rank_k + 1, side="left")
+  page_k = jnp.searchsorted(jnp.cumsum(free_n.astype(jnp.int32)), rank_k + 1, side="left",
+                            method=method)
   granted_k = request_k & (rank_k < free_n.sum())
   return jnp.where(granted_k, page_k, num_pages).astype(jnp.int32), granted_k
 
