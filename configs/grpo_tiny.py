@@ -1,25 +1,32 @@
 """GRPO on a built-in task with a tiny model, on CPU.
 
     jaxrl sft  --config configs/sft_tiny.py --workdir runs/sft_tiny
-    jaxrl grpo --config configs/grpo_tiny.py --config.init.checkpoint=runs/sft_tiny \
-        --workdir runs/grpo_tiny
+    jaxrl grpo --config configs/grpo_tiny.py:gain --config.init.checkpoint=runs/sft_tiny \
+        --workdir runs/grpo_gain
     jaxrl grpo --config configs/grpo_tiny.py:runlocal --workdir /tmp/grpo   # seconds: a pulse
 
-Measured (2026-12-03, AMD EPYC 2-core CPU, GRPO seeds 0-4 from the sft_tiny policy of seed 0,
-held-out greedy accuracy 0.87-0.97): 80 steps at lr 5e-5 keep held-out accuracy within 0.043 of
-where it started and KL under the 0.1 alarm in 5 of 5 seeds on 1 and on 8 fake devices, but do
-not raise it: the gain is +0.020 median (-0.027 to +0.035) on 1 device and -0.023 (-0.027 to
--0.016) on 8. From a policy with something left to learn GRPO gains: the demo's SFT (a labeller
-that drops the carry) -> this config at lr 2e-5 gains +0.094 to +0.265 over the same seeds.
-Tables and commands: docs/guides/recipes.md.
+From the sft_tiny policy run `:gain`, not the default (measured 2026-12-03, AMD EPYC 2-core
+CPU, GRPO seeds 0-4 from the sft_tiny policy of seed 0 of each mesh; docs/guides/recipes.md).
+`:gain` is DAPO's settings (no KL, clip-higher, dynamic sampling) for 240 steps on 2-digit sums,
+scored on 1024 held-out 2-digit sums: held-out greedy accuracy (0.90-0.95 at step 0) rose in
+10 of 10 runs, by +0.022 median (+0.018 to +0.034) on 1 device and +0.017 (+0.007 to +0.037) on
+8 fake devices; KL (no longer in the loss) crosses the 0.1 alarm for 3-12 steps per run, and
+the full 1-2 digit task ends within -0.025 to +0.008 of the SFT policy. The default (GRPO, 80
+steps at lr 5e-5, 1-2 digit sums) keeps that policy's accuracy within 0.043 and KL under the
+alarm but does not raise it (+0.020 median on 1 device, -0.023 on 8); from a policy with
+something left to learn it gains: the demo's SFT (a labeller that drops the carry) -> the
+default at lr 2e-5 gains +0.094 to +0.265 over the same seeds. Training and scoring on carry
+sums only ("addition:carry=1") looks like a large gain (0.88 -> 0.99) but teaches the policy
+to always carry: the full task falls 0.93 -> 0.83.
 
 Your own data (no code changes): a JSONL of {"prompt", "answer"} plus a named reward, e.g.
     --config.data.task= --config.data.train_file=my.jsonl --config.data.eval_file=my_test.jsonl \
     --config.rewards=exact_match --config.init.checkpoint=runs/my_sft
 
-arg: "" (the measured run), "runlocal" (2 steps), "dapo" (clip-higher, token-mean, dynamic
-sampling, no KL), "dr_grpo", "gspo", "rloo", "async" (disaggregated placement, 4 learner + 4
-sampler devices; generation for step k+1 overlaps step k's update; truncated IS at 2).
+arg: "" (the demo's and the tests' base), "runlocal" (2 steps), "gain" (above), "dapo"
+(clip-higher, token-mean, dynamic sampling, no KL), "dr_grpo", "gspo", "rloo", "async"
+(disaggregated placement, 4 learner + 4 sampler devices; generation for step k+1 overlaps step
+k's update; truncated IS at 2).
 """
 
 from jaxrl.rl.grpo import default_config
@@ -31,9 +38,13 @@ def get_config(arg=None):
     c.rollout.update(prompts_per_step=4, group_size=4, slots=16)
     c.train.update(steps=2, log_every=1, save_every=2)
     c.eval.update(every=2, examples=16, batch_size=16)
-  elif arg == "dapo":
+  elif arg in ("dapo", "gain"):
     c.algo.update(eps_low=0.2, eps_high=0.28, beta=0.0, aggregation="token-mean",
                   filter_zero_std=True)
+    if arg == "gain":  # where the sft_tiny policy has something left to learn, scored finely
+      c.data.task = "addition:min_digits=2"
+      c.train.steps = 240
+      c.eval.update(every=80, examples=1024)
   elif arg == "dr_grpo":
     c.algo.update(advantage="dr_grpo", aggregation="seq-mean-token-sum-norm")
   elif arg == "gspo":
@@ -46,5 +57,6 @@ def get_config(arg=None):
     c.rollout.async_generation = True
     c.algo.tis_cap = 2.0
   elif arg not in (None, ""):
-    raise ValueError(f"unknown arg {arg!r}: use '', runlocal, dapo, dr_grpo, gspo, rloo or async")
+    raise ValueError(f"unknown arg {arg!r}: use '', runlocal, gain, dapo, dr_grpo, gspo, rloo or "
+                     "async")
   return c

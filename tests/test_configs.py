@@ -14,7 +14,7 @@ from jaxrl.sampler import command as sample_command
 ARGS = {"tiny.py": [None, "tp", "sampler"], "model.py": [None, *PRESETS],
         "sync_tiny.py": [None, "disaggregated", "qwen3-8b"],
         "sft_tiny.py": [None, "runlocal"], "rm_tiny.py": [None, "biased", "logprob", "runlocal"],
-        "grpo_tiny.py": [None, "runlocal", "dapo", "dr_grpo", "gspo", "rloo", "async"],
+        "grpo_tiny.py": [None, "runlocal", "gain", "dapo", "dr_grpo", "gspo", "rloo", "async"],
         "dpo_tiny.py": [None, "ipo", "kto", "orpo", "simpo", "runlocal"],
         "ppo_tiny.py": [None, "runlocal", "group"],
         "agentic_tiny.py": [None, "sft", "runlocal", "guess"],

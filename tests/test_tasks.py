@@ -146,12 +146,24 @@ def test_digit_count_is_configurable():
   assert {len(r["answer"]) for r in pairs} == {2}
 
 
+def test_carry_keeps_only_sums_whose_units_carry():
+  carry = get_task("addition:min_digits=2,carry=1").records("test", 300, 0)
+  pairs = [tuple(map(int, r["prompt"][:-1].split("+"))) for r in carry]
+  assert all(a % 10 + b % 10 >= 10 and a >= 10 and b >= 10 for a, b in pairs)
+  assert all(r["answer"] == str(a + b) and split_of(r["prompt"]) == "test"
+             for r, (a, b) in zip(carry, pairs))
+  # carry=0 is the default: the same draws, so every existing seed keeps its records.
+  assert get_task("addition:carry=0").records("train", 50, 3) == get_task(
+      "addition").records("train", 50, 3)
+
+
 @pytest.mark.parametrize("spec,message", [
     ("addition:digits=3", r"task option 'digits=3' in 'addition:digits=3' is not valid.*"
                           r"max_digits, min_digits"),
     ("addition:max_digits=x", r"max_digits takes an integer"),
     ("addition:min_digits=3", r"min_digits=3 and max_digits=2 must satisfy"),
     ("reverse:max_len=0", r"min_len=3 and max_len=0 must satisfy"),
+    ("addition:carry=2", r"carry=2 must be 0 \(every sum\) or 1"),
 ])
 def test_bad_task_options_are_config_errors(spec, message):
   with pytest.raises(ConfigError, match=message):

@@ -2,7 +2,8 @@
 
 Each task is small enough that a ~1M-parameter byte-level model learns it on CPU in minutes:
 
-    addition   "12+34="      -> "46"       operands of 1..2 digits ("addition:max_digits=3")
+    addition   "12+34="      -> "46"       operands of 1..2 digits ("addition:max_digits=3";
+                                            "addition:carry=1": only sums whose units carry)
     sort       "sort 3142:"  -> "1234"     3..6 digits, sorted ascending
     reverse    "reverse abc:" -> "cba"     3..6 lowercase letters, reversed
     multiply   "123*45="     -> "5535"     2..3-digit operands: the calculator environment's
@@ -141,11 +142,22 @@ class Addition(Task):
   # held-out exact match after 1000 SFT steps of 64 on 1-2 digits, but only 25% after 1500
   # steps on 1-3 digits (answers are written most-significant digit first, which is harder).
   max_digits: int = 2
+  # 1: only sums whose units digits carry (17+25), where a tiny SFT policy errs most. RL on
+  # these alone learns to always carry (docs/guides/recipes.md): score the full task as well.
+  carry: int = 0
+
+  def validate(self):
+    super().validate()
+    if self.carry not in (0, 1):
+      raise ConfigError(f"task {self.name!r}: carry={self.carry} must be 0 (every sum) or 1 "
+                        "(only sums whose units digits carry).")
 
   def sample(self, rng):
-    a, b = _digits(rng, self.min_digits, self.max_digits), _digits(
-        rng, self.min_digits, self.max_digits)
-    return f"{a}+{b}=", str(a + b)
+    while True:  # with carry=1 about 45% of draws qualify (none of 0..9 + 0); 0 takes the first
+      a, b = _digits(rng, self.min_digits, self.max_digits), _digits(
+          rng, self.min_digits, self.max_digits)
+      if not self.carry or a % 10 + b % 10 >= 10:
+        return f"{a}+{b}=", str(a + b)
 
   def slip(self, prompt, answer):
     # The carry out of the units dropped: 17+25 -> 32. Sums without that carry have no slip.
