@@ -50,7 +50,7 @@ from jaxrl.envs.chat import ChatRenderer, assistant_turn
 from jaxrl.errors import ConfigError
 from jaxrl.parallel.distributed import to_host
 from jaxrl.sampler.engine import bucket, window, window_bucket
-from jaxrl.sampler.rollout import Rollout
+from jaxrl.sampler.rollout import Rollout, count_decode
 
 _STAT_SUMS = ("prefill_s", "decode_s", "prefill_calls", "prefill_prompts", "prefill_tokens",
               "decode_steps", "slot_steps", "live_slot_steps")
@@ -320,10 +320,7 @@ def continued(engine, params, records: list[dict], *, env, renderer, n: int, see
       stats["kv_positions_peak"] = max(stats["kv_positions_peak"], slots * window(state))
       state, out = engine.generate_steps(params, state, key, steps=steps_per_call)
       out = to_host(out)
-      stats["decode_s"] += time.perf_counter() - t1
-      stats["decode_steps"] += steps_per_call
-      stats["slot_steps"] += steps_per_call * slots
-      stats["live_slot_steps"] += int(out["valid"].sum())
+      count_decode(stats, out, time.perf_counter() - t1)
       submit([b for t in range(steps_per_call) for b in np.flatnonzero(out["valid"][t])
               if take(b, out["tokens"][t, b], out["logprobs"][t, b], out["done"][t, b])
               is not None])

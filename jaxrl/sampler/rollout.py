@@ -272,10 +272,7 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
         raise ConfigError(f"rollout.kv_pages={kv_pages} is too small: every live sequence "
                           f"waits for a free KV page ({len(live_now)} live, pages of "
                           f"{page_size} positions): raise rollout.kv_pages.")
-    stats["decode_s"] += time.perf_counter() - t0
-    stats["decode_steps"] += steps_per_call
-    stats["slot_steps"] += steps_per_call * slots
-    stats["live_slot_steps"] += int(out["valid"].sum())
+    count_decode(stats, out, time.perf_counter() - t0)
     for t in range(steps_per_call):
       for b in np.flatnonzero(out["valid"][t]):
         s = slot_sample[b]
@@ -288,12 +285,7 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
   bar.close()
   wall = time.perf_counter() - t_start
   rollout = _assemble(prompts, n, toks, lps, sp, pad_id, stats, wall)
-  if weights is not None:
-    versions = np.full(rollout.completion_ids.shape, -1, np.int32)
-    for s, v in enumerate(vers):
-      versions[s, :len(v)] = v
-    rollout = dataclasses.replace(rollout, versions=versions)
-  return rollout
+  return _with_versions(rollout, vers) if weights is not None else rollout
 
 
 def _preempt(engine, state, book, queue, slot_sample, toks, lps, vers, stats):
@@ -448,6 +440,24 @@ def _prefill_batches(keys, length_of, max_rows):
   for group in groups.values():
     for i in range(0, len(group), max_rows):
       yield group[i:i + max_rows]
+
+
+def count_decode(stats: dict, out: dict, seconds: float) -> None:
+  """Adds one decode call (`generate_steps`' host outputs) to a rollout's counters: its
+  seconds, its steps, the slot-steps it ran and those that made a token."""
+  steps, slots = out["valid"].shape
+  stats["decode_s"] += seconds
+  stats["decode_steps"] += steps
+  stats["slot_steps"] += steps * slots
+  stats["live_slot_steps"] += int(out["valid"].sum())
+
+
+def _with_versions(rollout: Rollout, vers: list[list[int]]) -> Rollout:
+  """The rollout with each completion token's policy version (-1 past its end)."""
+  versions = np.full(rollout.completion_ids.shape, -1, np.int32)
+  for s, v in enumerate(vers):
+    versions[s, :len(v)] = v
+  return dataclasses.replace(rollout, versions=versions)
 
 
 def _assemble(prompts, n, toks, lps, sp, pad_id, stats, wall) -> Rollout:
@@ -624,10 +634,7 @@ def generate_stream(engine: Engine, next_unit: Callable, *, weights: Callable[[]
       version, params = weights()
       state, out = engine.generate_steps(params, state, None, steps=steps_per_call)
       out = to_host(out)
-      counters["decode_s"] += time.perf_counter() - t0
-      counters["decode_steps"] += steps_per_call
-      counters["slot_steps"] += steps_per_call * slots
-      counters["live_slot_steps"] += int(out["valid"].sum())
+      count_decode(counters, out, time.perf_counter() - t0)
       for t in range(steps_per_call):
         for b in np.flatnonzero(out["valid"][t]):
           u, s = occupant[b]
@@ -644,7 +651,4 @@ def generate_stream(engine: Engine, next_unit: Callable, *, weights: Callable[[]
       since = dict(counters)
       rollout = _assemble(u["prompts"], n, u["toks"], u["lps"], sp, pad_id, stats,
                           time.perf_counter() - u["t0"])
-      versions = np.full(rollout.completion_ids.shape, -1, np.int32)
-      for s, v in enumerate(u["vers"]):
-        versions[s, :len(v)] = v
-      yield u["tag"], dataclasses.replace(rollout, versions=versions)
+      yield u["tag"], _with_versions(rollout, u["vers"])

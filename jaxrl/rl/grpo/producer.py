@@ -269,35 +269,12 @@ class RolloutQueue:
   # ------------------------------------------------------------------------- the producer side
 
   def _run(self) -> None:
-    if self.streaming is not None:
-      return self._run_streaming()
+    """The producer thread: either loop below, with its end and its error handed to take()."""
     try:
-      while True:
-        step = self.filled // self.B
-        if self.end_step is not None and step >= self.end_step:
-          return
-        nominal = self._nominal(step)
-        if self.skip:  # the partly handled unit a resume samples again: as it was decided
-          step, nominal = self.resumed_step, self.resumed_nominal
-          self.units_for_step[step] = self.resumed_round - 1
-        version, params = self._wait_for(max(self.floor, nominal))
-        if params is None:
-          return
-        start = {"epoch": self.stream.epoch, "pos": self.stream.pos, **self.snapshot()}
-        prompts = next(self.stream)
-        t0 = time.perf_counter()
-        if self.partial:  # newer weights as they come, between decode calls
-          rollout, rewards, reward_stats = self.sample(params, prompts, self.unit,
-                                                       weights=self._newest)
-        else:
-          rollout, rewards, reward_stats = self.sample(params, prompts, self.unit)
-        t_gen = time.perf_counter() - t0 - reward_stats.get("timing_s/reward", 0.0)
-        self.units_for_step[step] += 1
-        end = {"epoch": self.stream.epoch, "pos": self.stream.pos, **self.snapshot()}
-        self._put(Unit(self.unit, version, rollout, np.asarray(rewards).reshape(-1, self.G),
-                       reward_stats, t_gen, start, end, step, nominal,
-                       self.units_for_step[step]), step, nominal)
-        self.unit += 1
+      if self.streaming is not None:
+        self._produce_streaming()
+      else:
+        self._produce()
     except _Closed:
       return
     except BaseException as e:  # the learner re-raises it from take()
@@ -305,33 +282,55 @@ class RolloutQueue:
         self._error = e
         self._cond.notify_all()
 
-  def _run_streaming(self) -> None:
+  def _produce(self) -> None:
+    """One unit at a time: wait for its gate version, sample it, put its groups."""
+    while True:
+      step = self.filled // self.B
+      if self.end_step is not None and step >= self.end_step:
+        return
+      nominal = self._nominal(step)
+      if self.skip:  # the partly handled unit a resume samples again: as it was decided
+        step, nominal = self.resumed_step, self.resumed_nominal
+        self.units_for_step[step] = self.resumed_round - 1
+      version, params = self._wait_for(max(self.floor, nominal))
+      if params is None:
+        return
+      start = {"epoch": self.stream.epoch, "pos": self.stream.pos, **self.snapshot()}
+      prompts = next(self.stream)
+      t0 = time.perf_counter()
+      if self.partial:  # newer weights as they come, between decode calls
+        rollout, rewards, reward_stats = self.sample(params, prompts, self.unit,
+                                                     weights=self._newest)
+      else:
+        rollout, rewards, reward_stats = self.sample(params, prompts, self.unit)
+      t_gen = time.perf_counter() - t0 - reward_stats.get("timing_s/reward", 0.0)
+      self.units_for_step[step] += 1
+      end = {"epoch": self.stream.epoch, "pos": self.stream.pos, **self.snapshot()}
+      self._put(Unit(self.unit, version, rollout, np.asarray(rewards).reshape(-1, self.G),
+                     reward_stats, t_gen, start, end, step, nominal,
+                     self.units_for_step[step]), step, nominal)
+      self.unit += 1
+
+  def _produce_streaming(self) -> None:
     """The producer with streaming (see the module docstring): units are opened by the
     driver's next_unit and put in order as it yields them."""
     self._open: collections.deque[dict] = collections.deque()  # opened, not yet put
-    try:
-      for (index, prompts), rollout in self.streaming(self._next_unit, self._stream_weights):
-        info = self._open.popleft()
-        step = self.filled // self.B
-        nominal = self._nominal(step)
-        if index == self.skip_unit and self.skip:  # as it was decided before the resume
-          step, nominal = self.resumed_step, self.resumed_nominal
-          self.units_for_step[step] = self.resumed_round - 1
-        start = {**info["start"], **self.snapshot()}
-        rewards, reward_stats = self.score(rollout, prompts)
-        self.units_for_step[step] += 1
-        end = {**info["end"], **self.snapshot()}
-        versions = rollout.versions[rollout.versions >= 0]
-        self._put(Unit(index, int(versions.min()) if versions.size else info["gate"],
-                       rollout, np.asarray(rewards).reshape(-1, self.G), reward_stats,
-                       rollout.stats["gen_s"], start, end, step, nominal,
-                       self.units_for_step[step]), step, nominal)
-    except _Closed:
-      return
-    except BaseException as e:  # the learner re-raises it from take()
-      with self._cond:
-        self._error = e
-        self._cond.notify_all()
+    for (index, prompts), rollout in self.streaming(self._next_unit, self._stream_weights):
+      info = self._open.popleft()
+      step = self.filled // self.B
+      nominal = self._nominal(step)
+      if index == self.skip_unit and self.skip:  # as it was decided before the resume
+        step, nominal = self.resumed_step, self.resumed_nominal
+        self.units_for_step[step] = self.resumed_round - 1
+      start = {**info["start"], **self.snapshot()}
+      rewards, reward_stats = self.score(rollout, prompts)
+      self.units_for_step[step] += 1
+      end = {**info["end"], **self.snapshot()}
+      versions = rollout.versions[rollout.versions >= 0]
+      self._put(Unit(index, int(versions.min()) if versions.size else info["gate"],
+                     rollout, np.asarray(rewards).reshape(-1, self.G), reward_stats,
+                     rollout.stats["gen_s"], start, end, step, nominal,
+                     self.units_for_step[step]), step, nominal)
 
   def _next_unit(self, wait: bool):
     """Streaming: (tag, prompts) of the next unit once its gate version is published (see the
