@@ -211,11 +211,19 @@ def test_per_slot_keys_equal_one_key_and_two_seeds_share_a_call(model, paged):
   assert (mixed[:, 2:] != one_key[:, 2:]).any(), "the two keys drew the same tokens"
 
 
-def test_streaming_units_equal_each_unit_sampled_alone(model):
+@pytest.mark.parametrize("cache", ["dense", "paged", "paged-tight", "paged-tight-reserve"])
+def test_streaming_units_equal_each_unit_sampled_alone(model, cache):
   """generate_stream admits a unit's groups into slots as they free up, beside the previous
-  unit's long completions; each unit is generate()'s rollout for its seed, token for token."""
+  unit's long completions; each unit is generate()'s dense rollout for its seed, token for
+  token. Paged: one pool for every unit (enough for every slot; or 16 pages of 4 positions: 8
+  slots at their longest need 8 x 14: optimistic admission preempts, reserve admits fewer)."""
   mesh, cfg, graphdef, params = model
-  stops = tuple(range(0, 512, 7))  # mixed lengths, so slots free up at different times
+  kv = {"dense": {}, "paged": dict(kv_cache="paged", page_size=4),
+        "paged-tight": dict(kv_cache="paged", page_size=4, kv_pages=16),
+        "paged-tight-reserve": dict(kv_cache="paged", page_size=4, kv_pages=16,
+                                    kv_admission="reserve")}[cache]
+  # Mixed lengths (2 to the 24-token cap), so slots free up at different times.
+  stops = tuple(range(0, 512, 17))
   engine = Engine(graphdef, cfg, mesh, sampling=SamplingParams(max_new_tokens=24,
                                                                 stop_ids=stops))
   units = [(PROMPTS[:2], 11), (PROMPTS[2:], 12), ([[1, 90, 91], [1, 33, 34]], 13)]
@@ -229,9 +237,17 @@ def test_streaming_units_equal_each_unit_sampled_alone(model):
     return len(opened) - 1, prompts, seed
 
   out = list(generate_stream(engine, next_unit, weights=lambda: (7, params), n=3, slots=8,
-                             steps_per_call=4, max_prompt_len=32))
+                             steps_per_call=4, max_prompt_len=32, **kv))
   assert [tag for tag, _ in out] == [0, 1, 2]
   assert opened[1:] == [False, False], "a unit waited for the slots to empty: no streaming"
+  stats = [r.stats for _, r in out]
+  assert {st["kv_cache"] for st in stats} == {kv.get("kv_cache", "dense")}
+  if cache == "paged-tight":
+    assert sum(st["kv_preemptions"] for st in stats) > 0, "the pool never ran short"
+    assert max(st["kv_pages_peak"] for st in stats) <= 16
+  if cache == "paged-tight-reserve":
+    assert sum(st["kv_preemptions"] for st in stats) == 0
+    assert max(st["live_peak"] for st in stats) < 8, "reserve admitted every slot"
   for (tag, got), (prompts, seed) in zip(out, units):
     alone = generate(engine, params, prompts, n=3, slots=8, steps_per_call=4, seed=seed,
                      max_prompt_len=32)

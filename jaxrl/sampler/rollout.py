@@ -112,21 +112,9 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
                       f"{max_prompt_len}: raise it or shorten the prompt.")
   max_len = max_prompt_len + sp.max_new_tokens
   num = len(prompts) * n
-  if kv_cache not in ("dense", "paged"):
-    raise ConfigError(f"rollout.kv_cache={kv_cache!r} is not valid: use 'dense' or 'paged'.")
-  if kv_admission not in ADMISSIONS:
-    raise ConfigError(f"rollout.kv_admission={kv_admission!r} is not valid: use "
-                      f"'optimistic' or 'reserve'.")
-  is_paged = kv_cache == "paged"
-  pages_per_seq = -(-max_len // page_size)
+  is_paged = _check_cache(kv_cache, kv_admission)
   if is_paged:
-    if page_size < 1:
-      raise ConfigError(f"rollout.page_size={page_size} is not valid: use at least 1.")
-    kv_pages = slots * pages_per_seq if kv_pages is None else kv_pages
-    if kv_pages < pages_per_seq:
-      raise ConfigError(f"rollout.kv_pages={kv_pages} cannot hold one sequence of {max_len} "
-                        f"positions ({pages_per_seq} pages of {page_size}): raise it to at "
-                        f"least {pages_per_seq}.")
+    kv_pages = _check_pages(kv_pages, page_size, slots, max_len)
   key = jax.random.key(seed)
 
   def fit(need: int) -> int:  # the cache window for `need` positions
@@ -286,6 +274,29 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
   wall = time.perf_counter() - t_start
   rollout = _assemble(prompts, n, toks, lps, sp, pad_id, stats, wall)
   return _with_versions(rollout, vers) if weights is not None else rollout
+
+
+def _check_cache(kv_cache: str, kv_admission: str) -> bool:
+  """Whether the rollout's cache is paged, once its settings are valid."""
+  if kv_cache not in ("dense", "paged"):
+    raise ConfigError(f"rollout.kv_cache={kv_cache!r} is not valid: use 'dense' or 'paged'.")
+  if kv_admission not in ADMISSIONS:
+    raise ConfigError(f"rollout.kv_admission={kv_admission!r} is not valid: use "
+                      f"'optimistic' or 'reserve'.")
+  return kv_cache == "paged"
+
+
+def _check_pages(kv_pages: int | None, page_size: int, slots: int, max_len: int) -> int:
+  """The paged cache's pool size (default: every slot at max_len), once it holds a sequence."""
+  if page_size < 1:
+    raise ConfigError(f"rollout.page_size={page_size} is not valid: use at least 1.")
+  pages_per_seq = -(-max_len // page_size)
+  kv_pages = slots * pages_per_seq if kv_pages is None else kv_pages
+  if kv_pages < pages_per_seq:
+    raise ConfigError(f"rollout.kv_pages={kv_pages} cannot hold one sequence of {max_len} "
+                      f"positions ({pages_per_seq} pages of {page_size}): raise it to at "
+                      f"least {pages_per_seq}.")
+  return kv_pages
 
 
 def _preempt(engine, state, book, queue, slot_sample, toks, lps, vers, stats):
@@ -513,7 +524,9 @@ def metrics(rollout: Rollout) -> dict:
 
 def generate_stream(engine: Engine, next_unit: Callable, *, weights: Callable[[], tuple[int, Any]],
                     n: int, slots: int = 16, steps_per_call: int = 8, max_prompt_len: int,
-                    pad_id: int = 0, grow_cache: bool = True):
+                    pad_id: int = 0, grow_cache: bool = True, kv_cache: str = "dense",
+                    kv_pages: int | None = None, page_size: int = 16,
+                    kv_admission: str = "optimistic"):
   """Streaming continuous batching over a sequence of units (the async producer's partial
   rollouts): yields (tag, Rollout) per unit, in the order the units were opened.
 
@@ -528,11 +541,16 @@ def generate_stream(engine: Engine, next_unit: Callable, *, weights: Callable[[]
   its unit's key (Engine.generate with key=None). weights() is called before every prefill
   and decode call, as generate()'s `weights` (every token's version is in Rollout.versions).
 
-  The cache is dense and its window grows with the longest live sequence but is never
-  narrowed (one state serves every unit). A unit's Rollout.stats count the driver's work
-  from its opening to its emission (decode calls are shared by the units in flight, so two
-  units' counts overlap), except gen_s: the prefill and decode seconds since the previous
-  unit's emission, which the producer sums as busy time (each second counted once)."""
+  One state serves every unit. The dense cache's window grows with the longest live sequence
+  and is never narrowed. kv_cache="paged" takes generate()'s kv_pages, page_size and
+  kv_admission, with one page account (_PageBook) over every unit's samples: a group whose
+  pages are not free is admitted as far as they are, and the rest of its samples wait, like
+  the samples a preemption sends back, to be admitted one by one before any new group (each
+  prefills its prompt again; its tokens come back the same under the same weights).
+  A unit's Rollout.stats count the driver's work from its opening to its emission (decode
+  calls are shared by the units in flight, so two units' counts overlap), except gen_s: the
+  prefill and decode seconds since the previous unit's emission, which the producer sums as
+  busy time (each second counted once)."""
   sp = engine.sampling
   replicas = engine.mesh.shape["data"] * engine.mesh.shape["fsdp"]
   if slots % replicas or slots < n:
@@ -540,18 +558,44 @@ def generate_stream(engine: Engine, next_unit: Callable, *, weights: Callable[[]
                       f"{replicas} and hold a group of {n}: raise rollout.slots.")
   max_prompt_len = bucket(max_prompt_len)
   max_len = max_prompt_len + sp.max_new_tokens
+  is_paged = _check_cache(kv_cache, kv_admission)
+  if is_paged:
+    kv_pages = _check_pages(kv_pages, page_size, slots, max_len)
 
   def fit(need: int) -> int:
     return min(max_len, window_bucket(need)) if grow_cache else max_len
 
-  state = engine.init_decode_state(slots, max_len, length=fit(max_prompt_len + steps_per_call))
+  if is_paged:
+    state = engine.init_paged_state(slots, max_len, pages=kv_pages, page_size=page_size)
+  else:
+    state = engine.init_decode_state(slots, max_len,
+                                     length=fit(max_prompt_len + steps_per_call))
   units: deque = deque()  # opened units, not yet emitted, in order
   occupant: list = [None] * slots  # slot -> (unit, sample)
   counters = dict(prefill_s=0.0, decode_s=0.0, prefill_calls=0, prefill_prompts=0,
                   prefill_tokens=0, decode_steps=0, slot_steps=0, live_slot_steps=0,
-                  live_peak=0, kv_positions_peak=0)
+                  live_peak=0)
+  peaks = ("live_peak", "kv_positions_peak", "kv_pages_peak")
+  if is_paged:
+    counters.update(kv_pages_peak=0, page_wait_calls=0, kv_preemptions=0,
+                    kv_preempted_tokens=0)
+  else:
+    counters.update(kv_positions_peak=0)
   since = dict(counters)  # the counters at the last emission
   version = -1
+  # The page account numbers every unit's samples in one sequence: sample s of a unit whose
+  # first prompt is the base-th opened is base * n + s, so its prompt is that number // n.
+  all_prompts: dict[int, list[int]] = {}  # the units in flight's, by number
+  all_toks: dict[int, list[int]] = {}  # their own token lists (the same objects)
+  opened = 0  # prompts opened so far
+  book = _PageBook(all_prompts, all_toks, n=n, share_prefix=True, page_size=page_size,
+                   num_pages=kv_pages or 0, max_new=sp.max_new_tokens, max_len=max_len,
+                   steps=steps_per_call, reserve=kv_admission == "reserve")
+  waiting: deque = deque()  # (unit, sample): paged only, admitted one by one before new groups
+  stalled = False  # a live slot waited for a page in the last decode call
+
+  def gid(u, s):
+    return u["base"] * n + s
 
   def record(u, s, tok, lp, v, done):
     u["toks"][s].append(int(tok))
@@ -559,14 +603,31 @@ def generate_stream(engine: Engine, next_unit: Callable, *, weights: Callable[[]
     u["vers"][s].append(v)
     if done:
       u["left"] -= 1
+      if is_paged:
+        book.leave(gid(u, s))
     return done
 
+  def fits(want: list[int], live: list[int]) -> int:
+    """How many of `want` (new samples, in order) the free pages admit now; all when dense."""
+    return book.admit(want, len(want), live) if is_paged else len(want)
+
   while True:
-    # Admit: whole groups into free slots, the oldest opened unit's first.
+    # Admit: waiting samples first, then whole groups into free slots, oldest unit first.
     free = [b for b in range(slots) if occupant[b] is None]
-    live = len(free) < slots
-    admits = []  # (unit, prompt index, slots)
-    while len(free) >= n:
+    live = [gid(*o) for o in occupant if o is not None]
+    admits = []  # (unit, samples, slots)
+    want: list[int] = []  # the admitted samples' numbers
+    blocked = stalled
+    while waiting and free and not blocked:
+      u, s = waiting[0]
+      if fits(want + [gid(u, s)], live) <= len(want):
+        blocked = True
+        break
+      waiting.popleft()
+      admits.append((u, [s], free[:1]))
+      want.append(gid(u, s))
+      free = free[1:]
+    while len(free) >= n and not blocked and not waiting:
       u = next((u for u in units if u["next"] < len(u["prompts"])), None)
       if u is None:
         got = next_unit(not live and not admits)
@@ -578,23 +639,37 @@ def generate_stream(engine: Engine, next_unit: Callable, *, weights: Callable[[]
           raise ConfigError(f"a prompt has {max(map(len, prompts))} tokens, more than "
                             f"max_prompt_len={max_prompt_len}: raise it or shorten the prompt.")
         num = len(prompts) * n
-        units.append(dict(tag=tag, prompts=prompts, key=jax.random.key(seed), next=0,
-                          left=num, toks=[[] for _ in range(num)], lps=[[] for _ in range(num)],
-                          vers=[[] for _ in range(num)], t0=time.perf_counter(),
-                          at_open=dict(counters)))
+        u = dict(tag=tag, prompts=prompts, key=jax.random.key(seed), next=0, left=num,
+                 base=opened, toks=[[] for _ in range(num)],
+                 lps=[[] for _ in range(num)], vers=[[] for _ in range(num)],
+                 t0=time.perf_counter(), at_open=dict(counters))
+        all_prompts.update((opened + i, x) for i, x in enumerate(prompts))
+        all_toks.update((opened * n + s, x) for s, x in enumerate(u["toks"]))
+        opened += len(prompts)
+        units.append(u)
         continue
-      admits.append((u, u["next"], free[:n]))
-      free = free[n:]
+      group = [u["next"] * n + g for g in range(n)]
+      k = fits(want + [gid(u, s) for s in group], live) - len(want)
       u["next"] += 1
+      if k < n:  # the pages hold only part of the group: the rest waits
+        waiting.extend((u, s) for s in group[k:])
+        blocked = True
+      if k > 0:
+        admits.append((u, group[:k], free[:k]))
+        want += [gid(u, s) for s in group[:k]]
+        free = free[k:]
     if not admits and not live:
+      if waiting or any(u["next"] < len(u["prompts"]) for u in units):
+        raise ConfigError(f"rollout.kv_pages={kv_pages} cannot hold the next prompt and a page "
+                          f"to grow into: raise rollout.kv_pages.")
       break  # nothing in flight and no next unit: the stream has ended
     if admits:
       t0 = time.perf_counter()
       firsts = []
       for u in [u for u in units if any(a[0] is u for a in admits)]:
-        mine = [(i, bs) for v, i, bs in admits if v is u]
-        for batch in _prefill_batches([i for i, _ in mine], lambda i: len(u["prompts"][i]),
-                                      slots):
+        mine = [(s, b) for v, ss, bs in admits if v is u for s, b in zip(ss, bs)]
+        for batch in _prefill_batches(list(dict.fromkeys(s // n for s, _ in mine)),
+                                      lambda i: len(u["prompts"][i]), slots):
           ids = [u["prompts"][i] for i in batch]
           T, P = bucket(max(map(len, ids))), bucket(len(ids), minimum=1)
           tokens = np.full((P, T), pad_id, np.int32)
@@ -607,16 +682,19 @@ def generate_stream(engine: Engine, next_unit: Callable, *, weights: Callable[[]
           counters["prefill_prompts"] += len(ids)
           counters["prefill_tokens"] += int(sum(map(len, ids)))
           state = engine.grow(state, fit(max(T, max(map(len, ids)) + steps_per_call)))
-          bss = dict(mine)
-          rows, bs, ss = [], [], []
-          for r, i in enumerate(batch):
-            rows += [r] * n
-            bs += bss[i]
-            ss += [i * n + g for g in range(n)]
-          for b, s in zip(bs, ss):
+          row = {i: r for r, i in enumerate(batch)}
+          placed = [(s, b) for s, b in mine if s // n in row]
+          ss, bs = [s for s, _ in placed], [b for _, b in placed]
+          for s, b in placed:
             occupant[b] = (u, s)
-          state, first = engine.insert_many(prefix, state, rows=rows, slots=bs, samples=ss)
+          state, first = engine.insert_many(prefix, state, rows=[row[s // n] for s in ss],
+                                            slots=bs, samples=ss)
+          if is_paged:
+            book.placed([gid(u, s) for s in ss])  # one insert call: its prompts' pages shared
           firsts.append((u, bs, ss, version, first))
+      if is_paged:
+        book.in_use = engine.pages_in_use(state)
+        counters["kv_pages_peak"] = max(counters["kv_pages_peak"], book.in_use)
       # (the units stay out of the transfer: only the arrays go through to_host)
       for (u, bs, ss, v, _), first in zip(firsts, to_host([f[-1] for f in firsts])):
         for b, s, tok, lp, done in zip(bs, ss, first["tokens"], first["logprobs"],
@@ -624,16 +702,45 @@ def generate_stream(engine: Engine, next_unit: Callable, *, weights: Callable[[]
           if record(u, s, tok, lp, v, done):
             occupant[b] = None
       counters["prefill_s"] += time.perf_counter() - t0
+    if is_paged and kv_admission == "optimistic" and any(o is not None for o in occupant):
+      slot_of = {gid(*o): b for b, o in enumerate(occupant) if o is not None}
+      victims = book.victims(list(slot_of))  # newest first
+      if victims:
+        state = engine.evict(state, [slot_of[g] for g in victims])
+        for g in victims:
+          u, s = occupant[slot_of[g]]
+          counters["kv_preempted_tokens"] += len(u["toks"][s])
+          for seq in (u["toks"][s], u["lps"][s], u["vers"][s]):
+            seq.clear()  # in place: the page account holds the same lists
+          occupant[slot_of[g]] = None
+          waiting.appendleft((u, s))  # newest first in, so the oldest victim leads
+        counters["kv_preemptions"] += len(victims)
+        book.in_use = engine.pages_in_use(state)
+    stalled = False
     if any(o is not None for o in occupant):
       t0 = time.perf_counter()
       need = max(len(u["prompts"][s // n]) + len(u["toks"][s]) - 1 + steps_per_call
                  for u, s in filter(None, occupant))
       state = engine.grow(state, fit(need))
-      counters["live_peak"] = max(counters["live_peak"], sum(o is not None for o in occupant))
-      counters["kv_positions_peak"] = max(counters["kv_positions_peak"], slots * window(state))
+      live_now = [b for b in range(slots) if occupant[b] is not None]
+      counters["live_peak"] = max(counters["live_peak"], len(live_now))
+      if not is_paged:
+        counters["kv_positions_peak"] = max(counters["kv_positions_peak"],
+                                            slots * window(state))
       version, params = weights()
       state, out = engine.generate_steps(params, state, None, steps=steps_per_call)
       out = to_host(out)
+      if is_paged:
+        counters["kv_pages_peak"] = max(counters["kv_pages_peak"], int(out["pages_used"].max()))
+        book.in_use = int(out["pages_used"][-1])
+        waited = [b for b in live_now if not out["valid"][:, b].all()
+                  and not out["done"][:, b].any()]
+        stalled = bool(waited)
+        counters["page_wait_calls"] += stalled
+        if waited and len(waited) == len(live_now) and not out["valid"].any():
+          raise ConfigError(f"rollout.kv_pages={kv_pages} is too small: every live sequence "
+                            f"waits for a free KV page ({len(live_now)} live, pages of "
+                            f"{page_size} positions): raise rollout.kv_pages.")
       count_decode(counters, out, time.perf_counter() - t0)
       for t in range(steps_per_call):
         for b in np.flatnonzero(out["valid"][t]):
@@ -644,10 +751,16 @@ def generate_stream(engine: Engine, next_unit: Callable, *, weights: Callable[[]
     # Emit the finished units at the front, in order.
     while units and units[0]["next"] == len(units[0]["prompts"]) and not units[0]["left"]:
       u = units.popleft()
-      stats = {k: counters[k] - u["at_open"][k] if k not in ("live_peak", "kv_positions_peak")
-               else counters[k] for k in counters}
-      stats.update(kv_cache="dense", gen_s=counters["prefill_s"] + counters["decode_s"]
+      for i in range(len(u["prompts"])):
+        del all_prompts[u["base"] + i]
+        for g in range(n):
+          del all_toks[(u["base"] + i) * n + g]
+      stats = {k: counters[k] - u["at_open"][k] if k not in peaks else counters[k]
+               for k in counters}
+      stats.update(kv_cache=kv_cache, gen_s=counters["prefill_s"] + counters["decode_s"]
                    - since["prefill_s"] - since["decode_s"])
+      if is_paged:
+        stats.update(kv_pages=kv_pages, page_size=page_size, kv_admission=kv_admission)
       since = dict(counters)
       rollout = _assemble(u["prompts"], n, u["toks"], u["lps"], sp, pad_id, stats,
                           time.perf_counter() - u["t0"])

@@ -265,7 +265,11 @@ def stream_units(p: Parts, next_unit, weights):
 
   yield from generate_stream(p.engine, opened, weights=weights, n=r.group_size, slots=r.slots,
                              steps_per_call=r.steps_per_call, max_prompt_len=p.prompt_len,
-                             pad_id=p.tokenizer.pad_id, grow_cache=r.grow_cache)
+                             pad_id=p.tokenizer.pad_id, grow_cache=r.grow_cache,
+                             kv_cache=r.get("kv_cache", "dense"),
+                             kv_pages=r.get("kv_pages", 0) or None,
+                             page_size=r.get("page_size", 16),
+                             kv_admission=r.get("kv_admission", "optimistic"))
 
 
 def sample(p: Parts, params_s, prompts: list[dict], step: int, round_: int, weights=None):
