@@ -33,24 +33,31 @@ def _two_processes(repo_root, init, workdir, port, extra):
       p.kill()
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, sft_addition, devices):
+  """The one-process run on this process's 8 devices that the two-process runs must equal."""
+  one = str(tmp_path_factory.mktemp("one"))
+  spec = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "configs/grpo_tiny.py:runlocal")
+  grpo.run(config_lib.load_config(spec, K2 + [f"init.checkpoint={sft_addition}"]), one,
+           out=lambda *a: None)
+  return [r for r in read_metrics(one) if "reward/mean" in r]
+
+
 @pytest.mark.slow
 def test_async_k2_on_two_processes_is_the_one_process_run(repo_root, tmp_path, sft_addition,
-                                                          free_port, devices):
+                                                          free_port, one_process):
   """With frozen weights, k = 2 on 2 processes x 4 devices samples the same groups as on this
   process's 8 devices: rewards, losses and staleness step for step, and neither process
   hangs. Every process makes the same producer decisions (versions by queue position, filters
   on gathered rewards), and the producer's programs (sampler devices) and the learner's
   (learner devices) run on disjoint device sets, so the two threads' interleaving does not
   have to match across processes. Measured: equal to the bit (2026-12-03)."""
-  spec = os.path.join(repo_root, "configs/grpo_tiny.py:runlocal")
-  one = str(tmp_path / "one")
-  grpo.run(config_lib.load_config(spec, K2 + [f"init.checkpoint={sft_addition}"]), one,
-           out=lambda *a: None)
   two = str(tmp_path / "two")
   outs, procs = _two_processes(repo_root, sft_addition, two, free_port, [])
   for p, out in zip(procs, outs):
     assert p.returncode == 0, out[-3000:]
-  m1 = [r for r in read_metrics(one) if "reward/mean" in r]
+  m1 = one_process
   m2 = [r for r in read_metrics(two) if "reward/mean" in r]
   assert [r["step"] for r in m2] == [1, 2, 3]
   assert [r["staleness/max"] for r in m2] == [0.0, 1.0, 2.0]
@@ -63,23 +70,23 @@ def test_async_k2_on_two_processes_is_the_one_process_run(repo_root, tmp_path, s
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("streaming", [False, True])
 def test_partial_rollouts_on_two_processes_switch_together(repo_root, tmp_path, sft_addition,
-                                                           free_port, devices):
+                                                           free_port, one_process, streaming):
   """Partial rollouts across 2 processes x 4 devices: before every prefill and decode call the
   producers agree on process 0's newest version (one collective over the sampler's devices),
   so no decode program gets shards of two versions and neither process hangs. With frozen
   weights any switch points give the same samples, so the rewards and lengths are the
-  one-process synchronous-order run's group for group, and groups stay within k."""
-  spec = os.path.join(repo_root, "configs/grpo_tiny.py:runlocal")
-  one = str(tmp_path / "one")
-  grpo.run(config_lib.load_config(spec, K2 + [f"init.checkpoint={sft_addition}"]), one,
-           out=lambda *a: None)
+  one-process synchronous-order run's group for group, and groups stay within k. Streaming
+  (rollout.streaming): the units' admissions too are process 0's (whether a unit opens while
+  others decode, on its newest version), so both processes run the same decode calls."""
   two = str(tmp_path / "two")
   outs, procs = _two_processes(repo_root, sft_addition, two, free_port,
-                               ["rollout.partial_rollouts=True"])
+                               ["rollout.partial_rollouts=True"]
+                               + ["rollout.streaming=True"] * streaming)
   for p, out in zip(procs, outs):
     assert p.returncode == 0, out[-3000:]
-  m1 = [r for r in read_metrics(one) if "reward/mean" in r]
+  m1 = one_process
   m2 = [r for r in read_metrics(two) if "reward/mean" in r]
   assert [r["step"] for r in m2] == [1, 2, 3]
   for a, b in zip(m1, m2):

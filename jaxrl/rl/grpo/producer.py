@@ -63,8 +63,11 @@ and checkpointed exactly as above (step, round and stream positions are decided 
 order); a group
 is dated by its oldest token and dropped (counted) if that is more than k before its step,
 which the gate prevents except with dynamic sampling and k = 1 (as without streaming). The queue then runs ahead of the
-learner by about as many units as without streaming; single process only (the admission
-follows thread timing, which processes would have to agree on at every decode call).
+learner by about as many units as without streaming. Across processes the admissions must be
+the same on every process (each runs the same decode programs): whether a unit opens while
+others are in flight (wait=False) is decided by process 0's newest version (the same `agree`
+collective, at the same driver call everywhere, since every process's driver state is the same
+tokens), and a process that has not yet published the version it waits for.
 
 Resume rule (checkpoint_state / RolloutQueue(resume=...)): a checkpoint after step n records
 the unit that step n's last group came from (its index, the stream position before it, the
@@ -158,9 +161,8 @@ class RolloutQueue:
     self.k, self.filter, self.rounds = max_staleness, filter_zero_std, max_refill_rounds
     self.partial = partial
     self.streaming, self.score = streamer, score
-    if streamer is not None and not (partial and score is not None and agree is None):
-      raise ValueError("RolloutQueue: streaming needs partial rollouts, a score function and "
-                       "a single process (no agree)")
+    if streamer is not None and not (partial and score is not None):
+      raise ValueError("RolloutQueue: streaming needs partial rollouts and a score function")
     self.snapshot, self.release, self.agree = snapshot, release, agree
     self.floor = start_step  # the oldest version this run will have: the one it starts with
     self.end_step = end_step  # no unit is started for this step or later (the run's end)
@@ -345,6 +347,14 @@ class RolloutQueue:
     first = (self.filled + (0 if self.filter else ahead)) // self.B
     # With units in flight the learner's wait is theirs to end: the gate may be the strict one.
     gate = max(self.floor, last - self.k if ahead else min(last - self.k, first - 1))
+    if self.agree is not None and not wait:
+      # Across processes process 0's newest version decides (one collective, at the same
+      # driver call on every process); a process that has not published it yet waits for it.
+      with self._cond:
+        newest = max(self._weights, default=-1)
+      if self.agree(newest) < gate:
+        return None
+      wait = True
     with self._cond:
       while not self._closed and max(self._weights, default=-1) < gate:
         if not wait:

@@ -449,6 +449,3 @@ def _check(config) -> None:
                       "current unit frees, which needs every slot on the newest weights: set "
                       "rollout.async_generation=True and rollout.partial_rollouts=True too, or "
                       "turn streaming off.")
-  if r.get("streaming") and jax.process_count() > 1:
-    raise ConfigError("rollout.streaming=True admits units by thread timing, which processes "
-                      "do not agree on yet: run it on one process, or turn streaming off.")
