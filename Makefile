@@ -16,7 +16,7 @@ demo: setup
 # pytest runs on tcmalloc when the machine has it, as the jaxrl command does
 # (jaxrl/backends/cpu/allocator.py).
 test: setup
-	$(PY) -m jaxrl.backends.cpu.allocator $(PY) -m pytest -q -n 2 --dist worksteal --durations=15
+	$(PY) -m jaxrl.backends.cpu.allocator $(PY) -m pytest -q -n 2 --dist worksteal --durations=40
 
 test-fast: setup
 	$(PY) -m jaxrl.backends.cpu.allocator $(PY) -m pytest -q -n 2 --dist worksteal -m "not slow"
