@@ -92,13 +92,6 @@ KNOWN_MISSES = {
     # share: here 6.83 of 16.07 GiB, Llama-3.2-1B 14.40 of 22.35 (+14.6%), Qwen3-1.7B 8.29 of
     # 19.12 (+6%). Which part of a block XLA does not hold is not found yet.
     "qwen2p5:1.5b,sft,v5p",
-    # Under XLA, the unsafe direction: the train step 22.09 GiB against 26.79 (-17.5%;
-    # temporaries 13.11 against 17.81), at 4 micro-batches of 4 rows (the family default for 2-5B
-    # models). Plan terms: gradients x2 5.99, remat block 3.00, gathered weights 2.22, residuals
-    # 1.41, logits 0.49: XLA holds about 4.7 GiB more, 1.6 fp32 gradient copies, which points at
-    # the accumulation (an accumulator beside each micro-batch's gradients and the update's own
-    # temporaries); the one-micro-batch rows and Qwen2.5-1.5B GRPO at 2 are within 1-15%.
-    "llama3:3.2-3b,sft,v5p",
 }
 
 

@@ -324,6 +324,7 @@ class Program:
   # block's recompute holds in the backward.
   layer_bytes: int = 0
   remat: str = "none"
+  accum_steps: int = 1  # train: micro-batches per update (a scan carrying the gradients' sum)
   # Bytes per device of the float32 scores [rows, heads, queries, keys] of the program's
   # largest full-sequence attention call, where XLA's attention runs it
   # (attention_score_bytes); 0 where a kernel takes it (kernel_takes: the CPU's, TPU splash,
@@ -529,10 +530,13 @@ def estimate(program: Program) -> ProgramEstimate:
     loss_fn, params, batch = program.loss
     state = program.args[0]
     grads = abstract_bytes(state.params)
-    # Residuals of one micro-batch; the gradients (and their accumulator across micro-batches)
-    # in the params' sharding; the logits' gradient at the loss's top (one fp32 [rows, T, V],
-    # or one chunk's); the weights FSDP gathers; with remat, one block's recompute.
-    temp = (residual_bytes(loss_fn, params, batch, ways=ways) + 2 * grads
+    # Residuals of one micro-batch; the gradients twice in the params' sharding (and with
+    # micro-batches a third copy: the scan's running sum beside a micro-batch's gradients and
+    # the update's; Llama-3.2-3B SFT on v5p at 4 micro-batches held 4.7 GiB, 1.6 copies, beyond
+    # the other terms and two copies); the logits' gradient at the loss's top (one fp32 [rows, T, V], or one
+    # chunk's); the weights FSDP gathers; with remat, one block's recompute.
+    copies = 3 if program.accum_steps > 1 else 2
+    temp = (residual_bytes(loss_fn, params, batch, ways=ways) + copies * grads
             + logits + gathered_bytes(params))
     if program.remat != "none":  # one block recomputed whole in the backward
       temp += program.layer_bytes

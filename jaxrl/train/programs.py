@@ -124,7 +124,8 @@ def train_program(loss_fn, tx, schedule, state, shardings, batch, *, mesh, accum
   return Program(name, step, args, "train", resident=dict(resident or {}),
                  loss=(shard_activations(loss, mesh), state.params, micro), donated=(0,),
                  flops=flops, tokens=tokens, rows=rows, seq_len=seq_len, vocab=vocab,
-                 logits_chunk=logits_chunk, layer_bytes=per_layer, remat=remat)
+                 logits_chunk=logits_chunk, layer_bytes=per_layer, remat=remat,
+                 accum_steps=accum_steps)
 
 
 def forward_program(name: str, fn, args, *, kind: str = "forward", resident=None,
