@@ -60,9 +60,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl.backends import compiler_options, decode_on_matrix_unit, joins_decode_weights
+from jaxrl.backends import (compiler_options, decode_on_matrix_unit, heads_major_projections,
+                            joins_decode_weights)
 from jaxrl.models import ModelConfig, attention
-from jaxrl.models.llama import PagedKV, init_cache
+from jaxrl.models.llama import PagedKV, init_cache, is_projection, to_heads_major
 from jaxrl.parallel import batch_sharding, cache_sharding
 from jaxrl.sampler import paged
 from jaxrl.sampler.sampling import SamplingParams, is_stop, sample_logits, token_keys
@@ -97,6 +98,10 @@ class Engine:
     # The decode step's draw and rotary half swap as products on TPU (same tokens;
     # jaxrl.backends.decode_on_matrix_unit).
     self.mxu = decode_on_matrix_unit(mesh.devices.flat)
+    # The sampler's q, k and v weights heads-major on TPU, made once per weight sync by
+    # decode_params (jaxrl.backends.heads_major_projections); every program reads either form.
+    self.heads_major = heads_major_projections(mesh.devices.flat)
+    self._to_heads_major = jax.jit(lambda ws: [to_heads_major(w) for w in ws])
     self._inits: dict[tuple[int, int], Callable] = {}  # (slots, length) -> jitted init
     # Not donated: a wider cache cannot reuse the old buffers (they are freed when the caller
     # drops the old state).
@@ -105,6 +110,29 @@ class Engine:
     self._evict = jax.jit(self._evict_fn, donate_argnums=0)
     self._extend = jax.jit(self._extend_fn, donate_argnums=1, static_argnames="restart")
     self._paged_inits: dict[tuple[int, int, int, int], Callable] = {}
+
+  def decode_params(self, params, *, donate: bool = False):
+    """`params` in the form this engine's decode steps read best: on TPU each layer's q, k
+    and v weights heads-major (jaxrl.models.llama.heads_major_projections: one transpose of
+    those weights, on the devices that hold them, paid once per weight sync instead of a
+    copy per decode step); elsewhere `params` as they are. The other leaves are the same
+    arrays. donate=True frees the replaced q, k and v arrays once their copies exist."""
+    if not self.heads_major:
+      return params
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    picked = [i for i, (path, x) in enumerate(leaves) if is_projection(path, x)]
+    if not picked:
+      return params
+    old = [leaves[i][1] for i in picked]
+    new = self._to_heads_major(old)
+    out = [x for _, x in leaves]
+    for i, w in zip(picked, new):
+      out[i] = w
+    if donate:
+      jax.block_until_ready(new)
+      for w in old:
+        w.delete()
+    return jax.tree_util.tree_unflatten(treedef, out)
 
   # --------------------------------------------------------------------------- state
 
