@@ -52,6 +52,9 @@ class PagedKV(NamedTuple):
   keys: jax.Array
   values: jax.Array
   pages_bn: jax.Array
+  # The page each slot's new position goes to, when the caller has it (the engine's decode
+  # step, from its page allocation; N or -1: not written); None: read from pages_bn.
+  write_b: jax.Array | None = None
 
 def _dtype(name: str):
   return jnp.bfloat16 if name == "bfloat16" else jnp.float32
@@ -354,11 +357,14 @@ class Attention(_Adapted):
     B = q_b1nh.shape[0]
     _, num_pages, page_size, _ = cache.keys.shape
     n_pages = cache.pages_bn.shape[1]
-    j_b = pos_b // page_size
-    page_b = jnp.take_along_axis(cache.pages_bn, jnp.clip(j_b, 0, n_pages - 1)[:, None],
-                                 axis=1)[:, 0]
-    # An unheld page (-1) or a position past the table goes to page N: the scatter drops it.
-    page_b = jnp.where((j_b < n_pages) & (page_b >= 0), page_b, num_pages)
+    if cache.write_b is not None:
+      page_b = jnp.where(cache.write_b >= 0, cache.write_b, num_pages)
+    else:
+      j_b = pos_b // page_size
+      page_b = jnp.take_along_axis(cache.pages_bn, jnp.clip(j_b, 0, n_pages - 1)[:, None],
+                                   axis=1)[:, 0]
+      # An unheld page (-1) or a position past the table goes to page N: the scatter drops it.
+      page_b = jnp.where((j_b < n_pages) & (page_b >= 0), page_b, num_pages)
     off_b = pos_b % page_size
     keys, values = (paged_write(c, page_b, off_b, x[:, 0])
                     for c, x in ((cache.keys, k_b1kh), (cache.values, v_b1kh)))
