@@ -549,7 +549,13 @@ class Engine:
       logits, cache = model(state["tokens"][:, None],
                             jnp.where(active_b, state["pos"], width)[:, None],
                             cache=cache)
-      keys_b = step_keys(sample_keys_b, state["ngen"])
+      if sample_keys_b is not None:
+        keys_b = step_keys(sample_keys_b, state["ngen"])
+      elif key is None:  # each slot's own key
+        keys_b = jax.vmap(lambda k, s, t: token_keys(k, s[None], t[None])[0])(
+            jax.random.wrap_key_data(state["key"]), state["sample"], state["ngen"])
+      else:
+        keys_b = token_keys(key, state["sample"], state["ngen"])
       # The barrier keeps the logits matmul a plain dot: XLA:CPU fused it with log_softmax's
       # max into one kernel that took 338 us per step at batch 64 (bench preset), ~4% of it.
       token_b, logprob_b = sample_logits(jax.lax.optimization_barrier(logits[:, 0]), keys_b, sp,
@@ -567,12 +573,14 @@ class Engine:
         out["pages_used"] = paged.count_used(refs)
       return new, out
 
-    # token_keys' first fold, fold_in(key, sample), once per call: no step changes a slot's
-    # sample or key (one threefry hash per step fewer).
-    if key is None:  # each slot's own key
+    # On TPU (Engine.mxu) token_keys' first fold, fold_in(key, sample), once per call: no step
+    # changes a slot's sample or key (one threefry hash per step fewer, the same keys). The
+    # CPU's decode program stays as it was measured (benchmarks/sampler.py).
+    sample_keys_b = None
+    if self.mxu and key is None:  # each slot's own key
       sample_keys_b = jax.vmap(lambda k, s: sample_keys(k, s[None])[0])(
           jax.random.wrap_key_data(state["key"]), state["sample"])
-    else:
+    elif self.mxu:
       sample_keys_b = sample_keys(key, state["sample"])
     if paged_cache:
       state = self._take_pages(state, steps, width)
