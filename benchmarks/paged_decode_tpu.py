@@ -33,8 +33,10 @@ weights) run once per K steps. XLA's cost model counts a loop's body once (at 2 
 steps came to the bytes of 1), so cost_model_ms is given for K = 1 only.
 `--ops N` prints the N ops with the most estimated time (summed over ops of one kind).
 `--layouts auto` compiles the step with the weights in the layouts XLA picks for it (a
-what-if: the engine passes them in the default layouts, which the TPU re-tiles on every call
-for the k and v weights [D, K, H] with K = 2 per chip, and q's).
+what-if: the engine passes them in their default layouts).
+The step takes the sampler's params as Engine.decode_params gives them on TPU (each layer's
+q, k and v heads-major, [heads, H, D]); that transpose, made once per weight sync, is
+compiled too and reported as heads_major_sync_bytes_accessed / heads_major_sync_estimated_ms.
 """
 
 from __future__ import annotations
@@ -186,9 +188,9 @@ def main():
          "steps_per_call": args.steps}
   clock = CLOCK_HZ.get(args.topology.split(":")[0])
   for choice in args.paths.split(","):
-    compiled, weight_bytes, sync_program = compile_step(cfg, mesh, slots=args.slots, max_len=max_len,
-                                          pages=pages, page_size=args.page, choice=choice,
-                                          layouts=args.layouts, steps=args.steps)
+    compiled, weight_bytes, sync_program = compile_step(
+        cfg, mesh, slots=args.slots, max_len=max_len, pages=pages, page_size=args.page,
+        choice=choice, layouts=args.layouts, steps=args.steps)
     hlo = compiled.as_text()
     m = compiled.memory_analysis()
     cost = compiled.cost_analysis()
