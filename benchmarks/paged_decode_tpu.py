@@ -33,8 +33,10 @@ weights) run once per K steps. XLA's cost model counts a loop's body once (at 2 
 steps came to the bytes of 1), so cost_model_ms is given for K = 1 only.
 `--ops N` prints the N ops with the most estimated time (summed over ops of one kind).
 `--layouts auto` compiles the step with the weights in the layouts XLA picks for it (a
-what-if: the engine passes them in the default layouts, which the TPU re-tiles on every call
-for the k and v weights [D, K, H] with K = 2 per chip, and q's).
+what-if: the engine passes them in their default layouts).
+The step takes the sampler's params as Engine.decode_params gives them on TPU (each layer's
+q, k and v heads-major, [heads, H, D]); that transpose, made once per weight sync, is
+compiled too and reported as heads_major_sync_bytes_accessed / heads_major_sync_estimated_ms.
 """
 
 from __future__ import annotations
@@ -56,12 +58,27 @@ from jax.sharding import PartitionSpec as P
 def compile_step(cfg, mesh, *, slots, max_len, pages, page_size, choice, layouts="default",
                  steps=1):
   from jaxrl.models import abstract_model
+  from jaxrl.models.llama import is_projection
   from jaxrl.sampler import Engine, SamplingParams
   from jaxrl.train import programs as pg
   os.environ["JAXRL_TPU_PAGED"] = choice
   model = abstract_model(cfg)
   params = pg.params_of(model, mesh, "sampler")
   engine = Engine(model[0], cfg, mesh, sampling=SamplingParams(max_new_tokens=max_len))
+  sync_program = None
+  if engine.heads_major:  # the sampler's params as Engine.decode_params gives them on TPU
+    picked = [x for path, x in jax.tree_util.tree_leaves_with_path(params)
+              if is_projection(path, x)]
+    sync_program = engine._to_heads_major.lower(picked).compile()
+
+    def heads_major(path, x):
+      if not is_projection(path, x):
+        return x
+      spec = tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
+      return pg.spec((x.shape[1], x.shape[2], x.shape[0]), x.dtype,
+                     NamedSharding(mesh, P(spec[1], spec[2], spec[0])))
+
+    params = jax.tree_util.tree_map_with_path(heads_major, params)
   rep = NamedSharding(mesh, P())
   key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=rep)
   state = jax.tree.map(
@@ -79,7 +96,7 @@ def compile_step(cfg, mesh, *, slots, max_len, pages, page_size, choice, layouts
   # What one chip holds of the weights: one shard of each.
   weight_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
                      for x in jax.tree.leaves(params))
-  return compiled, weight_bytes
+  return compiled, weight_bytes, sync_program
 
 
 CLOCK_HZ = {"v5e": 1.5e9}  # TensorCore clock: 4 MXUs x 128 x 128 x 2 x 1.5 GHz = 197 TFLOP/s
@@ -171,9 +188,9 @@ def main():
          "steps_per_call": args.steps}
   clock = CLOCK_HZ.get(args.topology.split(":")[0])
   for choice in args.paths.split(","):
-    compiled, weight_bytes = compile_step(cfg, mesh, slots=args.slots, max_len=max_len,
-                                          pages=pages, page_size=args.page, choice=choice,
-                                          layouts=args.layouts, steps=args.steps)
+    compiled, weight_bytes, sync_program = compile_step(
+        cfg, mesh, slots=args.slots, max_len=max_len, pages=pages, page_size=args.page,
+        choice=choice, layouts=args.layouts, steps=args.steps)
     hlo = compiled.as_text()
     m = compiled.memory_analysis()
     cost = compiled.cost_analysis()
@@ -204,6 +221,13 @@ def main():
         "kernel_ms": kernel_s * 1e3, "estimated_ms": estimated_s * 1e3,
         "estimated_us_per_token": estimated_s / args.slots * 1e6,
         "estimated_ratio": estimated_s / roofline_s}
+    if sync_program is not None:  # the transpose Engine.decode_params adds to each sync
+      sync_cost = sync_program.cost_analysis()
+      sync_cost = sync_cost[0] if isinstance(sync_cost, list) else sync_cost
+      sync_cycles, _ = estimated_cycles(sync_program.as_text())
+      out[choice].update(
+          heads_major_sync_bytes_accessed=sync_cost.get("bytes accessed"),
+          heads_major_sync_estimated_ms=sync_cycles / clock * 1e3 if clock else None)
     print(choice, json.dumps(out[choice]), flush=True)
     for kind, c in by_kind.most_common(args.ops):
       c /= args.steps

@@ -129,6 +129,27 @@ def test_the_tpu_form_of_the_draw_samples_the_same_tokens(model, mesh, budget):
   _same(dense, _paged(mxu, params, "reserve"))
 
 
+def test_heads_major_projections_sample_the_same_tokens(model, mesh, budget):
+  """The sampler's q, k and v weights in the TPU's form (Engine.decode_params with
+  Engine.heads_major, jaxrl.backends.heads_major_projections: stored [heads, H, D]), read by
+  the TPU's decode step (one product per weight, the draw on the matrix unit) over the paged
+  cache and by the CPU's (the joined product) over the dense one: the dense rollout's samples
+  token for token."""
+  cfg, graphdef, params = model
+  engine, dense = budget
+  assert not engine.heads_major and engine.decode_params(params) is params  # the CPU's form
+  tpu = Engine(graphdef, cfg, mesh, sampling=engine.sampling)
+  tpu.heads_major, tpu.join_weights, tpu.mxu = True, False, True
+  tpu_params = tpu.decode_params(params)
+  attn, before = tpu_params["layers"][1]["attn"], params["layers"][1]["attn"]
+  assert attn["q"].shape == (cfg.num_heads, cfg.head_dim, cfg.embed_dim)
+  assert attn["k"].shape == attn["v"].shape == (cfg.num_kv_heads, cfg.head_dim, cfg.embed_dim)
+  assert attn["o"] is before["o"] and tpu_params["embed"] is params["embed"]
+  _same(dense, _paged(tpu, tpu_params, "reserve"))
+  _same(dense, generate(engine, tpu_params, PROMPTS, n=3, slots=4, steps_per_call=4, seed=5,
+                        grow_cache=False))
+
+
 def test_bad_paged_settings_are_one_sentence(model, mesh):
   cfg, graphdef, params = model
   engine = Engine(graphdef, cfg, mesh, sampling=SamplingParams(max_new_tokens=8))

@@ -69,6 +69,28 @@ def test_sync_values_and_shardings(mode):
   assert ws.last.bytes == cfg.num_params * 4
 
 
+def test_sync_hands_the_engine_its_decode_form(colocated):
+  """WeightSync.prepare (the GRPO trainer sets Engine.decode_params): with the TPU's form
+  forced on, each layer's q, k and v arrive heads-major [heads, H, D], the learner's values
+  transposed, and the learner's own arrays stay; the other leaves as synced."""
+  from jaxrl.sampler import Engine, SamplingParams
+  cfg = get_preset("tiny-qwen3")
+  graphdef, params = init_params(cfg, colocated.learner.mesh, "learner", seed=3)
+  engine = Engine(graphdef, cfg, colocated.sampler.mesh, sampling=SamplingParams())
+  engine.heads_major = True
+  ws = WeightSync(cfg, colocated)
+  ws.prepare = engine.decode_params
+  out = ws(params)
+  for name in ("q", "k", "v"):
+    w = np.asarray(params["layers"][0]["attn"][name])
+    np.testing.assert_array_equal(np.asarray(out["layers"][0]["attn"][name]),
+                                  w.transpose(1, 2, 0))
+  np.testing.assert_array_equal(np.asarray(out["layers"][1]["attn"]["o"]),
+                                np.asarray(params["layers"][1]["attn"]["o"]))
+  assert ws.last.bytes == cfg.num_params * 4
+  assert not any(x.is_deleted() for x in jax.tree.leaves(params))
+
+
 def test_cast_on_sync_is_exact_to_bf16(colocated):
   cfg = get_preset("tiny")
   _, params = init_params(cfg, colocated.learner.mesh, "learner")

@@ -52,6 +52,9 @@ class PagedKV(NamedTuple):
   keys: jax.Array
   values: jax.Array
   pages_bn: jax.Array
+  # The page each slot's new position goes to, when the caller has it (the engine's decode
+  # step, from its page allocation; N or -1: not written); None: read from pages_bn.
+  write_b: jax.Array | None = None
 
 def _dtype(name: str):
   return jnp.bfloat16 if name == "bfloat16" else jnp.float32
@@ -242,9 +245,9 @@ class Attention(_Adapted):
       q, k, v = (self.adapted(name, y.reshape(B, -1), x_md, key).reshape(y.shape)
                  for name, y in (("q", q), ("k", k), ("v", v)))
     else:
-      q = self.adapted("q", x_md @ self.weight("q", dt).reshape(-1, n * hd), x_md, key)
-      k = self.adapted("k", x_md @ self.weight("k", dt).reshape(-1, kh * hd), x_md, key)
-      v = self.adapted("v", x_md @ self.weight("v", dt).reshape(-1, kh * hd), x_md, key)
+      q = self.adapted("q", self._project("q", x_md), x_md, key)
+      k = self.adapted("k", self._project("k", x_md), x_md, key)
+      v = self.adapted("v", self._project("v", x_md), x_md, key)
       q, k, v = q.reshape(B, T, n, hd), k.reshape(B, T, kh, hd), v.reshape(B, T, kh, hd)
     if cfg.qkv_bias:
       q = q + self.q_bias[...].astype(dt)
@@ -303,6 +306,28 @@ class Attention(_Adapted):
     o_fd = self.weight("o", dt).reshape(n * hd, -1)
     return self.adapted("o", out_mf @ o_fd, out_mf, key).reshape(B, T, -1), new_kv
 
+  def _heads_major(self, name: str) -> bool:
+    """Whether weight `name` (q, k or v) is stored heads-major, [heads, H, D] (the sampler's
+    TPU form, heads_major_projections), rather than [D, heads, H]: told apart by shape, which
+    differs unless D, heads and H are all equal (then both forms are read the same way)."""
+    w = getattr(self, name)
+    heads = self.cfg.num_heads if name == "q" else self.cfg.num_kv_heads
+    return (w.shape == (heads, self.cfg.head_dim, self.cfg.embed_dim) and
+            w.shape != (self.cfg.embed_dim, heads, self.cfg.head_dim))
+
+  def _weight_dnh(self, name: str, dtype):
+    """Weight `name` (q, k or v) as [D, heads, H] in `dtype`, whichever form it is stored in."""
+    w = self.weight(name, dtype)
+    return w.transpose(2, 0, 1) if self._heads_major(name) else w
+
+  def _project(self, name: str, x_md):
+    """x [M, D] times weight `name` (q, k or v): [M, heads * H]. Stored heads-major, the
+    weight is read as the product's [heads * H, D] operand with D minor, as it sits."""
+    w = self.weight(name, x_md.dtype)
+    if self._heads_major(name):
+      return jnp.einsum("MD,FD->MF", x_md, w.reshape(-1, w.shape[-1]))
+    return x_md @ w.reshape(w.shape[0], -1)
+
   def _fused_qkv(self, x_md, B):
     """q, k and v of a decode step ([B, 1, ., H]) from one matmul against the three weights
     joined per KV head as [D, K, G + 2, H] (each KV head's G query heads, its key, its value).
@@ -316,9 +341,9 @@ class Attention(_Adapted):
     dt = x_md.dtype
     n, kh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     d, g = cfg.embed_dim, n // kh
-    w_dkch = jnp.concatenate([self.weight("q", dt).reshape(d, kh, g, hd),
-                              self.weight("k", dt).reshape(d, kh, 1, hd),
-                              self.weight("v", dt).reshape(d, kh, 1, hd)], axis=2)
+    w_dkch = jnp.concatenate([self._weight_dnh("q", dt).reshape(d, kh, g, hd),
+                              self._weight_dnh("k", dt).reshape(d, kh, 1, hd),
+                              self._weight_dnh("v", dt).reshape(d, kh, 1, hd)], axis=2)
     qkv = (x_md @ w_dkch.reshape(d, -1)).reshape(B, 1, kh, g + 2, hd)
     q, k, v = qkv[:, :, :, :g], qkv[:, :, :, g], qkv[:, :, :, g + 1]
     return q.reshape(B, 1, n, hd), k, v
@@ -332,11 +357,14 @@ class Attention(_Adapted):
     B = q_b1nh.shape[0]
     _, num_pages, page_size, _ = cache.keys.shape
     n_pages = cache.pages_bn.shape[1]
-    j_b = pos_b // page_size
-    page_b = jnp.take_along_axis(cache.pages_bn, jnp.clip(j_b, 0, n_pages - 1)[:, None],
-                                 axis=1)[:, 0]
-    # An unheld page (-1) or a position past the table goes to page N: the scatter drops it.
-    page_b = jnp.where((j_b < n_pages) & (page_b >= 0), page_b, num_pages)
+    if cache.write_b is not None:
+      page_b = jnp.where(cache.write_b >= 0, cache.write_b, num_pages)
+    else:
+      j_b = pos_b // page_size
+      page_b = jnp.take_along_axis(cache.pages_bn, jnp.clip(j_b, 0, n_pages - 1)[:, None],
+                                   axis=1)[:, 0]
+      # An unheld page (-1) or a position past the table goes to page N: the scatter drops it.
+      page_b = jnp.where((j_b < n_pages) & (page_b >= 0), page_b, num_pages)
     off_b = pos_b % page_size
     keys, values = (paged_write(c, page_b, off_b, x[:, 0])
                     for c, x in ((cache.keys, k_b1kh), (cache.values, v_b1kh)))
@@ -386,6 +414,38 @@ class Attention(_Adapted):
     out_bf = out_bkgh.reshape(B, n * cfg.head_dim)
     out_bd = self.adapted("o", out_bf @ o_fd, out_bf, key)
     return out_bd[:, None], new_kv
+
+
+# The attention weights a TPU decode step reads heads-major (heads_major_projections).
+HEADS_MAJOR = ("q", "k", "v")
+
+
+def heads_major_projections(params):
+  """The sampler's TPU form of a model's params (as nnx.split gives them, or a pure dict):
+  each layer's q, k and v weights [D, heads, H] stored heads-major, [heads, H, D], the layout
+  of the o weight, which a decode step's product reads as it sits (D minor). Stored
+  [D, heads, H], XLA:TPU copied the q, k and v weights of every layer into that layout on
+  every decode step (Qwen3-0.6B on v5e:2x4, batch 64: 94 us of a 1.77 ms step), and a
+  transpose made inside the decode program was no better (its result read from HBM by slower
+  products). So the transpose is made once per weight sync (Engine.decode_params). The model
+  reads either form (Attention._heads_major) and computes the same values. Quantised weights
+  (int8 values beside their scales) are left as they are."""
+
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: to_heads_major(x) if is_projection(path, x) else x, params)
+
+
+def is_projection(path, x) -> bool:
+  """Whether the leaf at `path` of a params tree is a layer's q, k or v weight stored
+  [D, heads, H] in a float dtype (what heads_major_projections transposes)."""
+  keys = [getattr(k, "key", None) for k in path]
+  return (len(keys) >= 4 and keys[0] == "layers" and keys[2] == "attn" and
+          keys[3] in HEADS_MAJOR and x.ndim == 3 and jnp.issubdtype(x.dtype, jnp.floating))
+
+
+def to_heads_major(w_dnh):
+  """[D, heads, H] -> [heads, H, D]."""
+  return jnp.transpose(w_dnh, (1, 2, 0))
 
 
 def _write_positions(cache_bksh, new_bkh, pos_b):

@@ -405,6 +405,10 @@ class WeightSync:
     # The model the sampler runs: the plain base model when it gets merged weights.
     self.sampler_cfg = lora.base_config(cfg) if self.merge else cfg
     self.base = None        # the sampler's copy of the frozen base (adapters_only)
+    # What the sampler's engine makes of each synced tree (Engine.decode_params: on TPU the
+    # q, k and v weights heads-major), applied to the tree the sync owns whole (no LoRA, or
+    # merged), inside the timed call; None: the tree as synced. The trainer sets it.
+    self.prepare: Callable | None = None
     self._base_src = None   # the learner's base leaves it was copied from
     # A quantised base (QLoRA) is synced as it is, int8 values and float32 scales, never cast:
     # the sampler then dequantises the very weights the learner uses, and casts after merging.
@@ -450,6 +454,8 @@ class WeightSync:
           release(adapters_s)
       else:
         out = jax.block_until_ready(lora.combine(self.base, adapters_s))
+    if self.prepare is not None and (not self.adapters_only or self.merge):
+      out = jax.block_until_ready(self.prepare(out, donate=True))
     self.history.append(SyncStats((time.perf_counter() - t0) * 1e3, moved))
     return out
 

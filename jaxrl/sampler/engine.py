@@ -60,12 +60,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl.backends import compiler_options, decode_on_matrix_unit, joins_decode_weights
+from jaxrl.backends import (compiler_options, decode_on_matrix_unit, heads_major_projections,
+                            joins_decode_weights)
 from jaxrl.models import ModelConfig, attention
-from jaxrl.models.llama import PagedKV, init_cache
+from jaxrl.models.llama import PagedKV, init_cache, is_projection, to_heads_major
 from jaxrl.parallel import batch_sharding, cache_sharding
 from jaxrl.sampler import paged
-from jaxrl.sampler.sampling import SamplingParams, is_stop, sample_logits, token_keys
+from jaxrl.sampler.sampling import (SamplingParams, is_stop, sample_keys, sample_logits,
+                                    step_keys, token_keys)
 
 DecodeState = dict  # {"cache": [per-layer ([B,K,W,H], [B,K,W,H])], "tokens"|"pos"|"ngen"|"sample"|"max_len": [B] i32, "key": [B, 2] u32, "live": [B] bool}
 Prefix = dict  # {"kv": [per-layer ([P,K,T,H], [P,K,T,H])], "logits": [P,V], "length": [P], "tokens", "logprobs": [P], "key"}
@@ -97,6 +99,10 @@ class Engine:
     # The decode step's draw and rotary half swap as products on TPU (same tokens;
     # jaxrl.backends.decode_on_matrix_unit).
     self.mxu = decode_on_matrix_unit(mesh.devices.flat)
+    # The sampler's q, k and v weights heads-major on TPU, made once per weight sync by
+    # decode_params (jaxrl.backends.heads_major_projections); every program reads either form.
+    self.heads_major = heads_major_projections(mesh.devices.flat)
+    self._to_heads_major = jax.jit(lambda ws: [to_heads_major(w) for w in ws])
     self._inits: dict[tuple[int, int], Callable] = {}  # (slots, length) -> jitted init
     # Not donated: a wider cache cannot reuse the old buffers (they are freed when the caller
     # drops the old state).
@@ -105,6 +111,29 @@ class Engine:
     self._evict = jax.jit(self._evict_fn, donate_argnums=0)
     self._extend = jax.jit(self._extend_fn, donate_argnums=1, static_argnames="restart")
     self._paged_inits: dict[tuple[int, int, int, int], Callable] = {}
+
+  def decode_params(self, params, *, donate: bool = False):
+    """`params` in the form this engine's decode steps read best: on TPU each layer's q, k
+    and v weights heads-major (jaxrl.models.llama.heads_major_projections: one transpose of
+    those weights, on the devices that hold them, paid once per weight sync instead of a
+    copy per decode step); elsewhere `params` as they are. The other leaves are the same
+    arrays. donate=True frees the replaced q, k and v arrays once their copies exist."""
+    if not self.heads_major:
+      return params
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    picked = [i for i, (path, x) in enumerate(leaves) if is_projection(path, x)]
+    if not picked:
+      return params
+    old = [leaves[i][1] for i in picked]
+    new = self._to_heads_major(old)
+    out = [x for _, x in leaves]
+    for i, w in zip(picked, new):
+      out[i] = w
+    if donate:
+      jax.block_until_ready(new)
+      for w in old:
+        w.delete()
+    return jax.tree_util.tree_unflatten(treedef, out)
 
   # --------------------------------------------------------------------------- state
 
@@ -506,21 +535,23 @@ class Engine:
       active_b = state["live"] & (state["pos"] < width)
       cache = state["cache"]
       if paged_cache:
-        # A slot whose write starts a page takes a free one; with none left it stalls.
+        # The call's pages were taken before the scan (_take_pages): a slot whose write falls
+        # on a page it was not given (none was left) stalls.
         page_size = cache[0][0].shape[2]
-        pages_bn, pos_b = state["pages"], state["pos"]
-        j_b = jnp.minimum(pos_b // page_size, pages_bn.shape[1] - 1)
-        need_b = active_b & (jnp.take_along_axis(pages_bn, j_b[:, None], axis=1)[:, 0] < 0)
-        page_b, got_b = paged.allocate(state["refs"], need_b, method="compare_all")
-        active_b = active_b & (~need_b | got_b)
-        rows_b = jnp.where(got_b, jnp.arange(pages_bn.shape[0]), pages_bn.shape[0])
-        pages_bn = pages_bn.at[rows_b, j_b].set(page_b, mode="drop")
-        state = dict(state, pages=pages_bn, refs=paged.hold(state["refs"], page_b, 1))
-        cache = [PagedKV(k, v, pages_bn) for k, v in cache]
+        pages_bn = state["pages"]
+        j_b = jnp.minimum(state["pos"] // page_size, pages_bn.shape[1] - 1)
+        held_b = jnp.take_along_axis(pages_bn, j_b[:, None], axis=1)[:, 0]
+        active_b = active_b & (held_b >= 0)
+        # The page each active slot writes, known here: the model need not read it back from
+        # the table (an inactive slot writes nothing, -1).
+        write_b = jnp.where(active_b, held_b, -1)
+        cache = [PagedKV(k, v, pages_bn, write_b) for k, v in cache]
       logits, cache = model(state["tokens"][:, None],
                             jnp.where(active_b, state["pos"], width)[:, None],
                             cache=cache)
-      if key is None:  # each slot's own key
+      if sample_keys_b is not None:
+        keys_b = step_keys(sample_keys_b, state["ngen"])
+      elif key is None:  # each slot's own key
         keys_b = jax.vmap(lambda k, s, t: token_keys(k, s[None], t[None])[0])(
             jax.random.wrap_key_data(state["key"]), state["sample"], state["ngen"])
       else:
@@ -542,8 +573,53 @@ class Engine:
         out["pages_used"] = paged.count_used(refs)
       return new, out
 
+    # On TPU (Engine.mxu) token_keys' first fold, fold_in(key, sample), once per call: no step
+    # changes a slot's sample or key (one threefry hash per step fewer, the same keys). The
+    # CPU's decode program stays as it was measured (benchmarks/sampler.py).
+    sample_keys_b = None
+    if self.mxu and key is None:  # each slot's own key
+      sample_keys_b = jax.vmap(lambda k, s: sample_keys(k, s[None])[0])(
+          jax.random.wrap_key_data(state["key"]), state["sample"])
+    elif self.mxu:
+      sample_keys_b = sample_keys(key, state["sample"])
+    if paged_cache:
+      state = self._take_pages(state, steps, width)
     state, out = jax.lax.scan(step, state, None, length=steps)
     return self._constrain(state), out
+
+  def _take_pages(self, state, steps: int, width: int):
+    """The pages the live slots write in the next `steps` decode steps, taken once for the
+    call: slot b writes positions pos .. pos + k - 1, k = min(steps, max_new_tokens - ngen,
+    max_len - pos, width - pos) (the rollout driver's count, rollout._PageBook.growth), and
+    takes a free page for each page of them it does not hold, in the order the steps reach
+    them (then slot by slot), the k-th request the k-th free page (paged.allocate). A slot
+    left without one stalls at that page's first position until a later call gives it one.
+    Per step instead, the allocation was ~20 small ops of each decode step (Qwen3-0.6B on
+    v5e:2x4, batch 64: 0.910 -> 0.889 ms of ops per step by libtpu's estimate); taken per
+    call, a page freed by a slot that finishes mid-call is taken by the next call, not by a
+    slot that needs it later in the same call."""
+    pages_bn, pos_b, ngen_b = state["pages"], state["pos"], state["ngen"]
+    B, n = pages_bn.shape
+    P = state["cache"][0][0].shape[2]
+    span = (steps - 1) // P + 2  # the most pages k <= steps positions can start or touch
+    k_b = jnp.minimum(jnp.minimum(steps, self.sampling.max_new_tokens - ngen_b),
+                      jnp.minimum(state["max_len"] - pos_b, width - pos_b))
+    k_b = jnp.where(state["live"], jnp.maximum(k_b, 0), 0)
+    j_bs = pos_b[:, None] // P + jnp.arange(span)[None, :]
+    held_bs = jnp.take_along_axis(pages_bn, jnp.minimum(j_bs, n - 1), axis=1)
+    want_bs = ((k_b > 0)[:, None] & (j_bs * P < (pos_b + k_b)[:, None]) & (j_bs < n) &
+               (held_bs < 0))
+    # Requests in the order the steps would make them: by the step that first writes the
+    # page, then by slot.
+    step_bs = jnp.maximum(j_bs * P - pos_b[:, None], 0)
+    order = jnp.argsort((step_bs * B + jnp.arange(B)[:, None]).reshape(-1))
+    page_o, got_o = paged.allocate(state["refs"], want_bs.reshape(-1)[order],
+                                   method="compare_all")
+    page_k = jnp.zeros_like(page_o).at[order].set(page_o)
+    got_k = jnp.zeros_like(got_o).at[order].set(got_o)
+    rows = jnp.where(got_k, jnp.repeat(jnp.arange(B), span), B)
+    pages_bn = pages_bn.at[rows, j_bs.reshape(-1)].set(page_k, mode="drop")
+    return dict(state, pages=pages_bn, refs=paged.hold(state["refs"], page_k, 1))
 
 
 def _empty_keys(slots: int):

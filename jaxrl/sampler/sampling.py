@@ -66,7 +66,18 @@ class SamplingParams:
 
 def token_keys(key: jax.Array, sample_b: jax.Array, t_b: jax.Array) -> jax.Array:
   """Per-row keys [B]: fold_in(fold_in(key, sample), t). See the module docstring."""
-  return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.fold_in(key, s), t))(sample_b, t_b)
+  return step_keys(sample_keys(key, sample_b), t_b)
+
+
+def sample_keys(key: jax.Array, sample_b: jax.Array) -> jax.Array:
+  """Per-row keys [B] of each sample, fold_in(key, sample): token_keys' first fold, which a
+  decode scan makes once per call (a slot's sample is fixed while it decodes)."""
+  return jax.vmap(lambda s: jax.random.fold_in(key, s))(sample_b)
+
+
+def step_keys(sample_keys_b: jax.Array, t_b: jax.Array) -> jax.Array:
+  """Per-row keys [B] of token t of each sample, from sample_keys: fold_in(key_b, t_b)."""
+  return jax.vmap(jax.random.fold_in)(sample_keys_b, t_b)
 
 
 def sample_logits(logits_bv: jax.Array, keys_b: jax.Array, sp: SamplingParams, *,

@@ -286,6 +286,8 @@ def setup(config, workdir: str, *, out=print, command: str = "grpo", choices=Non
   scfg = weight_sync.sampler_cfg
   engine = Engine(graphdef if scfg == cfg else abstract_model(scfg)[0], scfg,
                   run.placement.sampler.mesh, sampling=sampling)
+  # Each synced tree in the engine's decode form (on TPU the q, k and v weights heads-major).
+  weight_sync.prepare = engine.decode_params
 
   renderer = None
   if env is not None:  # the prompts are the environment's first messages, tools included
