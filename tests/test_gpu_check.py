@@ -2,6 +2,7 @@
 (benchmarks/decode_gpu.py) end to end on the tiny shape, its roofline from the byte count
 checked by hand, and the script's shell syntax. The GPU itself is not exercised here."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -67,7 +68,6 @@ def test_hf_peer_side_by_side():
   pytest.importorskip("transformers")
   bench = _decode_gpu()
   from jaxrl.models import get_preset
-  import dataclasses
   cfg = dataclasses.replace(get_preset("tiny-qwen3"), dtype="float32")
   info, rows = bench.run_hf(sys.executable, cfg, batches=[2], prompt=8, new=4, seed=0,
                             timeout=120)

@@ -34,8 +34,9 @@
 #     antlr4-python3-runtime==4.13.2 qwix==0.1.8
 #
 # (versions as requirements.lock; the rest of grain's, math-verify's and qwix's needs are in
-# the image). Off the GPU machine, `OUT=/tmp/x bash tools/gpu_check.sh` runs the setup and stops
-# at the kernels stage, which needs a GPU.
+# the image). The tool sends the checkout the calling session was started in, so `.whl/` must
+# sit in that checkout's root (a helper's worktree does not travel). Run it on the GPU machine
+# only: setup installs into the python3 it finds.
 set -u
 
 OUT=${OUT:-/tmp/gpu_check}

@@ -10,7 +10,7 @@ Checks, each on the test modules' own inputs:
   - cuDNN's fused attention through jax.nn (JAXRL_GPU_ATTENTION=cudnn), bfloat16, forward and
     gradients;
   - the Pallas paged decode kernel against XLA's gather path, float32 and bfloat16.
-Each compiled program must hold the kernel's custom call (a Triton or cuDNN call in the HLO), so
+Each compiled program must hold the kernel's custom call (Triton, Mosaic GPU or cuDNN), so
 a silent fallback to XLA fails. Error bars: the reference runs at float32 `highest` precision;
 Triton's float32 dots use TF32 (10-bit mantissa), hence 2e-2 on values of order 1 for float32
 and 5e-2 for bfloat16, relative to the largest reference value.
@@ -40,9 +40,12 @@ FAILED = []
 def _report(name, got, want, tol, hlo, call):
   err = max(float(np.abs(np.asarray(g, np.float32) - np.asarray(w, np.float32)).max()) /
             max(1.0, float(np.abs(np.asarray(w, np.float32)).max())) for g, w in zip(got, want))
-  ok = err <= tol and call in hlo.lower()
+  # Pallas on GPU lowers to Triton by default, to Mosaic GPU when a kernel asks for it.
+  names = ("triton", "mosaic_gpu") if call == "pallas" else (call,)
+  found = any(n in hlo.lower() for n in names)
+  ok = err <= tol and found
   print(f"{'PASS' if ok else 'FAIL'} {name}: max relative error {err:.2e} (bar {tol:.0e}), "
-        f"{call} call in the program: {call in hlo.lower()}", flush=True)
+        f"{'/'.join(names)} call in the program: {found}", flush=True)
   if not ok:
     FAILED.append(name)
 
@@ -76,7 +79,7 @@ def paged(dtype, tol):
     want = attention.xla_paged_decode_attention(
         *(x.astype(jnp.float32) for x in (q, keys, values)), pages, pos)
   _report(f"paged decode {jnp.dtype(dtype).name}", [got[LIVE]], [want[LIVE]], tol,
-          fn.lower(q, keys, values, pages, pos).compile().as_text(), "triton")
+          fn.lower(q, keys, values, pages, pos).compile().as_text(), "pallas")
 
 
 def main():
@@ -85,9 +88,9 @@ def main():
     raise SystemExit(f"tools/gpu_kernels.py checks GPU kernels and jax runs on "
                      f"{jax.default_backend()}: run it on a machine with a GPU.")
   checks = [
-      lambda: learner("pallas attention float32", pallas_attention, "triton", jnp.float32,
+      lambda: learner("pallas attention float32", pallas_attention, "pallas", jnp.float32,
                       2e-2, packed=True),
-      lambda: learner("pallas attention bfloat16", pallas_attention, "triton", jnp.bfloat16,
+      lambda: learner("pallas attention bfloat16", pallas_attention, "pallas", jnp.bfloat16,
                       5e-2, packed=True),
       lambda: learner("cudnn attention bfloat16", cudnn_attention, "cudnn", jnp.bfloat16, 5e-2,
                       packed=False),

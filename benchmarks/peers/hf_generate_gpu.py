@@ -3,11 +3,12 @@
 
 PY is an interpreter with PyTorch and transformers (never a jaxrl dependency; on the GPU image
 the plain `python3` holds both). argv[1] is JSON from decode_gpu.py: the model's sizes (read
-from the jaxrl preset), "dtype" (bfloat16 or float32), "batches",
-"prompt", "new" and "seed". The model is built from a seeded Qwen3Config with random weights
-(no download), on the GPU (cuda) if torch sees one, else on the CPU. For each batch size it runs one short warm-up `generate` and one timed call on
-the same prompts decode_gpu.py gives jaxrl (uniform ids in [3, 259) from the seed), sampling at
-temperature 1.0 with top-k and top-p off and no eos, so every row gets exactly `new` tokens.
+from the jaxrl preset), "dtype" (bfloat16 or float32), "batches", "prompt", "new" and "seed".
+The model is built from a seeded Qwen3Config with random weights (no download), on the GPU
+(cuda) if torch sees one, else on the CPU. For each batch size it runs one short warm-up
+`generate` and one timed call on the same prompts decode_gpu.py gives jaxrl (uniform ids in
+[3, 259) from the seed), sampling at temperature 1.0 with top-k and top-p off and no eos, so
+every row gets exactly `new` tokens.
 Prints one JSON line when the model is built, then one per batch size:
 {"batch": B, "seconds": ..., "tokens": ...}; an out-of-memory batch prints "error" instead.
 """
@@ -35,12 +36,9 @@ def build(spec, device):
     kw["rope_theta"] = spec["rope_theta"]
   config = Qwen3Config(**kw, pad_token_id=0, eos_token_id=None, bos_token_id=None)
   torch.manual_seed(spec["seed"])
-  dtype = getattr(torch, spec["dtype"])
-  torch.set_default_dtype(dtype)
-  with torch.device(device):  # born on the device: no host copy of 0.6B weights
-    model = Qwen3ForCausalLM(config).eval()
-  torch.set_default_dtype(torch.float32)
-  return model
+  with torch.device(device):  # born on the device: no host copy of the weights
+    model = Qwen3ForCausalLM(config)
+  return model.to(dtype=getattr(torch, spec["dtype"])).eval()
 
 
 def main():
