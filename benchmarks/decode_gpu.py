@@ -28,7 +28,9 @@ Columns per row:
     start), B x new over one timed call after a short warm-up;
   - vs HF: tok/s over HF tok/s.
 The bandwidth comes from the device name (HBM_GBPS: vendors' datasheet figures) or
---hbm-gbps. Results go to OUT/decode_gpu.json (rewritten after every row, so a run stopped
+--hbm-gbps. A datasheet figure is a ceiling no copy reaches: on the device tool's H200 a
+device-to-device copy moved about 4.3 TB/s of the 4.8 (its KINDS.md), so 90% of this roofline
+is about as fast as reading the bytes can go. Results go to OUT/decode_gpu.json (rewritten after every row, so a run stopped
 by a timeout keeps what it measured) and OUT/decode_gpu.md.
 """
 
