@@ -249,17 +249,7 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0, slot
     state, out = engine.generate_steps(params, state, key, steps=steps_per_call)
     out = to_host(out)  # the one host sync per steps_per_call tokens
     if is_paged:
-      # Pages in use after each step's allocation and freeing; the peak of those.
-      stats["kv_pages_peak"] = max(stats["kv_pages_peak"], int(out["pages_used"].max()))
-      book.in_use = int(out["pages_used"][-1])
-      waited = [b for b in live_now if not out["valid"][:, b].all()
-                and not out["done"][:, b].any()]
-      stalled = bool(waited)
-      stats["page_wait_calls"] += stalled
-      if waited and len(waited) == len(live_now) and not out["valid"].any():
-        raise ConfigError(f"rollout.kv_pages={kv_pages} is too small: every live sequence "
-                          f"waits for a free KV page ({len(live_now)} live, pages of "
-                          f"{page_size} positions): raise rollout.kv_pages.")
+      stalled = book.after_call(out, live_now, stats)
     count_decode(stats, out, time.perf_counter() - t0)
     for t in range(steps_per_call):
       for b in np.flatnonzero(out["valid"][t]):
@@ -426,6 +416,22 @@ class _PageBook:
       freed += shared
       self.reserved -= shared if self.reserve else 0
     return freed
+
+  def after_call(self, out: dict, live_now: list[int], stats: dict) -> bool:
+    """Reads a decode call's host outputs into the account and the rollout's counters: the
+    pages in use after each step's allocation and freeing (their peak), and whether a live
+    slot waited for a page (returned: the driver admits nothing before the next call). Every
+    live slot waiting with no token made is a pool too small for the run: one sentence."""
+    stats["kv_pages_peak"] = max(stats["kv_pages_peak"], int(out["pages_used"].max()))
+    self.in_use = int(out["pages_used"][-1])
+    waited = [b for b in live_now if not out["valid"][:, b].all()
+              and not out["done"][:, b].any()]
+    stats["page_wait_calls"] += bool(waited)
+    if waited and len(waited) == len(live_now) and not out["valid"].any():
+      raise ConfigError(f"rollout.kv_pages={self.num_pages} is too small: every live sequence "
+                        f"waits for a free KV page ({len(live_now)} live, pages of "
+                        f"{self.page_size} positions): raise rollout.kv_pages.")
+    return bool(waited)
 
   def victims(self, live) -> list[int]:
     """The live samples to preempt, newest first, so that the others' next scan finds its
@@ -731,16 +737,7 @@ def generate_stream(engine: Engine, next_unit: Callable, *, weights: Callable[[]
       state, out = engine.generate_steps(params, state, None, steps=steps_per_call)
       out = to_host(out)
       if is_paged:
-        counters["kv_pages_peak"] = max(counters["kv_pages_peak"], int(out["pages_used"].max()))
-        book.in_use = int(out["pages_used"][-1])
-        waited = [b for b in live_now if not out["valid"][:, b].all()
-                  and not out["done"][:, b].any()]
-        stalled = bool(waited)
-        counters["page_wait_calls"] += stalled
-        if waited and len(waited) == len(live_now) and not out["valid"].any():
-          raise ConfigError(f"rollout.kv_pages={kv_pages} is too small: every live sequence "
-                            f"waits for a free KV page ({len(live_now)} live, pages of "
-                            f"{page_size} positions): raise rollout.kv_pages.")
+        stalled = book.after_call(out, live_now, counters)
       count_decode(counters, out, time.perf_counter() - t0)
       for t in range(steps_per_call):
         for b in np.flatnonzero(out["valid"][t]):
