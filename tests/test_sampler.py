@@ -216,7 +216,9 @@ def test_streaming_units_equal_each_unit_sampled_alone(model, cache):
   """generate_stream admits a unit's groups into slots as they free up, beside the previous
   unit's long completions; each unit is generate()'s dense rollout for its seed, token for
   token. Paged: one pool for every unit (enough for every slot; or 16 pages of 4 positions: 8
-  slots at their longest need 8 x 14: optimistic admission preempts, reserve admits fewer)."""
+  slots at their longest need 8 x 14: optimistic admission preempts, reserve admits fewer).
+  Dense: the window is narrowed when the longest live sequence leaves (Engine.narrow), and the
+  tokens stay generate()'s."""
   mesh, cfg, graphdef, params = model
   kv = {"dense": {}, "paged": dict(kv_cache="paged", page_size=4),
         "paged-tight": dict(kv_cache="paged", page_size=4, kv_pages=16),
@@ -242,6 +244,8 @@ def test_streaming_units_equal_each_unit_sampled_alone(model, cache):
   assert opened[1:] == [False, False], "a unit waited for the slots to empty: no streaming"
   stats = [r.stats for _, r in out]
   assert {st["kv_cache"] for st in stats} == {kv.get("kv_cache", "dense")}
+  if cache == "dense":  # a long completion left while shorter ones went on: the window narrowed
+    assert engine.traces["narrow"] > 0, "the window was never narrowed"
   if cache == "paged-tight":
     assert sum(st["kv_preemptions"] for st in stats) > 0, "the pool never ran short"
     assert max(st["kv_pages_peak"] for st in stats) <= 16

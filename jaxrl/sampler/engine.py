@@ -107,6 +107,7 @@ class Engine:
     # Not donated: a wider cache cannot reuse the old buffers (they are freed when the caller
     # drops the old state).
     self._grow = jax.jit(self._grow_fn, static_argnames="length")
+    self._narrow = jax.jit(self._narrow_fn, static_argnames="length")
     self._insert_paged = jax.jit(self._insert_paged_fn, donate_argnums=0)
     self._evict = jax.jit(self._evict_fn, donate_argnums=0)
     self._extend = jax.jit(self._extend_fn, donate_argnums=1, static_argnames="restart")
@@ -216,6 +217,21 @@ class Engine:
     if is_paged(state) or length <= window(state):
       return state
     return self._grow(state, length=length)
+
+  def narrow(self, state: DecodeState, length: int) -> DecodeState:
+    """The state with its cache window cut to its first `length` positions; the same state when
+    it is no wider (a paged state always is). The caller keeps every live slot's positions, and
+    the next call's writes, under `length` (a slot whose write falls past the end waits, as at
+    a grown window's end). generate_stream narrows when its longest live sequence has left, so
+    that the next calls read only the positions their sequences need."""
+    if is_paged(state) or length >= window(state):
+      return state
+    return self._narrow(state, length=length)
+
+  def _narrow_fn(self, state, *, length):
+    self.traces["narrow"] += 1
+    cache = [tuple(c[:, :, :length] for c in layer) for layer in state["cache"]]
+    return self._constrain(dict(state, cache=cache))
 
   def _grow_fn(self, state, *, length):
     self.traces["grow"] += 1

@@ -547,8 +547,9 @@ def generate_stream(engine: Engine, next_unit: Callable, *, weights: Callable[[]
   its unit's key (Engine.generate with key=None). weights() is called before every prefill
   and decode call, as generate()'s `weights` (every token's version is in Rollout.versions).
 
-  One state serves every unit. The dense cache's window grows with the longest live sequence
-  and is never narrowed. kv_cache="paged" takes generate()'s kv_pages, page_size and
+  One state serves every unit. The dense cache's window follows the longest live sequence:
+  grown before a call that needs more, and narrowed (Engine.narrow) when that sequence has left,
+  so that a unit's short completions do not decode over the window a long one needed. kv_cache="paged" takes generate()'s kv_pages, page_size and
   kv_admission, with one page account (_PageBook) over every unit's samples: a group whose
   pages are not free is admitted as far as they are, and the rest of its samples wait, like
   the samples a preemption sends back, to be admitted one by one before any new group (each
@@ -728,6 +729,7 @@ def generate_stream(engine: Engine, next_unit: Callable, *, weights: Callable[[]
       need = max(len(u["prompts"][s // n]) + len(u["toks"][s]) - 1 + steps_per_call
                  for u, s in filter(None, occupant))
       state = engine.grow(state, fit(need))
+      state = engine.narrow(state, fit(need))  # the longest live sequence may have left
       live_now = [b for b in range(slots) if occupant[b] is not None]
       counters["live_peak"] = max(counters["live_peak"], len(live_now))
       if not is_paged:
