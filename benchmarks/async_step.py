@@ -32,7 +32,8 @@ logged steps, one logged per step), the median perf/sampler_busy (the producer's
 seconds over wall seconds; sync: the rollout's share of the step, perf/gen_fraction), the
 learner's gen wait, the mean completion length, the sampler's slot utilisation (live slot-steps
 over slot-steps: how much of each decode call the long tail leaves idle) and the update's
-seconds (timing_s/update); then each mode's median over rounds and its
+seconds (timing_s/update), the seconds per counted step spent tracing, compiling or loading
+compiled programs ("jit s"; see COMPILE_EVENTS); then each mode's median over rounds and its
 throughput against sync.
 """
 
@@ -105,10 +106,38 @@ def mode_config(mode: str, steps: int):
   return config_lib.load_config(os.path.join(ROOT, "configs/grpo_tiny.py"), overrides)
 
 
+# Tracing, lowering, compiling and persistent-cache loads (jax.monitoring's events), summed over
+# a run's counted steps: streaming admits partial groups, so its prefill sees new (bucketed)
+# shapes after the warm-up. Such seconds are in s/update; the "jit s" column shows how many.
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+                  "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration",
+                  "/jax/compilation_cache/cache_retrieval_time_sec")
+_counting = {"workdir": None, "warmup": 0, "seconds": 0.0}
+
+
+def _on_event(event: str, duration: float, **_):
+  """Adds a compile event's seconds once the run has logged its warm-up steps (the metrics file
+  is read at each event: there are tens of them, not thousands)."""
+  workdir = _counting["workdir"]
+  if event not in COMPILE_EVENTS or workdir is None:
+    return
+  try:
+    logged = sum("timing_s/gen" in r for r in read_metrics(workdir))
+  except OSError:
+    return
+  if logged >= _counting["warmup"]:
+    _counting["seconds"] += duration
+
+
 def run_mode(mode: str, steps: int, warmup: int) -> dict:
   config = mode_config(mode, steps + warmup)
   with tempfile.TemporaryDirectory() as workdir:
-    grpo.run(config, workdir, out=lambda *a: None)
+    _counting.update(workdir=workdir, warmup=warmup, seconds=0.0)
+    try:
+      grpo.run(config, workdir, out=lambda *a: None)
+    finally:
+      _counting["workdir"] = None
     rows = [r for r in read_metrics(workdir) if "timing_s/gen" in r][warmup:]
   busy_key = "perf/sampler_busy" if mode != "sync" else "perf/gen_fraction"
   return {"step": statistics.median(r["timing_s/step"] for r in rows),
@@ -119,6 +148,7 @@ def run_mode(mode: str, steps: int, warmup: int) -> dict:
           "stale": statistics.mean(r.get("staleness/mean", 0.0) for r in rows),
           "partial": statistics.mean(r.get("rollout/partial_frac", 0.0) for r in rows),
           "util": statistics.median(r["sampler/slot_utilisation"] for r in rows),
+          "jit": _counting["seconds"] / len(rows),
           "update": statistics.median(r["timing_s/update"] for r in rows)
           if "timing_s/update" in rows[0] else float("nan")}
 
@@ -168,6 +198,7 @@ def main():
                      "XLA_FLAGS=--xla_force_host_platform_device_count=8")
   allocator.ensure()
   patch_init()
+  jax.monitoring.register_event_duration_secs_listener(_on_event)
   print(f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} devices, "
         f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}, {allocator.describe()}")
   if args.lengths:
@@ -182,7 +213,8 @@ def main():
       results[m].append(r)
       print(f"{rnd + 1:5d} {m:10s} {r['step']:9.2f} {r['busy']:6.2f} {r['wait']:7.2f} "
             f"{r['gen']:7.2f} {r['len']:6.1f} {r['stale']:6.2f} {r['partial']:8.2f} "
-            f"{r['util']:5.2f} {r['update']:6.2f} {os.getloadavg()[0]:5.1f}", flush=True)
+            f"{r['util']:5.2f} {r['update']:6.2f} {r['jit']:6.2f} {os.getloadavg()[0]:5.1f}",
+            flush=True)
   print(f"\nmedians over {args.rounds} round(s) (sync's busy is its perf/gen_fraction)")
   base = statistics.median(r["step"] for r in results[modes[0]])
   for m in modes:
