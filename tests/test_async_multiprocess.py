@@ -50,9 +50,9 @@ def test_async_k2_on_two_processes_is_the_one_process_run(repo_root, tmp_path, s
   """With frozen weights, k = 2 on 2 processes x 4 devices samples the same groups as on this
   process's 8 devices: rewards, losses and staleness step for step, and neither process
   hangs. Every process makes the same producer decisions (versions by queue position, filters
-  on gathered rewards), and the producer's programs (sampler devices) and the learner's
-  (learner devices) run on disjoint device sets, so the two threads' interleaving does not
-  have to match across processes. Measured: equal to the bit (2026-12-03)."""
+  on gathered rewards), and on CPU the producer and the learner take turns at points every
+  process reaches alike (gloo hangs when two threads run collective programs at once:
+  producer.py, "Taking turns"). Measured: equal to the bit (2026-12-03)."""
   two = str(tmp_path / "two")
   outs, procs = _two_processes(repo_root, sft_addition, two, free_port, [])
   for p, out in zip(procs, outs):

@@ -224,3 +224,46 @@ def test_streaming_with_dynamic_sampling_refills_and_stays_within_k(k):
     assert not any(g.zero_std for g in b.groups)
     assert all(step - g.version <= k for g in b.groups)
     assert b.metrics["staleness/max"] <= k
+
+
+@pytest.mark.parametrize("k,filter_zero_std", [(1, False), (2, False), (1, True), (2, True)])
+def test_serial_turns_never_overlap_and_take_the_same_groups(k, filter_zero_std):
+  """serial=True (several CPU processes, producer.py "Taking turns"): the stand-in sampler
+  never runs while the learner holds its turn (between a take and the next, where its
+  programs run), and the learner gets the groups, versions and drops of the overlapping
+  queue."""
+  import threading
+  import time
+
+  def run(serial):
+    calls, learner_busy, overlaps = [], threading.Event(), []
+    inner = _sample(calls)
+
+    def sample(params, prompts, unit):
+      overlaps.append(learner_busy.is_set())
+      time.sleep(0.002)  # time for the learner to overlap, were it allowed to
+      return inner(params, prompts, unit)
+
+    q = RolloutQueue(sample=sample, stream=PromptStream(_records(64, zero_every=3), 4, seed=0),
+                     batch=4, group=G, max_staleness=k, filter_zero_std=filter_zero_std,
+                     end_step=6, serial=serial)
+    taken = []
+    try:
+      q.publish(0, 0)
+      for step in range(6):
+        taken.append(q.take(step))
+        learner_busy.set()  # the learner's programs: weight sync, forwards, update
+        if step > 0:
+          q.publish(step, step)
+        time.sleep(0.05)
+        learner_busy.clear()
+    finally:
+      q.close()
+    return [[(g.unit, g.index, g.version, g.step) for g in t.groups] for t in taken], \
+        [t.metrics["rollout/dropped_stale"] for t in taken], overlaps
+
+  groups, dropped, overlaps = run(serial=True)
+  assert overlaps and not any(overlaps)
+  groups_free, dropped_free, overlaps_free = run(serial=False)
+  assert groups == groups_free and dropped == dropped_free
+  assert any(overlaps_free)  # without turns the two do overlap: the check above can fail

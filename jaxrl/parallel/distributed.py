@@ -92,22 +92,77 @@ def global_array(x, sharding):
   return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 
-def process_zero_value(mesh):
-  """`agree(x) -> int`: process 0's integer x, the same on every process, by one collective
-  over `mesh`'s devices only (each process fills its own shards; process 0's value wins). A
-  thread that runs programs on those devices alone (async GRPO's producer, on the sampler's)
-  can call it without ordering against another thread's programs on other devices, which
-  `multihost_utils.broadcast_one_to_all` (over every device) would need."""
-  devices = mesh.devices.reshape(-1)
-  flat = jax.sharding.Mesh(devices, ("all",))
-  sharded = jax.sharding.NamedSharding(flat, jax.sharding.PartitionSpec("all"))
-  reduce = jax.jit(lambda a: a.max(), out_shardings=jax.sharding.NamedSharding(
-      flat, jax.sharding.PartitionSpec()))
+# Host-side agreement. A decision every process must make alike (a stop request, process 0's
+# newest weights version) goes through jax.distributed's coordination service, the key-value
+# store the processes already share, never through a device program: a collective over devices
+# that another thread's programs also use (async GRPO's producer on the sampler's devices, the
+# learner on its own) would have to be launched in the same order on every process, and two
+# threads give no such order. (On CPU even disjoint device sets are not enough: there async
+# GRPO's two threads take turns, jaxrl/rl/grpo/producer.py "Taking turns".)
+HOST_AGREE_TIMEOUT_S = 3600  # how long a process waits for the others' keys
+_KEEP_KEYS = 1024  # process 0's agreed values kept in the store (the others lag by one call)
+_channels: dict[str, int] = {}  # name -> instances made in this process (the same everywhere)
+
+
+def _channel(name: str):
+  """(client, key prefix) of a new agreement channel. Every process makes its channels in the
+  same order, so the n-th channel of a name has the same prefix everywhere."""
+  from jax._src import distributed as jax_distributed  # the store's client: no public alias
+  client = jax_distributed.global_state.client
+  if client is None:
+    raise RuntimeError("host agreement across processes needs jax.distributed.initialize "
+                       "(jaxrl.parallel.distributed.initialize) to have run first")
+  _channels[name] = _channels.get(name, 0) + 1
+  return client, f"jaxrl/{name}/{_channels[name]}"
+
+
+def _get(client, key: str) -> str:
+  try:
+    return client.blocking_key_value_get(key, HOST_AGREE_TIMEOUT_S * 1000)
+  except jax.errors.JaxRuntimeError as e:
+    raise RuntimeError(f"process {jax.process_index()} waited {HOST_AGREE_TIMEOUT_S} s for "
+                       f"another process's {key!r}: that process has stopped or hung; look "
+                       "at its log") from e
+
+
+def process_zero_value(name: str):
+  """`agree(x) -> int`: process 0's integer x, the same on every process (process 0 writes
+  it to the coordination service, the others read it). Every process must call it the same
+  number of times, in the same order; it runs no device program, so any thread may call it
+  (see "Host-side agreement" above). One process: x."""
+  if jax.process_count() == 1:
+    return int
+  client, prefix = _channel(name)
+  calls = iter(range(1 << 62))
 
   def agree(x: int) -> int:
-    mine = np.int32(x if jax.process_index() == 0 else np.iinfo(np.int32).min)
-    shards = jax.make_array_from_callback((len(devices),), sharded,
-                                          lambda idx: np.full((1,), mine, np.int32))
-    return int(reduce(shards))
+    n = next(calls)
+    if jax.process_index() != 0:
+      return int(_get(client, f"{prefix}/{n}"))
+    client.key_value_set(f"{prefix}/{n}", str(int(x)))
+    if n >= _KEEP_KEYS:
+      client.key_value_delete(f"{prefix}/{n - _KEEP_KEYS}")
+    return int(x)
 
   return agree
+
+
+def any_process(name: str):
+  """`any_(flag) -> bool`: whether any process's flag is set, the same answer on every
+  process, through the coordination service (each writes its flag, then reads every one).
+  Called the same number of times on every process; no device program. One process: flag."""
+  if jax.process_count() == 1:
+    return bool
+  client, prefix = _channel(name)
+  calls = iter(range(1 << 62))
+  me, count = jax.process_index(), jax.process_count()
+
+  def any_(flag: bool) -> bool:
+    n = next(calls)
+    client.key_value_set(f"{prefix}/{n}/{me}", "1" if flag else "0")
+    out = [_get(client, f"{prefix}/{n}/{i}") == "1" for i in range(count)]
+    if n >= 2:  # every process read call n-2's keys before it wrote call n-1's, read here
+      client.key_value_delete(f"{prefix}/{n - 2}/{me}")
+    return any(out)
+
+  return any_

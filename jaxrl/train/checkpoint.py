@@ -28,7 +28,6 @@ import sys
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -134,6 +133,7 @@ class Checkpointer:
                                              todelete_subdir=_DELETING),
         item_names=("state", "data"))
     self._pending: int | None = None  # the step being written in the background
+    self._lost_any = None  # several processes: whether any lost a write (made on first use)
     self.failed: CheckpointFailed | None = None
     self._caught = _Caught()
     logging.getLogger("absl").addFilter(self._caught)
@@ -201,9 +201,11 @@ class Checkpointer:
     if step is not None:
       # Process 0 looks (orbax's finalize logs a failure and returns); all of them stop.
       lost = jax.process_index() == 0 and step not in self.committed_steps()
-      if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        lost = bool(np.any(multihost_utils.process_allgather(np.int32(lost))))
+      if jax.process_count() > 1:  # the store, not a device program (distributed.any_process)
+        if self._lost_any is None:
+          from jaxrl.parallel.distributed import any_process  # noqa: PLC0415
+          self._lost_any = any_process("checkpoint_lost")
+        lost = self._lost_any(lost)
       if lost:
         self._fail(step, None)
     if jax.process_index() == 0:

@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable
 
 import jax
-import numpy as np
 
+from jaxrl.parallel.distributed import any_process
 from jaxrl.train.checkpoint import CheckpointFailed, Checkpointer, abstract_state
 from jaxrl.train.rundir import RunDir, logged_before
 
@@ -51,6 +51,7 @@ class Interrupts:
     self.say = say
     self._absorbed = False
     self._previous = {}
+    self._any = None
 
   def _handle(self, signum, frame):
     if self.signum is None:
@@ -77,11 +78,11 @@ class Interrupts:
       signal.signal(s, h)
 
   def requested(self) -> bool:
-    local = self.signum is not None
-    if jax.process_count() == 1:
-      return local
-    from jax.experimental import multihost_utils
-    return bool(np.any(multihost_utils.process_allgather(np.int32(local))))
+    # Through the coordination service, not a program over every device: async GRPO's
+    # producer may be running the sampler's programs meanwhile (distributed.any_process).
+    if self._any is None:
+      self._any = any_process("stop_request")
+    return self._any(self.signum is not None)
 
 
 # ----------------------------------------------------------------------------- progress

@@ -184,9 +184,12 @@ def queued_rollouts(p: Parts, state, step: int):
         end_step=p.config.train.steps, resume=stream.resume_queue,
         snapshot=stream.snapshot, release=p.weight_sync.release,
         # Partial rollouts across processes: every process switches at process 0's choice.
-        agree=(process_zero_value(p.run.placement.sampler.mesh)
+        agree=(process_zero_value("rollout_version")
                if r.get("partial_rollouts") and jax.process_count() > 1 else None),
         streamer=(functools.partial(stream_units, p) if r.get("streaming") else None),
+        # Several CPU processes: the producer and the learner take turns (producer.py).
+        serial=jax.process_count() > 1 and all(
+            d.platform == "cpu" for d in p.run.placement.sampler.mesh.devices.flat),
         score=lambda rollout, prompts: score_rollout(p, rollout, prompts))
   # 1. This step's weights, published after its groups are taken (they need version
   # step - max_staleness or older), so that with max_staleness=1 the sync never runs beside a

@@ -36,7 +36,7 @@ flight continues under newer weights; each token carries its version (Rollout.ve
 group is dated by its oldest token, which keeps it within k. The switch points follow thread
 timing: reproducible only with frozen weights. Across processes every process's producer runs
 the same decode program, so all must switch at the same call: `agree(v)` returns process 0's
-newest version (a one-integer collective over the sampler's devices, made by the trainer), and
+newest version (through jax.distributed's key-value store, made by the trainer), and
 a process that has not yet published that version waits for it. Its learner is never waiting
 on this producer then: process 0 published v after taking step v's groups, which come from units
 every process has finished, so each process's learner publishes v too (the weight sync is a
@@ -65,9 +65,24 @@ is dated by its oldest token and dropped (counted) if that is more than k before
 which the gate prevents except with dynamic sampling and k = 1 (as without streaming). The queue then runs ahead of the
 learner by about as many units as without streaming. Across processes the admissions must be
 the same on every process (each runs the same decode programs): whether a unit opens while
-others are in flight (wait=False) is decided by process 0's newest version (the same `agree`
-collective, at the same driver call everywhere, since every process's driver state is the same
+others are in flight (wait=False) is decided by process 0's newest version (the same `agree`,
+at the same driver call everywhere, since every process's driver state is the same
 tokens), and a process that has not yet published the version it waits for.
+
+Taking turns (serial=True: several processes on CPU). Multi-process JAX on CPU (gloo
+collectives) hangs when two threads of a process run programs with collectives at once, even on
+disjoint device sets: 2 processes x 4 CPU devices, one thread looping a sharded matmul-and-sum
+over 2 devices of each process and another over the other 2, hang within a few hundred calls
+where the same calls one thread after the other finish (jax 0.12; tools/gloo_two_threads.py).
+Every learner and sampler program of a multi-process run has collectives, so there the producer
+and the learner take turns, at points every process reaches with the same queue: the learner
+hands the producer the turn when take() finds its step's groups not yet in, and the producer
+hands it back after putting the unit that completes them (nothing of its own is in flight then:
+the streaming driver is suspended at its yield). Nothing overlaps, so each process runs the
+same programs in the same order, and the run is the same as with overlap (the versions a unit
+may use follow the queue, not the timing; with partial rollouts the newest version at each
+decode call is then fixed too). On TPU and GPU the queue is not serial: the threads overlap as
+above (untested across hosts here: no multi-host accelerator).
 
 Resume rule (checkpoint_state / RolloutQueue(resume=...)): a checkpoint after step n records
 the unit that step n's last group came from (its index, the stream position before it, the
@@ -156,7 +171,7 @@ class RolloutQueue:
                snapshot: Callable[[], dict] = dict,
                release: Callable[[Any], None] = lambda params: None,
                agree: Callable[[int], int] | None = None, streamer: Callable | None = None,
-               score: Callable | None = None):
+               score: Callable | None = None, serial: bool = False):
     self.sample, self.stream, self.B, self.G = sample, stream, batch, group
     self.k, self.filter, self.rounds = max_staleness, filter_zero_std, max_refill_rounds
     self.partial = partial
@@ -185,6 +200,8 @@ class RolloutQueue:
     self._error: BaseException | None = None
     self._closed = False
     self.last: Group | None = None  # the last group taken
+    # serial (see "Taking turns" in the module docstring): whose turn it is to run programs.
+    self.serial, self._turn, self._taking = serial, "learner", None
     self._thread = threading.Thread(target=self._run, name="jaxrl-sampler", daemon=True)
     self._thread.start()
 
@@ -200,12 +217,16 @@ class RolloutQueue:
     """Blocks until step's B groups are queued and takes them (queue order: unit, index)."""
     t0 = time.perf_counter()
     with self._cond:
-      while not self._ready(step):
+      if self.serial and not self._ready(step):  # the producer's turn, until step's are in
+        self._taking, self._turn = step, "producer"
+        self._cond.notify_all()
+      while not (self._ready(step) and self._turn == "learner"):
         if self._error is not None:
           raise self._error
         if self._closed:
           raise RuntimeError("the rollout producer is closed")
         self._cond.wait(timeout=1.0)
+      self._taking = None
       if self._queue[0].step != step:
         raise RuntimeError(f"the learner asked for step {step}'s groups, but the queue "
                            f"starts at step {self._queue[0].step}")
@@ -273,6 +294,7 @@ class RolloutQueue:
   def _run(self) -> None:
     """The producer thread: either loop below, with its end and its error handed to take()."""
     try:
+      self._await_turn()
       if self.streaming is not None:
         self._produce_streaming()
       else:
@@ -283,6 +305,31 @@ class RolloutQueue:
       with self._cond:
         self._error = e
         self._cond.notify_all()
+    finally:
+      with self._cond:  # nothing more to run: the learner's turn from now on
+        self._turn = "learner"
+        self._cond.notify_all()
+
+  def _await_turn(self) -> None:
+    """serial: blocks until the learner hands the producer its turn (take); raises _Closed
+    when the queue closes meanwhile."""
+    with self._cond:
+      while self.serial and self._turn != "producer" and not self._closed:
+        self._cond.wait()
+      if self._closed:
+        raise _Closed()
+
+  def _hand_back(self) -> None:
+    """serial: after a unit is put, the learner's turn once the step it waits for is in
+    (a point every process reaches with the same queue); then waits for the next turn."""
+    if not self.serial:
+      return
+    with self._cond:
+      if self._taking is None or not self._ready(self._taking):
+        return
+      self._turn = "learner"
+      self._cond.notify_all()
+    self._await_turn()
 
   def _produce(self) -> None:
     """One unit at a time: wait for its gate version, sample it, put its groups."""
@@ -312,6 +359,7 @@ class RolloutQueue:
                      reward_stats, t_gen, start, end, step, nominal,
                      self.units_for_step[step]), step, nominal)
       self.unit += 1
+      self._hand_back()
 
   def _produce_streaming(self) -> None:
     """The producer with streaming (see the module docstring): units are opened by the
@@ -333,6 +381,7 @@ class RolloutQueue:
                      rollout, np.asarray(rewards).reshape(-1, self.G), reward_stats,
                      rollout.stats["gen_s"], start, end, step, nominal,
                      self.units_for_step[step]), step, nominal)
+      self._hand_back()  # (the driver is suspended at its yield: no program in flight)
 
   def _next_unit(self, wait: bool):
     """Streaming: (tag, prompts) of the next unit once its gate version is published (see the
@@ -348,7 +397,7 @@ class RolloutQueue:
     # With units in flight the learner's wait is theirs to end: the gate may be the strict one.
     gate = max(self.floor, last - self.k if ahead else min(last - self.k, first - 1))
     if self.agree is not None and not wait:
-      # Across processes process 0's newest version decides (one collective, at the same
+      # Across processes process 0's newest version decides (one store read, at the same
       # driver call on every process); a process that has not published it yet waits for it.
       with self._cond:
         newest = max(self._weights, default=-1)
