@@ -33,8 +33,9 @@ seconds over wall seconds; sync: the rollout's share of the step, perf/gen_fract
 learner's gen wait, the mean completion length, the sampler's slot utilisation (live slot-steps
 over slot-steps: how much of each decode call the long tail leaves idle) and the update's
 seconds (timing_s/update), the seconds per counted step spent tracing, compiling or loading
-compiled programs ("jit s"; see COMPILE_EVENTS); then each mode's median over rounds and its
-throughput against sync.
+compiled programs ("jit s"; see COMPILE_EVENTS) and over the whole run, warm-up included
+("jit run": the run's one-time cost, which s/update leaves out); then each mode's median over
+rounds and its throughput against sync.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
                   "/jax/core/compile/jaxpr_to_mlir_module_duration",
                   "/jax/core/compile/backend_compile_duration",
                   "/jax/compilation_cache/cache_retrieval_time_sec")
-_counting = {"workdir": None, "warmup": 0, "seconds": 0.0}
+_counting = {"workdir": None, "warmup": 0, "seconds": 0.0, "all": 0.0}
 
 
 def _on_event(event: str, duration: float, **_):
@@ -122,6 +123,7 @@ def _on_event(event: str, duration: float, **_):
   workdir = _counting["workdir"]
   if event not in COMPILE_EVENTS or workdir is None:
     return
+  _counting["all"] += duration
   try:
     logged = sum("timing_s/gen" in r for r in read_metrics(workdir))
   except OSError:
@@ -133,7 +135,7 @@ def _on_event(event: str, duration: float, **_):
 def run_mode(mode: str, steps: int, warmup: int) -> dict:
   config = mode_config(mode, steps + warmup)
   with tempfile.TemporaryDirectory() as workdir:
-    _counting.update(workdir=workdir, warmup=warmup, seconds=0.0)
+    _counting.update(workdir=workdir, warmup=warmup, seconds=0.0, all=0.0)
     try:
       grpo.run(config, workdir, out=lambda *a: None)
     finally:
@@ -148,7 +150,7 @@ def run_mode(mode: str, steps: int, warmup: int) -> dict:
           "stale": statistics.mean(r.get("staleness/mean", 0.0) for r in rows),
           "partial": statistics.mean(r.get("rollout/partial_frac", 0.0) for r in rows),
           "util": statistics.median(r["sampler/slot_utilisation"] for r in rows),
-          "jit": _counting["seconds"] / len(rows),
+          "jit": _counting["seconds"] / len(rows), "jit_all": _counting["all"],
           "update": statistics.median(r["timing_s/update"] for r in rows)
           if "timing_s/update" in rows[0] else float("nan")}
 
@@ -182,9 +184,9 @@ def print_lengths():
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--steps", type=int, default=6, help="counted steps per run")
-  p.add_argument("--warmup", type=int, default=2,
+  p.add_argument("--warmup", type=int, default=6,
                  help="steps not counted (compiles; async k=2 fills its queue)")
-  p.add_argument("--rounds", type=int, default=2)
+  p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--modes", default=",".join(MODES))
   p.add_argument("--lengths", action="store_true",
                  help="first print the long-tailed policy's completion-length distribution")
@@ -205,7 +207,7 @@ def main():
     print_lengths()
   print(f"{'round':>5s} {'mode':10s} {'s/update':>9s} {'busy':>6s} {'wait s':>7s} "
         f"{'gen s':>7s} {'len':>6s} {'stale':>6s} {'partial':>8s} {'util':>5s} {'upd s':>6s} "
-        f"{'load':>5s}")
+        f"{'jit s':>6s} {'jit run':>7s} {'load':>5s}")
   results: dict[str, list[dict]] = {m: [] for m in modes}
   for rnd in range(args.rounds):
     for m in modes:
@@ -213,7 +215,8 @@ def main():
       results[m].append(r)
       print(f"{rnd + 1:5d} {m:10s} {r['step']:9.2f} {r['busy']:6.2f} {r['wait']:7.2f} "
             f"{r['gen']:7.2f} {r['len']:6.1f} {r['stale']:6.2f} {r['partial']:8.2f} "
-            f"{r['util']:5.2f} {r['update']:6.2f} {r['jit']:6.2f} {os.getloadavg()[0]:5.1f}",
+            f"{r['util']:5.2f} {r['update']:6.2f} {r['jit']:6.2f} {r['jit_all']:7.1f} "
+            f"{os.getloadavg()[0]:5.1f}",
             flush=True)
   print(f"\nmedians over {args.rounds} round(s) (sync's busy is its perf/gen_fraction)")
   base = statistics.median(r["step"] for r in results[modes[0]])
