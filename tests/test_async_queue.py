@@ -192,12 +192,14 @@ def _streamer(next_unit, weights):
 
 
 @pytest.mark.parametrize("k", [1, 2])
-def test_streaming_with_dynamic_sampling_refills_and_stays_within_k(k):
+@pytest.mark.parametrize("serial", [False, True])
+def test_streaming_with_dynamic_sampling_refills_and_stays_within_k(k, serial):
   """Streaming (the producer's streamer path) with dynamic sampling: every step still gets B
   groups of unequal rewards and no group is more than k versions behind its step. With k = 2
   they are the same (unit, index) groups in the same order as without streaming, none dropped;
   with k = 1 both drop groups of units straddling two steps, the non-streaming queue by
-  position and streaming by the tokens' date, which need not be the same groups."""
+  position and streaming by the tokens' date, which need not be the same groups. serial=True
+  (the producer and learner taking turns, as on several CPU processes): the same, streamed."""
   B, steps = 3, 6
 
   def sample(params, prompts, unit, weights=None):
@@ -214,7 +216,8 @@ def test_streaming_with_dynamic_sampling_refills_and_stays_within_k(k):
       q.close()
 
   plain = run()
-  streamed = run(streamer=_streamer, score=lambda rollout, prompts: (_rewards(prompts), {}))
+  streamed = run(streamer=_streamer, score=lambda rollout, prompts: (_rewards(prompts), {}),
+                 serial=serial)
   assert any(g.unit > s for s, t in enumerate(streamed) for g in t.groups)  # refills happened
   if k > 1:
     assert sum(t.metrics["rollout/dropped_stale"] for t in streamed) == 0
