@@ -99,7 +99,9 @@ def global_array(x, sharding):
 # learner on its own) would have to be launched in the same order on every process, and two
 # threads give no such order. (On CPU even disjoint device sets are not enough: there async
 # GRPO's two threads take turns, jaxrl/rl/grpo/producer.py "Taking turns".)
-HOST_AGREE_TIMEOUT_S = 3600  # how long a process waits for the others' keys
+# How long a process waits for another's key: a backstop only (the coordination service ends the
+# job when a process stops heartbeating), long enough for a first step's compiles on a pod.
+HOST_AGREE_TIMEOUT_S = 24 * 3600
 _KEEP_KEYS = 1024  # process 0's agreed values kept in the store (the others lag by one call)
 _channels: dict[str, int] = {}  # name -> instances made in this process (the same everywhere)
 
