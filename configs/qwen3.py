@@ -41,8 +41,11 @@ MODELS = {"0.6b": ("qwen3-0.6b", "checkpoints/Qwen3-0.6B"),
 # 1.7B's GRPO on a v5e at the family default (one micro-batch: 16 rows of 2,048 tokens per
 # chip) plans 18.0 GiB for the train step; at 2 micro-batches it compiles to 13.69 GiB per chip
 # at the run's peak (the train step, 12.89 + 0.80; plan 12.17), and fits.
+# 4B's SFT on a v5e at the family default (4 micro-batches) compiled to 14.67 GiB per chip, but
+# the plan put it at 16.43, over the chip's 16 GiB, so the trainer's start-up check would refuse
+# a run that fits; at 8 micro-batches both are lower (docs/guides/scale.md has the row).
 SIZING = {("4b", "grpo", "v5e"): {"accum_steps": 16}, ("4b", "grpo", "v5e-4"): {"accum_steps": 16},
-          ("1.7b", "grpo", "v5e"): {"accum_steps": 2}}
+          ("1.7b", "grpo", "v5e"): {"accum_steps": 2}, ("4b", "sft", "v5e"): {"accum_steps": 8}}
 # (model, trainer, chip) -> the LoRA / QLoRA variants' sampler mesh (data, tensor) where the
 # family default (data=auto x tensor=2) does not fit. (The bf16 LoRA train step, once refused by
 # the TPU compiler, compiles to 9.06 GiB with the collective matmul off; at tensor=2 its sampler
