@@ -36,7 +36,11 @@ MODELS = {"3.2-1b": ("llama-3.2-1b", "checkpoints/Llama-3.2-1B-Instruct"),
 # micro-batch (16 rows of 2,048 tokens per chip) ran the TPU compiler out of HBM (30.09 GiB of
 # temporaries; the plan said 19.58 GiB at the peak, so it refused the run too); at 2
 # micro-batches it compiled to 13.42 GiB per chip at the run's peak (plan 12.25), and fits.
-SIZING = {("3.2-1b", "grpo", "v5e"): {"accum_steps": 2}}
+# 3B's GRPO on a v5e at the family default (4 micro-batches) compiled to 15.40 GiB per chip at
+# the run's peak, but the plan put it at 17.58, over the chip's 16 GiB (the start-up check would
+# refuse it); at 8 micro-batches (docs/guides/scale.md has the row).
+SIZING = {("3.2-1b", "grpo", "v5e"): {"accum_steps": 2},
+          ("3.2-3b", "grpo", "v5e"): {"accum_steps": 8}}
 # (model, trainer, chip) -> the QLoRA variant's sampler mesh (data, tensor) where the
 # family default (data=auto x tensor=2) does not fit: as configs/qwen3.py's 8B (8 KV heads, one
 # per chip at tensor=8; docs/guides/lora.md).

@@ -92,6 +92,12 @@ KNOWN_MISSES = {
     # share: here 6.83 of 16.07 GiB, Llama-3.2-1B 14.40 of 22.35 (+14.6%), Qwen3-1.7B 8.29 of
     # 19.12 (+6%). Which part of a block XLA does not hold is not found yet.
     "qwen2p5:1.5b,sft,v5p",
+    # UNDER XLA, the unsafe direction (fits either way: 44.44 of 95 GiB): the train step 34.15
+    # GiB planned against 40.69 compiled (-16%), the run's peak 37.90 against 44.44 (-14.7%).
+    # The other v5p GRPO rows are within the bar (Llama-3.2-3B, also at 4 micro-batches: the
+    # run's peak 30.96 planned against 33.13, -6.5%); what XLA holds here that the plan does not
+    # count is not found yet.
+    "qwen3:4b,grpo,v5p",
 }
 
 
