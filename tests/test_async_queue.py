@@ -3,6 +3,9 @@ each group is sampled with, the staleness bound, drops, dynamic sampling's refil
 rule. No model: the stand-in's rewards are a function of (prompt, unit), so these run in
 milliseconds; tests/test_async_grpo.py runs the real thing."""
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -235,8 +238,6 @@ def test_serial_turns_never_overlap_and_take_the_same_groups(k, filter_zero_std)
   never runs while the learner holds its turn (between a take and the next, where its
   programs run), and the learner gets the groups, versions and drops of the overlapping
   queue."""
-  import threading
-  import time
 
   def run(serial):
     calls, learner_busy, overlaps = [], threading.Event(), []

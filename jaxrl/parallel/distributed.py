@@ -17,6 +17,7 @@ environment or the TPU metadata.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import jax
@@ -135,7 +136,7 @@ def process_zero_value(name: str):
   if jax.process_count() == 1:
     return int
   client, prefix = _channel(name)
-  calls = iter(range(1 << 62))
+  calls = itertools.count()
 
   def agree(x: int) -> int:
     n = next(calls)
@@ -156,7 +157,7 @@ def any_process(name: str):
   if jax.process_count() == 1:
     return bool
   client, prefix = _channel(name)
-  calls = iter(range(1 << 62))
+  calls = itertools.count()
   me, count = jax.process_index(), jax.process_count()
 
   def any_(flag: bool) -> bool:

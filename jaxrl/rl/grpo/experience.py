@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
+from jaxrl.backends import on_cpu
 from jaxrl.errors import ConfigError
 from jaxrl.models.flops import rollout_flops
 from jaxrl.parallel.distributed import to_host
@@ -188,8 +189,7 @@ def queued_rollouts(p: Parts, state, step: int):
                if r.get("partial_rollouts") and jax.process_count() > 1 else None),
         streamer=(functools.partial(stream_units, p) if r.get("streaming") else None),
         # Several CPU processes: the producer and the learner take turns (producer.py).
-        serial=jax.process_count() > 1 and all(
-            d.platform == "cpu" for d in p.run.placement.sampler.mesh.devices.flat),
+        serial=jax.process_count() > 1 and on_cpu(p.run.placement.sampler.mesh.devices.flat),
         score=lambda rollout, prompts: score_rollout(p, rollout, prompts))
   # 1. This step's weights, published after its groups are taken (they need version
   # step - max_staleness or older), so that with max_staleness=1 the sync never runs beside a
