@@ -75,6 +75,12 @@ def measure(row: str, out=print) -> dict:
   record = {"row": row, "topology": TOPOLOGY[chip], "chips": len(devices),
             "remat": work.remat, "accum_steps": int(config.optim.accum_steps),
             "logits_chunk": work.logits_chunk, "date": datetime.date.today().isoformat(),
+            # GRPO's reference dtype and sampler mesh (rows without them: "" and the family
+            # default, data=auto x tensor=2)
+            **({"ref_dtype": config.placement.get("ref_dtype", ""),
+                "sampler_mesh": [int(config.placement.sampler_mesh.data),
+                                 int(config.placement.sampler_mesh.tensor)]}
+               if "placement" in config and work.slots else {}),
             # The learner's attention on TPU (JAXRL_TPU_ATTENTION); rows without it: xla.
             "attention": tpu_backend.choice(),
             # Whether XLA's collective matmul ran for the FSDP all-gathers

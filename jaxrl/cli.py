@@ -328,8 +328,9 @@ def cmd_plan(args, overrides) -> None:
   sync_dtype = config.placement.sync_dtype if "placement" in config else ""
   # The roles say what the bytes are; the programs' peak is the verdict (and, when it does not
   # fit, the roles' suggestions say what to change).
+  ref_dtype = config.placement.get("ref_dtype", "") if "placement" in config else ""
   roles = memory_plan(cfg, placement, None, workload=work, sync_dtype=sync_dtype,
-                      reward_models=plan_roles(config))
+                      ref_dtype=ref_dtype, reward_models=plan_roles(config))
   print(roles.table())
   plan = plan_programs(programs, config.get("plan"))
   print(plan.table())

@@ -46,6 +46,7 @@ BASE_CHOICES: Mapping[str, Iterable[str]] = MappingProxyType({
     "model.param_dtype": DTYPES,
     "placement.mode": PLACEMENTS,
     "placement.sync_dtype": SYNC_DTYPES,
+    "placement.ref_dtype": SYNC_DTYPES,
     "plan.device": ("", *DEVICE_MEMORY_GIB),
 })
 _AUTO_KEYS = ("mesh.data", "mesh.fsdp", "mesh.tensor", "placement.sampler_mesh.data",
@@ -437,11 +438,13 @@ REAL_CHIPS = {"v5e": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e", "v5e-4": "tp
 
 
 def hf_model_config(arg, *, preset: str, checkpoint: str, fixture: str, sft_config,
-                    grpo_config, chip: str = "v5e", remat: str = "full", accum_steps: int = 1):
+                    grpo_config, chip: str = "v5e", remat: str = "full", accum_steps: int = 1,
+                    ref_dtype: str = "", sampler_mesh: tuple[int, int] | None = None):
   """The ready-made real-model configs (configs/qwen3.py, configs/qwen2p5.py, configs/llama3.py
   and the older single-model files): a local HF checkpoint on an 8-chip slice of `chip`, fp32
   master weights (and Adam state) with bf16 compute, the trainer's sections, and the memory
-  knobs (model.remat, optim.accum_steps) chosen so the compiled programs fit the chip
+  knobs (model.remat, optim.accum_steps; for GRPO the reference's dtype, placement.ref_dtype,
+  and the sampler's (data, tensor) mesh) chosen so the compiled programs fit the chip
   (docs/guides/scale.md has the compiler's figures for each). The config file passes the
   trainers' default_config functions (this module imports no trainer).
 
@@ -477,8 +480,9 @@ def hf_model_config(arg, *, preset: str, checkpoint: str, fixture: str, sft_conf
   c.optim.accum_steps = accum_steps
   c.mesh.fsdp = -1  # learner: FSDP over every chip (8 on v5e-8 / v6e-8; v5p-8 has 4 chips)
   c.placement = placement_config()
-  c.placement.sampler_mesh.data, c.placement.sampler_mesh.tensor = -1, 2
+  c.placement.sampler_mesh.data, c.placement.sampler_mesh.tensor = sampler_mesh or (-1, 2)
   c.placement.sync_dtype = "bfloat16"
+  c.placement.ref_dtype = ref_dtype
   c.plan = plan_config()
   c.plan.device = REAL_CHIPS[chip]
   if arg == "fixture":
@@ -520,6 +524,8 @@ def with_lora(c: ml_collections.ConfigDict, *, rank: int = 16, alpha: float = 32
   "qlora" variants) holds that base's linear weights in int8 (jaxrl.models.quant)."""
   c.model.lora.update(rank=rank, alpha=alpha, targets=targets, dropout=0.0, quantize=quantize)
   c.optim.lr = c.optim.lr * lr_scale
+  if "placement" in c:  # the reference is the policy's own frozen base: no copy to cast
+    c.placement.ref_dtype = ""
   if c.model.get("param_dtype") == "float32" and c.model.get("dtype") == "bfloat16":
     c.model.param_dtype = "bfloat16"
   return c
@@ -531,7 +537,8 @@ def family_config(arg, *, models: dict, default: str, sft_config, grpo_config, f
   "8b,sft,v5p"; TRAINER grpo | sft, default grpo; CHIP v5e | v5p | v6e, default v5e), or
   "fixture" (a GRPO pulse on the family's tiny HF fixture, on CPU). `models` maps MODEL to
   (preset, local HF checkpoint dir); `sizing` maps (MODEL, TRAINER, CHIP) to the memory knobs
-  {"remat": ..., "accum_steps": ...} the compiler's figures chose (default below)."""
+  {"remat": ..., "accum_steps": ..., "ref_dtype": ..., "sampler_mesh": (data, tensor)} the
+  compiler's figures chose (defaults below and in hf_model_config)."""
   if arg == "fixture":
     preset, ckpt = models[default]
     return hf_model_config("fixture", preset=preset, checkpoint=ckpt, fixture=fixture,

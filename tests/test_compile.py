@@ -139,6 +139,13 @@ def test_real_size_plan_matches_the_recorded_compile(repo_root, row, monkeypatch
   import scale
   config, module, chip = scale.load(row)
   assert int(config.optim.accum_steps) == record["accum_steps"]  # the config compiled
+  if "placement" in config and record["row"].split(",")[1] == "grpo":
+    sm = config.placement.sampler_mesh
+    assert config.placement.get("ref_dtype", "") == record.get("ref_dtype", "")
+    if "sampler_mesh" in record:
+      assert [int(sm.data), int(sm.tensor)] == record["sampler_mesh"]
+    elif "lora" not in record["row"]:  # recorded before the field: the family default
+      assert (int(sm.data), int(sm.tensor)) == (-1, 2)
   work, programs = module.programs(config, devices=aot.topology_devices(scale.TOPOLOGY[chip]))
   assert (work.remat, work.logits_chunk) == (record["remat"], record["logits_chunk"])
   recorded = {p["name"]: p for p in record["programs"]}

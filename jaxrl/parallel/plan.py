@@ -198,10 +198,11 @@ def _gib(n: float) -> str:
 
 def memory_plan(cfg: ModelConfig, placement: Placement, section=None, *,
                 workload: Workload | None = None, sync_dtype: str = "",
-                reward_models=()) -> MemoryPlan:
+                ref_dtype: str = "", reward_models=()) -> MemoryPlan:
   """Bytes per device for every role, the peak per phase, and whether it fits. `workload` is
   the trainer's (its programs function); `reward_models` is a list of (label, ModelConfig[,
-  logprob_feature]), one learner row each (frozen: params only, in the learner layout)."""
+  logprob_feature]), one learner row each (frozen: params only, in the learner layout);
+  `ref_dtype` the reference copy's (placement.ref_dtype; "": the params')."""
   w = Workload() if workload is None else workload
   _, shapes, axes = abstract_model(cfg)
   L, S = placement.learner, placement.sampler
@@ -209,7 +210,8 @@ def memory_plan(cfg: ModelConfig, placement: Placement, section=None, *,
   learner = {"actor params": params, "actor gradients": params,
              "actor optimizer state": w.optimizer_states * params}
   if w.reference:
-    learner["reference params"] = params
+    learner["reference params"] = tree_bytes_per_device(
+        shapes, axes, L, _dtype_bytes(ref_dtype) if ref_dtype else None)
   if cfg.lora_rank:
     # LoRA: gradients and moments for the adapters only; the reference is the actor's own
     # frozen base with zero adapters, so only those are its own.

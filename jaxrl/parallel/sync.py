@@ -79,6 +79,12 @@ def placement_config() -> ml_collections.ConfigDict:
       keep_sampler_copy=False,
       # Cast on sync: "" keeps the learner dtype; "bfloat16" halves the bytes moved.
       sync_dtype="",
+      # The frozen reference's dtype on the learner (RL trainers): "" keeps the learner's
+      # (model.param_dtype); "bfloat16" halves its bytes. Exact where model.dtype is bfloat16:
+      # every forward casts each weight to the compute dtype first, so the reference's log-probs
+      # are the same; and a bf16 checkpoint's start policy is bf16 to begin with. Full
+      # fine-tuning only (with LoRA the reference is the policy's own frozen base).
+      ref_dtype="",
   ))
 
 

@@ -38,6 +38,18 @@ def check_rollout(config) -> None:
                       "use algo.advantage=reinforce_pp, which needs no group).")
 
 
+def ref_dtype(config) -> str:
+  """placement.ref_dtype, the frozen reference's dtype ("": the learner's own). With LoRA the
+  reference is the policy's own frozen base, not a copy, so there is nothing to cast."""
+  dtype = config.get("placement", {}).get("ref_dtype", "")
+  if dtype and int(config.model.lora.rank):
+    raise ConfigError(f"placement.ref_dtype={dtype!r} casts a full fine-tune's copy of the "
+                      f"reference, but model.lora.rank={int(config.model.lora.rank)}: with LoRA "
+                      "the reference is the policy's own frozen base (no copy); set "
+                      "--config.placement.ref_dtype=''.")
+  return dtype
+
+
 def check_algo(config) -> None:
   """The algo section's ranges, at config load: at least one pass and one minibatch per step
   (each divides the rollouts); clip ranges, KL and entropy weights are not negative (0 = off)."""

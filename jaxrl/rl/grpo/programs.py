@@ -33,7 +33,7 @@ from jaxrl.parallel import batch_sharding, get_rules
 from jaxrl.parallel.plan import (Program, Workload, abstract_bytes, attention_score_bytes,
                                  kernel_takes)
 from jaxrl.parallel.sync import make_placement
-from jaxrl.rl.grpo.config import conversation_tokens, grouped_forward, prompt_length
+from jaxrl.rl.grpo.config import conversation_tokens, grouped_forward, prompt_length, ref_dtype
 from jaxrl.rl.grpo.update import (batch_logprobs, grpo_loss, logprob_micro_batches,
                                   make_batch_logprobs_fn, old_logp_from_update)
 from jaxrl.rewards import model as rm_lib
@@ -101,7 +101,11 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
   # LoRA the reference is the actor's own frozen base with zero adapters: only those count,
   # and a forward over either holds the base once, as its argument.
   base_bytes = abstract_bytes(lora.split_lora(state.params)[0]) if cfg.lora_rank else 0
-  ref_bytes = abstract_bytes(state.params) - base_bytes
+  # Without LoRA the reference is a copy of the params, in placement.ref_dtype when set.
+  dtype = ref_dtype(config)
+  reference = jax.tree.map(lambda x: pg.spec(x.shape, dtype, x.sharding) if dtype and
+                           jnp.issubdtype(x.dtype, jnp.floating) else x, state.params)
+  ref_bytes = abstract_bytes(reference) - base_bytes
   resident = {"reference params": ref_bytes}
   for label, rm_cfg, feature in rm_lib.plan_roles(config):
     model = functools.partial(RewardModel, logprob_feature=feature)
@@ -137,14 +141,17 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
   fwd_fn = make_batch_logprobs_fn(graphdef, r.temperature, mesh=mesh,
                                   entropy=not old_from_update, micro_batches=micro)
   # The policy's own state stays resident beside the reference's forward (and vice versa).
+  # With the old log-probs from the update, the reference alone runs this forward: its params
+  # (in placement.ref_dtype) are the argument; otherwise the policy's, the larger.
+  fwd_params = reference if old_from_update else state.params
   fwd = Program(
       "logprob forward" + ("" if old_from_update else " (x2: old policy, reference)"), fwd_fn,
-      (state.params, fwd_batch), "forward",
+      (fwd_params, fwd_batch), "forward",
       resident={"actor params + optimizer state": abstract_bytes(state) - base_bytes},
       flops=flops(N), tokens=N * Tc, rows=N // (replicas * micro), seq_len=width,
       vocab=cfg.vocab_size, logits_chunk=knobs["logits_chunk"],
       layer_bytes=pg.layer_bytes(lambda p, b: batch_logprobs(plain, p, b, r.temperature)[0],
-                                 state.params, pg.micro_batch(fwd_batch, micro),
+                                 fwd_params, pg.micro_batch(fwd_batch, micro),
                                  layers=cfg.num_layers, mesh=mesh),
       # the largest attention call: the completions' against prompt + completion
       attention_bytes=scores(N // (replicas * micro), Tc if grouped else Tp + Tc, Tp + Tc))

@@ -65,7 +65,7 @@ from jaxrl.parallel.sync import SamplerCopy, WeightSync, sync
 from jaxrl.rewards import RewardSpec
 from jaxrl.rewards import model as rm_lib
 from jaxrl.rl.grpo.config import (CHOICES, conversation_tokens, default_config,
-                                  grouped_forward, prompt_length)
+                                  grouped_forward, prompt_length, ref_dtype)
 from jaxrl.rl.grpo.experience import Experience, PromptStream, make_experience
 from jaxrl.rl.grpo.monitors import Alarms, KLCoefficient
 from jaxrl.rl.grpo.programs import programs
@@ -221,6 +221,16 @@ class Parts:
     self.run.close()
 
 
+def reference_copy(params, dtype: str):
+  """The frozen reference: a copy of the starting params (the same shardings), its floating
+  leaves cast to `dtype` ("": kept as they are)."""
+  def copy(x):
+    if dtype and jnp.issubdtype(x.dtype, jnp.floating):
+      return x.astype(dtype)
+    return jnp.copy(x)
+  return jax.tree.map(copy, params)
+
+
 def setup(config, workdir: str, *, out=print, command: str = "grpo", choices=None,
           sections=None, plan=None) -> tuple[Parts, Any]:
   """(the run's parts, the starting train state: the policy from init.checkpoint or
@@ -266,8 +276,9 @@ def setup(config, workdir: str, *, out=print, command: str = "grpo", choices=Non
   graphdef, state, shardings = run.init_state(tx, layout="learner")
   # The reference is the starting policy, rebuilt from the same source on resume (never saved).
   # With LoRA it is the base with adapters off: the policy's own frozen base, not a copy.
+  # Otherwise a copy, in placement.ref_dtype when set (reference_copy).
   reference = (lora.adapters_off(state.params) if cfg.lora_rank else
-               jax.tree.map(jnp.copy, state.params))
+               reference_copy(state.params, ref_dtype(config)))
   # Reward models: frozen `jaxrl rm` runs in the learner layout, beside the reference.
   rms = rm_lib.RewardModels.load(rm_paths, mesh, tokenizer) if rm_paths else None
   rm_norm = (rm_lib.RunningNorm(len(rm_paths)) if rms is not None and rm_cfg.normalize
