@@ -142,8 +142,9 @@ def _use_pathways() -> bool:
 
 
 @partial(jax.jit, static_argnums=1)
-def _cast(tree, dtype):
-  # Cast where the weights already are, so a bf16 sync moves half the bytes.
+def cast_floats(tree, dtype):
+  """`tree` with its floating leaves in `dtype`, cast where they are (the same shardings): a
+  bf16 sync moves half the bytes; GRPO's bf16 reference copy (placement.ref_dtype)."""
   return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
                       else x, tree)
 
@@ -155,7 +156,7 @@ def sync(params, target_shardings, *, dtype=None, donate: bool = False):
   a temporary and always released).
   """
   if dtype is not None and any(x.dtype != dtype for x in jax.tree.leaves(params)):
-    cast = _cast(params, jnp.dtype(dtype))
+    cast = cast_floats(params, jnp.dtype(dtype))
     if donate:
       release(params)
     params, donate = cast, True
@@ -423,7 +424,7 @@ class WeightSync:
       # Merged in the base's (synced) dtype, straight into the sampler layout of the plain model.
       def merge(base, adapters):
         merged = lora.merge_lora(cfg, lora.combine(base, adapters))
-        return _cast(merged, self.dtype) if cfg.lora_quantize and self.dtype else merged
+        return cast_floats(merged, self.dtype) if cfg.lora_quantize and self.dtype else merged
       self._merge = jax.jit(merge, out_shardings=placement.sampler.model_shardings(
           self.sampler_cfg))
 

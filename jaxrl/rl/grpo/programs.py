@@ -57,6 +57,14 @@ def data_prompt_len(config) -> int:
                                    for x in train + held_out))
 
 
+def _floats_in(tree, dtype):
+  """Abstract `tree` (shardings kept) with its floating leaves in `dtype` ("" / None: as is)."""
+  if not dtype:
+    return tree
+  return jax.tree.map(lambda x: pg.spec(x.shape, dtype, x.sharding)
+                      if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
 def programs(config, *, devices=None, prompt_len: int | None = None):
   """(Workload, [Program]) of this GRPO config (see the module docstring)."""
   cfg = config_lib.model_config(config)
@@ -102,9 +110,7 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
   # and a forward over either holds the base once, as its argument.
   base_bytes = abstract_bytes(lora.split_lora(state.params)[0]) if cfg.lora_rank else 0
   # Without LoRA the reference is a copy of the params, in placement.ref_dtype when set.
-  dtype = ref_dtype(config)
-  reference = jax.tree.map(lambda x: pg.spec(x.shape, dtype, x.sharding) if dtype and
-                           jnp.issubdtype(x.dtype, jnp.floating) else x, state.params)
+  reference = _floats_in(state.params, ref_dtype(config))
   ref_bytes = abstract_bytes(reference) - base_bytes
   resident = {"reference params": ref_bytes}
   for label, rm_cfg, feature in rm_lib.plan_roles(config):
@@ -195,12 +201,7 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
   sync_dtype = config.placement.sync_dtype or None
 
   def sampler_params(c):
-    p = pg.params_of(abstract_model(c), smesh, "sampler")
-    if sync_dtype:
-      p = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-          x.shape, jnp.dtype(sync_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype,
-          sharding=x.sharding), p)
-    return p
+    return _floats_in(pg.params_of(abstract_model(c), smesh, "sampler"), sync_dtype)
   sparams = sampler_params(cfg)
   target = jax.tree.map(lambda x: x.sharding, sparams)
   learner_order = mesh.devices.reshape(-1)

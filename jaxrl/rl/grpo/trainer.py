@@ -61,7 +61,7 @@ from jaxrl.models import abstract_model, lora
 from jaxrl.models.flops import rollout_flops
 from jaxrl.parallel import batch_sharding
 from jaxrl.parallel.distributed import global_array
-from jaxrl.parallel.sync import SamplerCopy, WeightSync, sync
+from jaxrl.parallel.sync import SamplerCopy, WeightSync, cast_floats, sync
 from jaxrl.rewards import RewardSpec
 from jaxrl.rewards import model as rm_lib
 from jaxrl.rl.grpo.config import (CHOICES, conversation_tokens, default_config,
@@ -224,11 +224,9 @@ class Parts:
 def reference_copy(params, dtype: str):
   """The frozen reference: a copy of the starting params (the same shardings), its floating
   leaves cast to `dtype` ("": kept as they are)."""
-  def copy(x):
-    if dtype and jnp.issubdtype(x.dtype, jnp.floating):
-      return x.astype(dtype)
-    return jnp.copy(x)
-  return jax.tree.map(copy, params)
+  if dtype:
+    return cast_floats(params, jnp.dtype(dtype))
+  return jax.tree.map(jnp.copy, params)
 
 
 def setup(config, workdir: str, *, out=print, command: str = "grpo", choices=None,
