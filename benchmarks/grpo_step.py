@@ -80,6 +80,9 @@ def run_shape(shape, steps):
   with tempfile.TemporaryDirectory() as workdir:
     grpo.run(config, workdir, out=lambda *a: None)
     rows = [r for r in read_metrics(workdir) if "timing_s/gen" in r][1:]  # drop warm-up
+  if not rows:
+    raise SystemExit(f"{shape}: the run logged no step after its warm-up step (it stopped "
+                     "early: a SIGTERM or SIGINT, such as a timeout's, saves and stops a run).")
   med = {k: statistics.median(r[f"timing_s/{k}"] for r in rows) for k in PHASES}
   med["step"] = statistics.median(r["timing_s/step"] for r in rows)
   med["frac"] = statistics.median(r["perf/gen_fraction"] for r in rows)

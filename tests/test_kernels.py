@@ -270,6 +270,22 @@ def test_describe_and_bad_choice(monkeypatch):
     tpu_backend.describe()
 
 
+def test_compiler_options_read_a_one_pass_device_iterator_once():
+  """A mesh's `devices.flat` is a one-pass iterator. compiler_options walked it twice (is it
+  CPU? then is it TPU?), so on one GPU the second walk saw no devices, took them for TPU, and
+  handed libtpu's options to the CUDA compiler: every GRPO run on a single GPU stopped at its
+  first reference forward ("No such compile option", seen on an H200). A GPU gets XLA's
+  defaults, an iterator the same options as the list."""
+  from types import SimpleNamespace
+  from jaxrl import backends
+  gpu = SimpleNamespace(platform="gpu")
+  assert backends.compiler_options(np.array([gpu]).flat) is None
+  assert backends.compiler_options(iter([gpu, gpu])) is None
+  cpus = jax.devices("cpu")[:2]
+  assert (backends.compiler_options(np.array(cpus).flat) ==
+          backends.compiler_options(list(cpus)))
+
+
 def test_tpu_learner_programs_turn_the_collective_matmul_off(monkeypatch):
   """Learner programs compiled for a TPU carry the libtpu options that turn the windowed einsum
   of FSDP all-gathers and of the gradients' reduce-scatters off (jaxrl.backends.tpu.

@@ -6,9 +6,13 @@
 #   run(command="bash tools/gpu_check.sh", carry=[".whl"], timeout_s=560)
 #
 # At most about 9 minutes, each stage under its own timeout so one stuck stage cannot eat the
-# rest (setup 2 x 60 s for pip, kernels 100 s, GRPO 110 s, decode 300 s of which HF generate
+# rest (setup 2 x 60 s for pip, kernels 100 s, GRPO 110 s, decode 330 s of which HF generate
 # 120 s: under the tool's 600 s with the machine's start; what a stage measured before its
-# timeout is kept). Not yet timed on a GPU: no GPU was lent to the session that wrote it.
+# timeout is kept). First run on an H200 on 2026-12-04 (a lease of 15 minutes, two calls): the
+# machine started in about 30 s; setup took 11 s, kernels 26 s (5 of 5 passed), grpo 24-32 s;
+# decode's HF peer ~75 s for four batches (its time per call is flat over the batch size: the
+# host, not the chip, bounds it), then 10-25 s of compile per (cache, batch) row, so 300 s
+# held 4 of the 8 rows: a whole table takes two calls (DECODE_BATCHES=1,16 then 64,256).
 #   1. setup: installs what the image lacks from the carried wheels, then `pip install
 #      --no-deps -e .`; prints the GPU, jax's devices and the attention paths jaxrl picks;
 #   2. kernels: tools/gpu_kernels.py, the GPU attention kernels compiled for the GPU against
@@ -17,7 +21,10 @@
 #      they skip nothing off-GPU, so running them on the GPU machine would test the CPU again);
 #   3. grpo: a few steps of configs/grpo_tiny.py:runlocal with the model in bfloat16;
 #   4. decode: benchmarks/decode_gpu.py on the Qwen3-0.6B shape at batch 1, 16, 64, 256, dense
-#      and paged caches, against the HBM roofline and HF generate (the image's python3).
+#      and paged caches, against the HBM roofline and HF generate (the image's python3);
+#   5. grpo_step (only when STAGES names it): benchmarks/grpo_step.py's demo and anchor shapes
+#      on the GPU, per phase (on 2026-12-04 demo ran, 0.02 s per step; the anchor did not finish
+#      its compiles and 7 steps in the ~60 s left of an 84 s limit): give it a call of its own.
 # Everything is teed under $OUT (at most 8 files come back): summary.txt (each stage's exit
 # status and seconds), setup.log, kernels.log, grpo.log, decode.log, decode_gpu.json and
 # decode_gpu.md.
@@ -88,19 +95,37 @@ if [ "$rc" -ne 0 ]; then
   exit 1
 fi
 
-stage kernels 100 "$PY" tools/gpu_kernels.py
+# STAGES picks stages (default kernels grpo decode, run in this order); DECODE_BATCHES the decode stage's batches; the
+# stage limits can be scaled down for a rerun in a short lease with LIMIT_PCT (percent).
+STAGES=${STAGES:-kernels grpo decode}
+DECODE_BATCHES=${DECODE_BATCHES:-1,16,64,256}
+LIMIT_PCT=${LIMIT_PCT:-100}
+want() { case " $STAGES " in *" $1 "*) return 0 ;; esac; return 1; }
+lim() { echo $(($1 * LIMIT_PCT / 100)); }
+
+if want kernels; then stage kernels "$(lim 100)" "$PY" tools/gpu_kernels.py; fi
 if [ "$(cd /tmp && "$PY" -c 'import jax; print(jax.default_backend())')" != gpu ]; then
   echo "jax sees no GPU: the GRPO and decode stages are for the GPU machine"
   exit 1
 fi
 
 rm -rf /tmp/gpu_check_grpo
-stage grpo 110 "$PY" -m jaxrl.cli grpo --config configs/grpo_tiny.py:runlocal \
-  --config.model.dtype=bfloat16 --config.model.param_dtype=bfloat16 --config.train.steps=4 \
-  --workdir /tmp/gpu_check_grpo
+if want grpo; then
+  stage grpo "$(lim 110)" "$PY" -m jaxrl.cli grpo --config configs/grpo_tiny.py:runlocal \
+    --config.model.dtype=bfloat16 --config.model.param_dtype=bfloat16 --config.train.steps=4 \
+    --workdir /tmp/gpu_check_grpo
+fi
 
-stage decode 300 "$PY" benchmarks/decode_gpu.py --out "$OUT" --hf-python "$PY" --hf-timeout 120 \
-  --batches 1,16,64,256 --caches dense,paged --prompt 512 --new 256
+if want decode; then
+  stage decode "$(lim 330)" "$PY" benchmarks/decode_gpu.py --out "$OUT" --hf-python "$PY" \
+    --hf-timeout "$(lim 120)" --batches "$DECODE_BATCHES" --caches dense,paged --prompt 512 \
+    --new 256
+fi
+
+# 5. grpo_step: benchmarks/grpo_step.py's demo and anchor shapes (fp32) on the GPU, per phase.
+if want grpo_step; then
+  stage grpo_step "$(lim 120)" "$PY" benchmarks/grpo_step.py --shapes demo,anchor --steps 6
+fi
 
 echo "=== done $(date -u +%H:%M:%S)"
 cat "$SUMMARY"

@@ -116,7 +116,9 @@ def paged_decode_kernel(mesh, cache_spec):
 def compiler_options(devices, program: str = "learner") -> dict | None:
   """The `compiler_options` for a program on `devices`: "learner" (train steps, batched log-prob,
   reference and reward forwards) or "decode_one_slot" (the sampler's decode steps where each
-  device holds one slot). None: XLA's defaults."""
+  device holds one slot). None: XLA's defaults. `devices` may be a one-pass iterator (a mesh's
+  `devices.flat`): it is read into a list first, since each check below walks it."""
+  devices = list(devices)
   if on_cpu(devices):
     return cpu.compiler_options(program)
   if all(d.platform == "tpu" for d in devices):

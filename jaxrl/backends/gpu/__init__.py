@@ -9,10 +9,11 @@ gradient (attention.py). jaxrl.backends asks it on GPU devices only.
 pallas: jax's Pallas (Triton) flash attention, for causal rows with or without packed
 segments, in any float dtype. cudnn: cuDNN's fused attention (jax.nn.dot_product_attention)
 where it takes the call (bfloat16/float16 rows without packing), Pallas for the other rows.
-Pallas is the default because it is the one checked here, against XLA's attention in Pallas's
-interpreter (tests/test_kernels.py); no GPU was available to time either, and cuDNN's path
-has not run. Decoding over the dense cache keeps XLA's attention on GPU; over the paged cache
-it runs the Pallas paged attention kernel (checked in the interpreter only, never on a GPU).
+Pallas is the default because it was checked first, against XLA's attention in Pallas's
+interpreter (tests/test_kernels.py); on an H200 both paths compiled and matched XLA's attention
+(tools/gpu_kernels.py), neither has been timed against the other. Decoding over the dense cache
+keeps XLA's attention on GPU; over the paged cache it runs the Pallas paged attention kernel
+(checked on an H200, and slower there than the dense cache: docs/guides/kernels.md).
 """
 
 from __future__ import annotations

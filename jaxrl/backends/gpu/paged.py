@@ -4,9 +4,10 @@ kernel (jax.experimental.pallas.ops.gpu.paged_attention), reading the pools in p
 The kernel takes the pools in the paged cache's one layout, [K, N, P, H] (the TPU kernel's too,
 jaxrl.backends.tpu.paged): one program per (slot, KV head, group of query heads, split of the
 page table), each walking its pages up to the slot's length with a running softmax, the splits
-combined at the end (flash decoding). No GPU was lent to this work: it is checked against XLA's
-gather path in Pallas's interpreter on CPU only (tests/test_paged_kernels.py), and has neither
-been compiled by Triton nor timed.
+combined at the end (flash decoding). Checked against XLA's gather path in Pallas's interpreter
+on CPU (tests/test_paged_kernels.py) and, compiled by Triton, on an H200 (tools/gpu_kernels.py),
+where a Qwen3-0.6B rollout at batch 64 through it ran at 17.5% of the HBM roofline against the
+dense cache's 43.8%: its block sizes are untuned (docs/guides/kernels.md).
 """
 
 from __future__ import annotations
