@@ -10,9 +10,11 @@ import pytest
 from jaxrl import config as config_lib
 from jaxrl.errors import ConfigError
 from jaxrl.parallel import compile as aot
+from jaxrl.parallel import plan as plan_lib
 from jaxrl.parallel.plan import estimate, plan_config
 from jaxrl.rl import grpo, ppo
 from jaxrl.train import dpo, rm, sft
+from jaxrl.train import programs as programs_lib
 from jaxrl.train.run import check_plan
 
 TRAINERS = {"sft": sft, "rm": rm, "dpo": dpo, "grpo": grpo, "ppo": ppo}
@@ -133,3 +135,25 @@ def test_grpo_reward_forward_is_a_program(repo_root, devices, tmp_path):
   # the update).
   assert not any(k.startswith("reward model") for k in rm.resident)
   assert any(k.startswith("reward model") for k in programs[0].resident)
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("sft", ["model.remat=full"]), ("grpo", ["model.remat=full", "model.dtype=bfloat16"]),
+    ("dpo", []), ("ppo", [])])
+def test_residuals_traced_over_two_blocks_equal_the_whole_models(repo_root, devices,
+                                                                 monkeypatch, name, overrides):
+  """The plan traces a model's backward residuals over its first one and two blocks and
+  extrapolates to its depth (plan.residual_bytes with depth): every program's per-block
+  bytes and peak equal the whole model's trace, at 5 blocks, with and without remat, in
+  float32 and bfloat16. (benchmarks/results/scale.jsonl's 58 real-size rows were checked
+  equal the same way when it came in.)"""
+  config = _config(repo_root, name, "model.num_layers=5", *overrides)
+  cut = [(p.layer_bytes, estimate(p).peak) for p in TRAINERS[name].programs(config)[1]]
+  whole = plan_lib.residual_bytes
+  def untruncated(*args, depth=0, **kw):
+    return whole(*args, **kw)
+  monkeypatch.setattr(plan_lib, "residual_bytes", untruncated)
+  monkeypatch.setattr(programs_lib, "residual_bytes", untruncated)
+  full = [(p.layer_bytes, estimate(p).peak) for p in TRAINERS[name].programs(config)[1]]
+  assert cut == full
+  assert any(b for b, _ in cut)  # a program with per-block bytes was compared

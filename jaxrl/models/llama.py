@@ -22,6 +22,7 @@ heads, K kv heads, G = N // K, H head dim, F mlp, V vocab.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -552,6 +553,28 @@ def _remat(fn, remat: str):
   return nnx.remat(fn, policy=REMAT_POLICIES[remat], prevent_cse=True)
 
 
+_TRACED_LAYERS: int | None = None  # see first_layers
+
+
+@contextlib.contextmanager
+def first_layers(n: int):
+  """Full-sequence forwards traced inside run only their first n blocks (the later blocks'
+  parameters are left unread). For the memory plan alone (jaxrl.train.programs.layer_bytes):
+  one block's backward residuals are the same for every block, so tracing one and two blocks
+  gives what the whole model's vjp keeps per block at a fraction of the tracing time. Never
+  active while a program is traced to run: the cached decode path ignores it."""
+  global _TRACED_LAYERS
+  before, _TRACED_LAYERS = _TRACED_LAYERS, n
+  try:
+    yield
+  finally:
+    _TRACED_LAYERS = before
+
+
+def _traced(layers):
+  return layers if _TRACED_LAYERS is None else layers[:_TRACED_LAYERS]
+
+
 def _call_block(layer, x, positions, rope, segment_ids, cache, key=None):
   return layer(x, positions, rope, segment_ids=segment_ids, cache=cache, key=key)
 
@@ -600,7 +623,7 @@ class Transformer(nnx.Module):
     # forward-only programs (prefill, the reference) lower it unchanged; decoding never sees it.
     block = _call_block if cache is not None else _remat(_call_block, self.cfg.remat)
     new_cache = []
-    for i, layer in enumerate(self.layers):
+    for i, layer in enumerate(self.layers if cache is not None else _traced(self.layers)):
       x, kv = block(layer, x, positions_bt, rope, segment_ids_bt,
                     None if cache is None else cache[i], _layer_key(dropout_key, i))
       x = pin_rows(x)
@@ -635,7 +658,7 @@ class Transformer(nnx.Module):
       return x_p, x_n
 
     both = _remat(both, self.cfg.remat)
-    for i, layer in enumerate(self.layers):
+    for i, layer in enumerate(_traced(self.layers)):
       x_p, x_n = both(layer, x_p, x_n, _layer_key(dropout_key, i))
       x_p, x_n = pin_rows(x_p), pin_rows(x_n)
     last_p = jnp.take_along_axis(x_p, (prompt_len_p - 1)[:, None, None], axis=1)  # [P, 1, D]

@@ -32,6 +32,7 @@ import numpy as np
 from jaxrl.errors import ConfigError
 from jaxrl.models import CACHE_AXES, ModelConfig, RewardModel, abstract_model, cache_shape
 from jaxrl.models.attention import Causal
+from jaxrl.models.llama import first_layers
 from jaxrl.models.lora import base_config as lora_base_config
 from jaxrl.models.lora import is_lora_path, partition, split_lora, trainable
 from jaxrl.models.quant import SCALE
@@ -327,6 +328,7 @@ class Program:
   layer_bytes: int = 0
   remat: str = "none"
   accum_steps: int = 1  # train: micro-batches per update (a scan carrying the gradients' sum)
+  depth: int = 0  # train: the blocks of the model(s) in `loss`, each as deep (residual_bytes)
   # Bytes per device of the float32 scores [rows, heads, queries, keys] of the program's
   # largest full-sequence attention call, where XLA's attention runs it
   # (attention_score_bytes); 0 where a kernel takes it (kernel_takes: the CPU's, TPU splash,
@@ -460,12 +462,25 @@ def kernel_takes(kernel, cfg: ModelConfig, mesh, *, queries: int, keys: int) -> 
   return out is not None
 
 
-def residual_bytes(loss_fn, params, batch, *, ways: int) -> int:
+def residual_bytes(loss_fn, params, batch, *, ways: int, depth: int = 0) -> int:
   """Bytes per device the backward of loss_fn(params, batch, key) keeps from its forward: the
   residuals of jax.vjp, traced under eval_shape (nothing runs), the batch's rows split `ways`
   ways. Two things XLA does not keep are left out: boolean masks (it recomputes them from
   iotas), and the float32 twin of a bfloat16 residual of the same shape (a convert it
-  recomputes: with bf16 compute each activation appears in both precisions)."""
+  recomputes: with bf16 compute each activation appears in both precisions).
+
+  depth > 2 (every model in loss_fn has that many blocks): the residuals are c + depth x b,
+  every block keeping the same, so they are traced over the first block and the first two
+  (jaxrl.models.llama.first_layers) and extrapolated, c + b + (depth - 1) x b: the same bytes
+  as the whole model's trace (every recorded scale row's plan checked equal), which at 28-36
+  blocks took most of a real-size plan's seconds. depth 0: every block traced."""
+  if depth > 2:
+    traced = []
+    for n in (1, 2):
+      with first_layers(n):
+        traced.append(residual_bytes(loss_fn, params, batch, ways=ways))
+    one, two = traced
+    return one + (depth - 1) * (two - one)
   def residuals(p, b):
     return jax.vjp(lambda q: loss_fn(q, b, None)[0], p)[1]
   strip = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
@@ -538,7 +553,8 @@ def estimate(program: Program) -> ProgramEstimate:
     # the other terms and two copies); the logits' gradient at the loss's top (one fp32 [rows, T, V], or one
     # chunk's); the weights FSDP gathers; with remat, one block's recompute.
     copies = 3 if program.accum_steps > 1 else 2
-    temp = (residual_bytes(loss_fn, params, batch, ways=ways) + copies * grads
+    temp = (residual_bytes(loss_fn, params, batch, ways=ways, depth=program.depth)
+            + copies * grads
             + logits + gathered_bytes(params))
     if program.remat != "none":  # one block recomputed whole in the backward
       temp += program.layer_bytes

@@ -68,17 +68,21 @@ def plain_graphdef(cfg, model=None):
   return abstract_model(cfg.replace(remat="none"), model)[0]
 
 
-def layer_bytes(fn, params, batch, *, layers: int, mesh) -> int:
+def layer_bytes(fn, params, batch, *, layers: int, mesh, depth: int | None = None) -> int:
   """Bytes per device of one decoder block's activations for fn(params, batch) (a loss or
   log-probs over the batch, on a graphdef without remat): its backward's residuals over the
-  layers, the rows split over the mesh's batch axes."""
+  `layers` blocks, the rows split over the mesh's batch axes. `depth`: the blocks of each model
+  in fn, for residual_bytes to trace two of them and extrapolate (default `layers`, one model;
+  0 traces every block, for models of different depths)."""
   ways = mesh.shape["data"] * mesh.shape["fsdp"]
   def loss(p, b, key):
     del key
     out = fn(p, b)
     out = out[0] if isinstance(out, tuple) else out
     return jnp.sum(out.astype(jnp.float32)), None
-  return residual_bytes(shard_activations(loss, mesh), params, batch, ways=ways) // layers
+  depth = layers if depth is None else depth
+  return residual_bytes(shard_activations(loss, mesh), params, batch, ways=ways,
+                        depth=depth) // layers
 
 
 def micro_batch(batch, accum_steps: int):
@@ -125,7 +129,7 @@ def train_program(loss_fn, tx, schedule, state, shardings, batch, *, mesh, accum
                  loss=(shard_activations(loss, mesh), state.params, micro), donated=(0,),
                  flops=flops, tokens=tokens, rows=rows, seq_len=seq_len, vocab=vocab,
                  logits_chunk=logits_chunk, layer_bytes=per_layer, remat=remat,
-                 accum_steps=accum_steps)
+                 accum_steps=accum_steps, depth=cfg.num_layers if cfg is not None else 0)
 
 
 def forward_program(name: str, fn, args, *, kind: str = "forward", resident=None,
