@@ -23,6 +23,7 @@ heads, K kv heads, G = N // K, H head dim, F mlp, V vocab.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 from typing import NamedTuple
 
@@ -553,26 +554,29 @@ def _remat(fn, remat: str):
   return nnx.remat(fn, policy=REMAT_POLICIES[remat], prevent_cse=True)
 
 
-_TRACED_LAYERS: int | None = None  # see first_layers
+# See first_layers. A context variable, so another thread tracing a program meanwhile (the
+# async producer's, say) always sees every block.
+_TRACED_LAYERS: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "jaxrl_traced_layers", default=None)
 
 
 @contextlib.contextmanager
 def first_layers(n: int):
   """Full-sequence forwards traced inside run only their first n blocks (the later blocks'
-  parameters are left unread). For the memory plan alone (jaxrl.train.programs.layer_bytes):
-  one block's backward residuals are the same for every block, so tracing one and two blocks
-  gives what the whole model's vjp keeps per block at a fraction of the tracing time. Never
-  active while a program is traced to run: the cached decode path ignores it."""
-  global _TRACED_LAYERS
-  before, _TRACED_LAYERS = _TRACED_LAYERS, n
+  parameters are left unread), in this thread. For the memory plan alone
+  (jaxrl.parallel.plan.residual_bytes): every block's backward residuals are the same, so
+  tracing one and two blocks gives what the whole model's vjp keeps at a fraction of the
+  tracing time. The cached decode path ignores it."""
+  token = _TRACED_LAYERS.set(n)
   try:
     yield
   finally:
-    _TRACED_LAYERS = before
+    _TRACED_LAYERS.reset(token)
 
 
 def _traced(layers):
-  return layers if _TRACED_LAYERS is None else layers[:_TRACED_LAYERS]
+  n = _TRACED_LAYERS.get()
+  return layers if n is None else layers[:n]
 
 
 def _call_block(layer, x, positions, rope, segment_ids, cache, key=None):
