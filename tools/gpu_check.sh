@@ -25,6 +25,10 @@
 #   5. grpo_step (only when STAGES names it): benchmarks/grpo_step.py's demo and anchor shapes
 #      on the GPU, per phase (on 2026-12-04 demo ran, 0.02 s per step; the anchor did not finish
 #      its compiles and 7 steps in the ~60 s left of an 84 s limit): give it a call of its own.
+#   6. tune (only when STAGES names it; a call of its own: STAGES=tune, about 7 minutes):
+#      tools/gpu_attention_time.py (the learner's Pallas, cuDNN and XLA attention, forward and
+#      gradients, timed), then decode_gpu.py at batch 64 and 256 over page sizes 16, 64, 128
+#      and XLA's gather path against the dense cache (its files under $OUT/tune);
 # Everything is teed under $OUT (at most 8 files come back): summary.txt (each stage's exit
 # status and seconds), setup.log, kernels.log, grpo.log, decode.log, decode_gpu.json and
 # decode_gpu.md.
@@ -125,6 +129,18 @@ fi
 # 5. grpo_step: benchmarks/grpo_step.py's demo and anchor shapes (fp32) on the GPU, per phase.
 if want grpo_step; then
   stage grpo_step "$(lim 120)" "$PY" benchmarks/grpo_step.py --shapes demo,anchor --steps 6
+fi
+
+# 6. tune: the learner's attention paths timed (Pallas, cuDNN, XLA: which one the learner
+# should default to), then the decode at batch 64 and 256 over page sizes and XLA's gather
+# path against the dense cache (the paged Triton kernel ran at 17.5% of the roofline at 64
+# with pages of 16, the dense cache at 43.8%: docs/guides/kernels.md).
+if want tune; then
+  stage attention_time "$(lim 120)" "$PY" tools/gpu_attention_time.py \
+    --out "$OUT/attention_time.json"
+  mkdir -p "$OUT/tune"
+  stage tune "$(lim 300)" "$PY" benchmarks/decode_gpu.py --out "$OUT/tune" --batches 64,256 \
+    --caches dense,paged:16,paged:64,paged:128,paged-xla:64 --prompt 512 --new 256
 fi
 
 echo "=== done $(date -u +%H:%M:%S)"
