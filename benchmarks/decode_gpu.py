@@ -44,6 +44,7 @@ import json
 import os
 import subprocess
 import time
+from unittest import mock
 
 import jax
 import numpy as np
@@ -112,19 +113,10 @@ def run_jaxrl(cfg, *, batches, caches, prompt, new, steps_per_call, repeats, see
                       sampling=SamplingParams(temperature=1.0, max_new_tokens=new, eos_id=None))
 
       def call():
-        before = os.environ.get(gpu_backend.PAGED_ENV)
-        if xla:
-          os.environ[gpu_backend.PAGED_ENV] = "xla"
-        try:
+        with mock.patch.dict(os.environ, {gpu_backend.PAGED_ENV: "xla"} if xla else {}):
           return generate(engine, params, prompts, n=1, seed=seed, slots=B,
                           steps_per_call=steps_per_call, max_prompt_len=prompt,
                           grow_cache=False, kv_cache=kv_cache, page_size=page_size)
-        finally:
-          if xla:
-            if before is None:
-              os.environ.pop(gpu_backend.PAGED_ENV)
-            else:
-              os.environ[gpu_backend.PAGED_ENV] = before
 
       t0 = time.perf_counter()
       call()  # compiles

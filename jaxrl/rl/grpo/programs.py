@@ -168,7 +168,7 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
   # sampler's weights are still on the chips; they are released before the update).
   roles = rm_lib.plan_roles(config)
   if roles:
-    rm_graphdefs, rm_plain, rm_params, layers, vocab, depths = [], [], [], 0, 0, set()
+    rm_graphdefs, rm_plain, rm_params, layers, vocab = [], [], [], 0, 0
     for _, rm_cfg, feature in roles:
       model = functools.partial(RewardModel, logprob_feature=feature)
       abstract = abstract_model(rm_cfg, model)
@@ -176,9 +176,8 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
       rm_plain.append(pg.plain_graphdef(rm_cfg, model))
       rm_params.append(pg.params_of(abstract, mesh, "learner"))
       layers += rm_cfg.num_layers
-      depths.add(rm_cfg.num_layers)
       vocab = max(vocab, rm_cfg.vocab_size if feature else 0)  # the log-prob feature's head
-    depth = max(depths)
+    depths = {rm_cfg.num_layers for _, rm_cfg, _ in roles}  # one: two blocks traced
     rms = rm_lib.RewardModels(rm_graphdefs, rm_params, [label for label, *_ in roles], mesh)
     L = Tp + Tc
     rm_batch = {"tokens": pg.spec((N, L), "int32", shd), "positions": pg.spec((N, L), "int32", shd),
@@ -197,7 +196,7 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
         tokens=N * L, rows=N // replicas, seq_len=L, vocab=vocab,
         logits_chunk=knobs["logits_chunk"],
         layer_bytes=pg.layer_bytes(plain_score, rm_params, rm_batch, layers=layers, mesh=mesh,
-                                   depth=depth if len(depths) == 1 else 0),
+                                   depth=min(depths) if len(depths) == 1 else 0),
         attention_bytes=scores(N // replicas, L, L)))
 
   # The sampler: weights in its layout (cast by the sync), prefill, decode steps.
