@@ -3,15 +3,22 @@ per update and perf/sampler_busy, side by side in one run (issue 39's benchmark)
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python benchmarks/async_step.py
 
-Placement: 8 CPU devices, disaggregated (4 learn, 4 sample). Three modes, each a real
-`jaxrl grpo` run of --steps counted steps after --warmup steps that compile (not counted):
+Placement: 8 CPU devices, disaggregated: 4 learn, 1 samples (placement.sampler_devices=1; the
+other 3 idle). XLA's CPU client runs one multi-device program at a time in a process (it gang-
+schedules them: PjRtCpuLoadedExecutable::Execute waits for the previous multi-device launch),
+so a 4-device sampler's decode calls queue behind the learner's update and never run beside it;
+a one-device program runs on its caller's thread and does. On this 2-core machine a 1- and a
+4-device sampler decode a rollout equally fast (0.31 / 0.27-0.31 s): `sync-s4` is sync on the 4 +
+4 placement, to show it. Five modes, each a real `jaxrl grpo` run of --steps counted steps after
+--warmup steps that compile (not counted):
   sync      the learner waits for each step's rollout
+  sync-s4   the same, the sampler on all 4 devices the learner leaves
   async-k1  rollout.async_generation, max_staleness 1 (step n's rollout overlaps step n-1's
             update)
   async-k2p max_staleness 2 with partial rollouts (newer weights between decode calls)
   async-k2ps the same with rollout.streaming: the next unit's groups take the slots a unit's
             short completions free (jaxrl/rl/grpo/producer.py, "Streaming")
-All four use algo.tis_cap 2 (as configs/grpo_tiny.py:async), so they run the same programs.
+All use algo.tis_cap 2 (as configs/grpo_tiny.py:async), so they run the same programs.
 The modes alternate within each round, and rounds repeat (--rounds): this machine is shared and
 its speed drifts, so the modes are compared hour for hour.
 
@@ -32,16 +39,19 @@ logged steps, one logged per step), the median perf/sampler_busy (the producer's
 seconds over wall seconds; sync: the rollout's share of the step, perf/gen_fraction), the
 learner's gen wait, the mean completion length, the sampler's slot utilisation (live slot-steps
 over slot-steps: how much of each decode call the long tail leaves idle) and the update's
-seconds (timing_s/update), the seconds per counted step spent tracing, compiling or loading
-compiled programs ("jit s"; see COMPILE_EVENTS) and over the whole run, warm-up included
-("jit run": the run's one-time cost, which s/update leaves out); then each mode's median over
-rounds and its throughput against sync.
+seconds (timing_s/update), the process's CPU seconds per counted step (every thread's: "cpu
+s"), the seconds per counted step spent tracing, compiling or loading compiled programs ("jit
+s"; see COMPILE_EVENTS) and over the whole run, warm-up included ("jit run": the run's one-time
+cost, which s/update leaves out); then each mode's median over rounds, its throughput against
+sync and its floor: its CPU seconds over the machine's cores, the fewest wall seconds an update
+doing that work can take however well it overlaps.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import tempfile
 
@@ -58,6 +68,7 @@ import numpy as np  # noqa: E402
 from jaxrl import config as config_lib
 from jaxrl.backends.cpu import allocator
 from jaxrl.rl import grpo
+from jaxrl.rl.grpo import trainer as trainer_lib
 from jaxrl.train import run as run_lib
 from jaxrl.train.rundir import read_metrics
 
@@ -65,9 +76,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ANCHOR = ["model.preset=bench", "rollout.prompts_per_step=8", "rollout.group_size=8",
           "rollout.max_new_tokens=64", "rollout.slots=64", "rollout.steps_per_call=16",
           "algo.beta=0.04", "algo.tis_cap=2.0", "placement.mode=disaggregated",
-          "mesh.fsdp=-1", "placement.sampler_mesh.data=-1"]
+          "mesh.fsdp=-1", "placement.sampler_devices=1", "placement.sampler_mesh.data=-1"]
 MODES = {
     "sync": [],
+    "sync-s4": ["placement.sampler_devices=-1"],
     "async-k1": ["rollout.async_generation=True", "rollout.max_staleness=1"],
     "async-k2p": ["rollout.async_generation=True", "rollout.max_staleness=2",
                   "rollout.partial_rollouts=True"],
@@ -132,16 +144,40 @@ def _on_event(event: str, duration: float, **_):
     _counting["seconds"] += duration
 
 
+def cpu_seconds() -> float:
+  """The process's CPU seconds so far, every thread's (user + system)."""
+  r = resource.getrusage(resource.RUSAGE_SELF)
+  return r.ru_utime + r.ru_stime
+
+
+def patch_step(marks: list):
+  """Appends the process's CPU seconds at the start of every GRPO step to `marks` (the
+  trainer's loop calls the module's step(); the producer thread's seconds are counted too)."""
+  original = trainer_lib.step
+
+  def step(p, state, prompts):
+    marks.append(cpu_seconds())
+    return original(p, state, prompts)
+  trainer_lib.step = step
+  return original
+
+
 def run_mode(mode: str, steps: int, warmup: int) -> dict:
   config = mode_config(mode, steps + warmup)
+  marks: list[float] = []
+  original = patch_step(marks)
   with tempfile.TemporaryDirectory() as workdir:
     _counting.update(workdir=workdir, warmup=warmup, seconds=0.0, all=0.0)
     try:
       grpo.run(config, workdir, out=lambda *a: None)
     finally:
       _counting["workdir"] = None
+      trainer_lib.step = original
     rows = [r for r in read_metrics(workdir) if "timing_s/gen" in r][warmup:]
-  busy_key = "perf/sampler_busy" if mode != "sync" else "perf/gen_fraction"
+  # CPU seconds per counted step: from one step's start to the next's (the last step has no
+  # next, so steps - 1 of them).
+  cpu = np.diff(marks)[warmup:]
+  busy_key = "perf/sampler_busy" if mode.startswith("async") else "perf/gen_fraction"
   return {"step": statistics.median(r["timing_s/step"] for r in rows),
           "busy": statistics.median(r[busy_key] for r in rows),
           "wait": statistics.median(r["timing_s/gen_wait"] for r in rows),
@@ -150,6 +186,7 @@ def run_mode(mode: str, steps: int, warmup: int) -> dict:
           "stale": statistics.mean(r.get("staleness/mean", 0.0) for r in rows),
           "partial": statistics.mean(r.get("rollout/partial_frac", 0.0) for r in rows),
           "util": statistics.median(r["sampler/slot_utilisation"] for r in rows),
+          "cpu": float(np.median(cpu)),
           "jit": _counting["seconds"] / len(rows), "jit_all": _counting["all"],
           "update": statistics.median(r["timing_s/update"] for r in rows)
           if "timing_s/update" in rows[0] else float("nan")}
@@ -207,7 +244,7 @@ def main():
     print_lengths()
   print(f"{'round':>5s} {'mode':10s} {'s/update':>9s} {'busy':>6s} {'wait s':>7s} "
         f"{'gen s':>7s} {'len':>6s} {'stale':>6s} {'partial':>8s} {'util':>5s} {'upd s':>6s} "
-        f"{'jit s':>6s} {'jit run':>7s} {'load':>5s}")
+        f"{'cpu s':>6s} {'jit s':>6s} {'jit run':>7s} {'load':>5s}")
   results: dict[str, list[dict]] = {m: [] for m in modes}
   for rnd in range(args.rounds):
     for m in modes:
@@ -215,16 +252,21 @@ def main():
       results[m].append(r)
       print(f"{rnd + 1:5d} {m:10s} {r['step']:9.2f} {r['busy']:6.2f} {r['wait']:7.2f} "
             f"{r['gen']:7.2f} {r['len']:6.1f} {r['stale']:6.2f} {r['partial']:8.2f} "
-            f"{r['util']:5.2f} {r['update']:6.2f} {r['jit']:6.2f} {r['jit_all']:7.1f} "
+            f"{r['util']:5.2f} {r['update']:6.2f} {r['cpu']:6.2f} {r['jit']:6.2f} "
+            f"{r['jit_all']:7.1f} "
             f"{os.getloadavg()[0]:5.1f}",
             flush=True)
-  print(f"\nmedians over {args.rounds} round(s) (sync's busy is its perf/gen_fraction)")
+  cores = len(os.sched_getaffinity(0))
+  print(f"\nmedians over {args.rounds} round(s) (sync's busy is its perf/gen_fraction); "
+        f"floor: the CPU seconds an update costs over the {cores} cores, the fewest wall "
+        "seconds any overlap could take for that work")
   base = statistics.median(r["step"] for r in results[modes[0]])
   for m in modes:
     step = statistics.median(r["step"] for r in results[m])
     busy = statistics.median(r["busy"] for r in results[m])
-    print(f"{m:10s} {step:6.2f} s/update  sampler busy {busy:4.2f}  "
-          f"throughput {base / step:4.2f}x {modes[0]}")
+    cpu = statistics.median(r["cpu"] for r in results[m])
+    print(f"{m:10s} {step:6.2f} s/update  sampler busy {busy:4.2f}  cpu {cpu:4.2f} s "
+          f"(floor {cpu / cores:4.2f} s/update)  throughput {base / step:4.2f}x {modes[0]}")
 
 
 if __name__ == "__main__":

@@ -240,6 +240,25 @@ def test_disaggregated_split_across_processes():
   one = [SimpleNamespace(process_index=0, id=i) for i in range(8)]  # one process: the first n
   assert [[d.id for d in side] for side in split_devices(one, 3)] == [[0, 1, 2],
                                                                       [3, 4, 5, 6, 7]]
+  # placement.sampler_devices: the sampler's share of the rest, the same on every process.
+  assert [[d.id for d in side] for side in split_devices(one, 4, 1)] == [[0, 1, 2, 3], [4]]
+  learner, sampler = split_devices(devs, 2, 4)
+  assert [d.id for d in learner] == [0, 4] and [d.id for d in sampler] == [1, 2, 5, 6]
+  for n, m, key in ((4, 5, "the learner leaves 4"), (4, 0, "the learner leaves 4"),
+                    (2, 3, "on 2 processes")):
+    with pytest.raises(ConfigError, match=rf"placement.sampler_devices={m}: {key}"):
+      split_devices(devs, n, m)
+
+
+def test_sampler_devices_places_a_smaller_sampler(devices):
+  """placement.sampler_devices=1: the learner's 4 devices and a one-device sampler mesh (the
+  other 3 idle); colocated it is refused in one sentence."""
+  one = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  p = _placement("disaggregated", sampler_devices=1, sampler_mesh=one)
+  assert p.learner.mesh.devices.size == 4 and p.sampler.mesh.devices.size == 1
+  assert not set(p.learner.mesh.devices.flat) & set(p.sampler.mesh.devices.flat)
+  with pytest.raises(ConfigError, match=r"placement.sampler_devices=1 applies to disaggregated"):
+    _placement("colocated", sampler_devices=1, sampler_mesh=one)
 
 
 def _bytes_per_device():

@@ -74,6 +74,11 @@ def placement_config() -> ml_collections.ConfigDict:
       mode="colocated",
       # disaggregated: devices given to the learner (the rest go to the sampler); -1 = half.
       learner_devices=-1,
+      # disaggregated: how many of the devices the learner leaves the sampler uses; -1 = all.
+      # Fewer leave the others idle: on CPU, where XLA's client runs one multi-device program
+      # at a time, a one-device sampler is the one that runs beside the learner (design.md,
+      # "Async generation on CPU").
+      sampler_devices=-1,
       # The sampler's mesh; colocated it spans all devices, disaggregated only its own.
       sampler_mesh=dict(data=-1, fsdp=1, tensor=1),
       keep_sampler_copy=False,
@@ -94,6 +99,10 @@ def make_placement(mesh_section, section=None, *, devices=None) -> Placement:
   devices = list(jax.devices() if devices is None else devices)
   sm = section["sampler_mesh"]
   if section["mode"] == "colocated":
+    if int(section.get("sampler_devices", -1)) != -1:
+      raise ConfigError(f"placement.sampler_devices={section['sampler_devices']} applies to "
+                        "disaggregated placement; colocated, the sampler spans every device: "
+                        "set placement.mode=disaggregated or leave it at -1.")
     learner_devs = sampler_devs = devices
   elif section["mode"] == "disaggregated":
     n = int(section["learner_devices"])
@@ -101,7 +110,8 @@ def make_placement(mesh_section, section=None, *, devices=None) -> Placement:
     if not 0 < n < len(devices):
       raise ConfigError(f"placement.learner_devices={n} must leave devices for both sides of "
                         f"{len(devices)}: choose 1..{len(devices) - 1} (or -1 for half).")
-    learner_devs, sampler_devs = split_devices(devices, n)
+    learner_devs, sampler_devs = split_devices(devices, n,
+                                               int(section.get("sampler_devices", -1)))
   else:
     raise ConfigError(f"placement.mode={section['mode']!r} is not valid: choose one of "
                       f"{', '.join(PLACEMENTS)}.")
@@ -115,23 +125,32 @@ def make_placement(mesh_section, section=None, *, devices=None) -> Placement:
                    bool(section["keep_sampler_copy"]))
 
 
-def split_devices(devices, n: int):
-  """The learner's n devices and the sampler's rest, for disaggregated placement. On one
-  process, the first n. Across processes, the same share of every process's devices on each
-  side, so that each program (the sampler's, the learner's) runs on every process, as the
-  multi-controller runtime needs."""
+def split_devices(devices, n: int, m: int = -1):
+  """The learner's n devices and the sampler's m of the rest (-1: all of them), for
+  disaggregated placement. On one process, the first n and the next m. Across processes, the
+  same share of every process's devices on each side, so that each program (the sampler's, the
+  learner's) runs on every process, as the multi-controller runtime needs."""
   per = {}
   for d in devices:
     per.setdefault(d.process_index, []).append(d)
+  left = len(devices) - n
+  if m != -1 and not 0 < m <= left:
+    raise ConfigError(f"placement.sampler_devices={m}: the learner leaves {left} devices; "
+                      f"choose 1..{left} (or -1 for all of them).")
   if len(per) == 1:
-    return devices[:n], devices[n:]
+    return devices[:n], devices[n:] if m == -1 else devices[n:n + m]
   k = n // len(per)
   if k * len(per) != n or not all(0 < k < len(ds) for ds in per.values()):
     raise ConfigError(f"placement.learner_devices={n}: on {len(per)} processes each must give "
                       "the learner the same share of its devices and keep some for the "
                       f"sampler; choose a multiple of {len(per)} below {len(devices)} (or -1 for "
                       "half).")
-  return ([d for ds in per.values() for d in ds[:k]], [d for ds in per.values() for d in ds[k:]])
+  j = None if m == -1 else k + m // len(per)
+  if m != -1 and m % len(per):
+    raise ConfigError(f"placement.sampler_devices={m}: on {len(per)} processes each must give "
+                      f"the sampler the same share of its devices; choose a multiple of "
+                      f"{len(per)} (or -1 for all the learner leaves).")
+  return ([d for ds in per.values() for d in ds[:k]], [d for ds in per.values() for d in ds[k:j]])
 
 
 # ----------------------------------------------------------------------------- the sync
