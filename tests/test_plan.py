@@ -79,6 +79,35 @@ def test_a_run_stops_before_step_1_when_the_plan_does_not_fit(repo_root, devices
   assert len(said) == 1 and "of 16.000 GiB per device" in said[0]
 
 
+def test_when_the_plan_refuses_on_accelerators_xla_decides(repo_root, devices):
+  """The plan errs on the safe side (by up to ~25% on v6e), so where it refuses a run on
+  accelerators, the start-up check compiles the run's programs and XLA's peaks decide. Here on
+  CPU (compile_check=True stands for a TPU's devices) a plan made to over-count the SFT train
+  step's logits 100-fold refuses a device that XLA's compile fits, and XLA's own figure refuses
+  a device it does not."""
+  def over(config):
+    work, progs = sft.programs(config)
+    return work, [dataclasses.replace(p, vocab=100 * p.vocab) if p.kind == "train" else p
+                  for p in progs]
+  config = _config(repo_root, "sft", "plan.device_gib=0.03")
+  work, progs = over(config)
+  estimates = [estimate(p) for p in progs]
+  xla = max(c.bytes + e.resident for c, e in zip(map(aot.compile_program, progs), estimates))
+  plan = max(e.peak for e in estimates)
+  assert xla < 0.03 * plan_lib.GIB < plan  # the case: the plan says no, XLA says yes
+  with pytest.raises(ConfigError, match=r"by the memory plan"):  # on CPU: the plan alone
+    check_plan(config, over, what="this sft run")
+  said = []
+  check_plan(config, over, what="this sft run", say=said.append, compile_check=True)
+  assert "compiling the run's 1 programs to ask XLA" in said[0]
+  assert said[-1].startswith("memory: XLA's compile of the train step peaks at") and (
+      said[-1].endswith("it fits"))
+  small = _config(repo_root, "sft", f"plan.device_gib={0.5 * xla / plan_lib.GIB}")
+  with pytest.raises(ConfigError, match=r"this sft run will not fit: XLA's compile of its train "
+                                        r"step holds .* GiB per device"):
+    check_plan(small, over, what="this sft run", say=said.append, compile_check=True)
+
+
 def test_jaxrl_plan_prints_the_trainers_programs(repo_root, devices, capsys):
   from jaxrl import cli
   cli.main(["plan", "--config", os.path.join(repo_root, "configs/dpo_tiny.py")])
