@@ -191,14 +191,17 @@ def queued_rollouts(p: Parts, state, step: int):
         # Several CPU processes: the producer and the learner take turns (producer.py).
         serial=jax.process_count() > 1 and on_cpu(p.run.placement.sampler.mesh.devices.flat),
         score=lambda rollout, prompts: score_rollout(p, rollout, prompts))
-  # 1. This step's weights, published after its groups are taken (they need version
-  # step - max_staleness or older), so that with max_staleness=1 the sync never runs beside a
-  # rollout, as before the queue; only the queue's first step needs its own version.
-  first_step = step == p.queue.floor
-  if first_step:
+  # 1. This step's weights. With max_staleness=1, published after its groups are taken (they
+  # need version step - 1), so that the sync never runs beside a rollout, as before the queue;
+  # only the queue's first step needs its own version first. With k >= 2 the producer is
+  # decoding beside the sync either way, and version `step` gates the unit for step + k (and,
+  # with partial rollouts, is the newest a decode call can switch to): published before the
+  # learner waits for its groups, it is there while the learner waits, not after.
+  early = step == p.queue.floor or p.queue.k > 1
+  if early:
     p.queue.publish(step, p.weight_sync(state.params))
   taken = p.queue.take(step)  # 2-3, done in the background
-  if not first_step:
+  if not early:
     p.queue.publish(step, p.weight_sync(state.params))
   p.stream.queue_state = p.queue.checkpoint_state()
   groups, G = taken.groups, r.group_size

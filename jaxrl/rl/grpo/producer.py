@@ -3,7 +3,7 @@ generating finished groups into a bounded queue, at most `max_staleness` (k) pol
 behind the learner step that consumes them.
 
     queue = RolloutQueue(sample=..., stream=..., batch=B, max_staleness=k, ...)
-    queue.publish(version, sampler_params)   # the learner, at the start of each step
+    queue.publish(version, sampler_params)   # the learner, each step (k = 1: after take)
     taken = queue.take(step)                 # the learner: step's B groups, in order
 
 The producer works in *units*: unit j is the prompt stream's next B prompts, sampled with the
@@ -38,9 +38,9 @@ timing: reproducible only with frozen weights. Across processes every process's 
 the same decode program, so all must switch at the same call: `agree(v)` returns process 0's
 newest version (through jax.distributed's key-value store, made by the trainer), and
 a process that has not yet published that version waits for it. Its learner is never waiting
-on this producer then: process 0 published v after taking step v's groups, which come from units
-every process has finished, so each process's learner publishes v too (the weight sync is a
-collective of the learners). Agreed versions only grow, so the copy waited for is never freed.
+on this producer then: process 0 published v after taking step v - 1's groups (step v's with
+k = 1), which come from units every process had finished by the call that read v, so each
+process's learner publishes v too (the weight sync is a collective of the learners). Agreed versions only grow, so the copy waited for is never freed.
 
 Streaming (streamer=..., with partial rollouts): instead of one generate() call per unit, one
 streaming driver (jaxrl.sampler.rollout.generate_stream) keeps the sampler's slots busy across
