@@ -7,9 +7,9 @@ Placement: 8 CPU devices, disaggregated: 4 learn, 1 samples (placement.sampler_d
 other 3 idle). XLA's CPU client runs one multi-device program at a time in a process (it gang-
 schedules them: PjRtCpuLoadedExecutable::Execute waits for the previous multi-device launch),
 so a 4-device sampler's decode calls queue behind the learner's update and never run beside it;
-a one-device program runs on its caller's thread and does. On this 2-core machine a 1- and a
-4-device sampler decode a rollout equally fast (0.31 / 0.27-0.31 s): `sync-s4` is sync on the 4 +
-4 placement, to show it. Five modes, each a real `jaxrl grpo` run of --steps counted steps after
+a one-device program runs on its caller's thread and does. On this 2-core machine a 1-device
+sampler decodes a rollout no slower than a 4-device one (sync's gen 0.19-0.21 s against
+0.25-0.32 s): `sync-s4` is sync on the 4 + 4 placement, to show it. Five modes, each a real `jaxrl grpo` run of --steps counted steps after
 --warmup steps that compile (not counted):
   sync      the learner waits for each step's rollout
   sync-s4   the same, the sampler on all 4 devices the learner leaves
