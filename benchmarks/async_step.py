@@ -9,8 +9,8 @@ schedules them: PjRtCpuLoadedExecutable::Execute waits for the previous multi-de
 so a 4-device sampler's decode calls queue behind the learner's update and never run beside it;
 a one-device program runs on its caller's thread and does. On this 2-core machine a 1-device
 sampler decodes a rollout no slower than a 4-device one (sync's gen 0.19-0.21 s against
-0.25-0.32 s): `sync-s4` is sync on the 4 + 4 placement, to show it. Five modes, each a real `jaxrl grpo` run of --steps counted steps after
---warmup steps that compile (not counted):
+0.25-0.32 s): `sync-s4` is sync on the 4 + 4 placement, to show it. Five modes, each a real
+`jaxrl grpo` run of --steps counted steps after --warmup steps that compile (not counted):
   sync      the learner waits for each step's rollout
   sync-s4   the same, the sampler on all 4 devices the learner leaves
   async-k1  rollout.async_generation, max_staleness 1 (step n's rollout overlaps step n-1's

@@ -141,12 +141,17 @@ def compile_program(program) -> Compiled:
                   float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)), dt)
 
 
+def xla_peak(estimates, compiled) -> tuple[str, int]:
+  """(name, bytes) of the compiled program with the largest peak per device: its XLA bytes plus
+  what stays resident beside it (the plan's `resident`)."""
+  return max(((c.name, c.bytes + e.resident) for e, c in zip(estimates, compiled)),
+             key=lambda named: named[1])
+
+
 def run_peaks(programs, estimates, compiled) -> tuple[int, int]:
   """(the plan's, XLA's) peak per device over a run's programs: each program's bytes plus what
   stays resident beside it, the largest of them."""
-  plan = max(e.peak for e in estimates)
-  xla = max(c.bytes + e.resident for e, c in zip(estimates, compiled))
-  return plan, xla
+  return max(e.peak for e in estimates), xla_peak(estimates, compiled)[1]
 
 
 def report(programs, estimates, compiled, chip: Chip | None) -> tuple[str, bool | None]:

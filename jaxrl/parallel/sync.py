@@ -98,9 +98,10 @@ def make_placement(mesh_section, section=None, *, devices=None) -> Placement:
   section = placement_config() if section is None else section
   devices = list(jax.devices() if devices is None else devices)
   sm = section["sampler_mesh"]
+  m = int(section.get("sampler_devices", -1))
   if section["mode"] == "colocated":
-    if int(section.get("sampler_devices", -1)) != -1:
-      raise ConfigError(f"placement.sampler_devices={section['sampler_devices']} applies to "
+    if m != -1:
+      raise ConfigError(f"placement.sampler_devices={m} applies to "
                         "disaggregated placement; colocated, the sampler spans every device: "
                         "set placement.mode=disaggregated or leave it at -1.")
     learner_devs = sampler_devs = devices
@@ -110,8 +111,7 @@ def make_placement(mesh_section, section=None, *, devices=None) -> Placement:
     if not 0 < n < len(devices):
       raise ConfigError(f"placement.learner_devices={n} must leave devices for both sides of "
                         f"{len(devices)}: choose 1..{len(devices) - 1} (or -1 for half).")
-    learner_devs, sampler_devs = split_devices(devices, n,
-                                               int(section.get("sampler_devices", -1)))
+    learner_devs, sampler_devs = split_devices(devices, n, m)
   else:
     raise ConfigError(f"placement.mode={section['mode']!r} is not valid: choose one of "
                       f"{', '.join(PLACEMENTS)}.")
@@ -145,11 +145,11 @@ def split_devices(devices, n: int, m: int = -1):
                       "the learner the same share of its devices and keep some for the "
                       f"sampler; choose a multiple of {len(per)} below {len(devices)} (or -1 for "
                       "half).")
-  j = None if m == -1 else k + m // len(per)
   if m != -1 and m % len(per):
     raise ConfigError(f"placement.sampler_devices={m}: on {len(per)} processes each must give "
                       f"the sampler the same share of its devices; choose a multiple of "
                       f"{len(per)} (or -1 for all the learner leaves).")
+  j = None if m == -1 else k + m // len(per)
   return ([d for ds in per.values() for d in ds[:k]], [d for ds in per.values() for d in ds[k:j]])
 
 

@@ -20,10 +20,10 @@ import jax
 import numpy as np
 
 from jaxrl import backends
-from jaxrl.errors import ConfigError
 from jaxrl import config as config_lib
 from jaxrl.data.hf_tokenizer import tokenizer_for
 from jaxrl.data.prompts import Prompts
+from jaxrl.errors import ConfigError
 from jaxrl.parallel import mesh_from_config
 from jaxrl.parallel import plan as plan_lib
 from jaxrl.parallel.sync import make_placement
@@ -147,19 +147,18 @@ def check_plan(config, programs: Callable, *, what: str, say=print,
         f"{device / plan_lib.GIB:.3f} GiB per device; compiling the run's {len(progs)} programs "
         "to ask XLA (the plan errs on the safe side)")
     compiled = [compile_lib.compile_program(p) for p in progs]
-    at = {c.name: c.bytes + e.resident for c, e in zip(compiled, plan.estimates)}
-    name = max(at, key=at.get)
+    name, peak = compile_lib.xla_peak(plan.estimates, compiled)
     oom = [c.name for c in compiled if c.oom]
-    if oom or at[name] > device:
+    if oom or peak > device:
       raise ConfigError(
           f"{what} will not fit: XLA's compile of its {oom[0] if oom else name} "
           + ("ran out of device memory" if oom else
-             f"holds {at[name] / plan_lib.GIB:.2f} GiB per device with what stays beside it")
+             f"holds {peak / plan_lib.GIB:.2f} GiB per device with what stays beside it")
           + f" (the memory plan said {worst.peak / plan_lib.GIB:.2f}) and the device has "
           f"{device / plan_lib.GIB:.2f}; see `jaxrl plan --config ...` for what to change "
           "(model.remat, fewer rows per device via optim.accum_steps, more devices), or pass "
           "--config.plan.check=False to start anyway.")
-    say(f"memory: XLA's compile of the {name} peaks at {at[name] / plan_lib.GIB:.3f} GiB of "
+    say(f"memory: XLA's compile of the {name} peaks at {peak / plan_lib.GIB:.3f} GiB of "
         f"{device / plan_lib.GIB:.3f} GiB per device (the plan said {worst.peak / plan_lib.GIB:.3f}"
         "): it fits")
     return

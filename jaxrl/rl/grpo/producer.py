@@ -40,7 +40,8 @@ newest version (through jax.distributed's key-value store, made by the trainer),
 a process that has not yet published that version waits for it. Its learner is never waiting
 on this producer then: process 0 published v after taking step v - 1's groups (step v's with
 k = 1), which come from units every process had finished by the call that read v, so each
-process's learner publishes v too (the weight sync is a collective of the learners). Agreed versions only grow, so the copy waited for is never freed.
+process's learner publishes v too (the weight sync is a collective of the learners). Agreed
+versions only grow, so the copy waited for is never freed.
 
 Streaming (streamer=..., with partial rollouts): instead of one generate() call per unit, one
 streaming driver (jaxrl.sampler.rollout.generate_stream) keeps the sampler's slots busy across
