@@ -9,10 +9,13 @@ schedules them: PjRtCpuLoadedExecutable::Execute waits for the previous multi-de
 so a 4-device sampler's decode calls queue behind the learner's update and never run beside it;
 a one-device program runs on its caller's thread and does. On this 2-core machine a 1-device
 sampler decodes a rollout no slower than a 4-device one (sync's gen 0.19-0.21 s against
-0.25-0.32 s): `sync-s4` is sync on the 4 + 4 placement, to show it. Five modes, each a real
-`jaxrl grpo` run of --steps counted steps after --warmup steps that compile (not counted):
+0.25-0.32 s): `sync-s4` is sync on the 4 + 4 placement, to show it (not run by default).
+Every mode packs the learner's completions (algo.pack_completions: the long tail would pad
+each of the 64 completion rows to 64 tokens); `sync-unpacked` shows sync without. The modes,
+each a real `jaxrl grpo` run of --steps counted steps after --warmup steps (not counted):
   sync      the learner waits for each step's rollout
-  sync-s4   the same, the sampler on all 4 devices the learner leaves
+  sync-unpacked  the same with the padded learner batch
+  sync-s4   sync, the sampler on all 4 devices the learner leaves
   async-k1  rollout.async_generation, max_staleness 1 (step n's rollout overlaps step n-1's
             update)
   async-k2p max_staleness 2 with partial rollouts (newer weights between decode calls)
@@ -42,7 +45,10 @@ over slot-steps: how much of each decode call the long tail leaves idle) and the
 seconds (timing_s/update), the process's CPU seconds per counted step (every thread's: "cpu
 s"), the seconds per counted step spent tracing, compiling or loading compiled programs ("jit
 s"; see COMPILE_EVENTS) and over the whole run, warm-up included ("jit run": the run's one-time
-cost, which s/update leaves out); then each mode's median over rounds, its throughput against
+cost, which s/update leaves out), and the median over the counted steps in which nothing was
+traced, compiled or loaded ("warm s", with their count: packed batches take a few row counts,
+each compiled once per run, and a 12-step run meets some after its warm-up; a long run pays
+each once); then each mode's median over rounds, its throughput against
 sync and its floor: its CPU seconds over the machine's cores, the fewest wall seconds an update
 doing that work can take however well it overlaps.
 """
@@ -76,9 +82,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ANCHOR = ["model.preset=bench", "rollout.prompts_per_step=8", "rollout.group_size=8",
           "rollout.max_new_tokens=64", "rollout.slots=64", "rollout.steps_per_call=16",
           "algo.beta=0.04", "algo.tis_cap=2.0", "placement.mode=disaggregated",
-          "mesh.fsdp=-1", "placement.sampler_devices=1", "placement.sampler_mesh.data=-1"]
+          "mesh.fsdp=-1", "placement.sampler_devices=1", "placement.sampler_mesh.data=-1",
+          "algo.pack_completions=True"]
 MODES = {
     "sync": [],
+    "sync-unpacked": ["algo.pack_completions=False"],
     "sync-s4": ["placement.sampler_devices=-1"],
     "async-k1": ["rollout.async_generation=True", "rollout.max_staleness=1"],
     "async-k2p": ["rollout.async_generation=True", "rollout.max_staleness=2",
@@ -126,7 +134,7 @@ COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
                   "/jax/core/compile/jaxpr_to_mlir_module_duration",
                   "/jax/core/compile/backend_compile_duration",
                   "/jax/compilation_cache/cache_retrieval_time_sec")
-_counting = {"workdir": None, "warmup": 0, "seconds": 0.0, "all": 0.0}
+_counting = {"workdir": None, "warmup": 0, "seconds": 0.0, "all": 0.0, "per_step": {}}
 
 
 def _on_event(event: str, duration: float, **_):
@@ -142,6 +150,10 @@ def _on_event(event: str, duration: float, **_):
     return
   if logged >= _counting["warmup"]:
     _counting["seconds"] += duration
+  # by the step in progress (1-based, as the metrics' "step"): the producer's compiles land on
+  # whichever learner step was running when they happened
+  per_step = _counting["per_step"]
+  per_step[logged + 1] = per_step.get(logged + 1, 0.0) + duration
 
 
 def cpu_seconds() -> float:
@@ -167,7 +179,7 @@ def run_mode(mode: str, steps: int, warmup: int) -> dict:
   marks: list[float] = []
   original = patch_step(marks)
   with tempfile.TemporaryDirectory() as workdir:
-    _counting.update(workdir=workdir, warmup=warmup, seconds=0.0, all=0.0)
+    _counting.update(workdir=workdir, warmup=warmup, seconds=0.0, all=0.0, per_step={})
     try:
       grpo.run(config, workdir, out=lambda *a: None)
     finally:
@@ -178,7 +190,10 @@ def run_mode(mode: str, steps: int, warmup: int) -> dict:
   # next, so steps - 1 of them).
   cpu = np.diff(marks)[warmup:]
   busy_key = "perf/sampler_busy" if mode.startswith("async") else "perf/gen_fraction"
+  # Steps during which nothing was traced, compiled or loaded: the run's steady state.
+  warm = [r["timing_s/step"] for r in rows if _counting["per_step"].get(r["step"], 0.0) < 0.01]
   return {"step": statistics.median(r["timing_s/step"] for r in rows),
+          "warm": statistics.median(warm) if warm else float("nan"), "n_warm": len(warm),
           "busy": statistics.median(r[busy_key] for r in rows),
           "wait": statistics.median(r["timing_s/gen_wait"] for r in rows),
           "gen": statistics.median(r["timing_s/gen"] for r in rows),
@@ -224,7 +239,7 @@ def main():
   p.add_argument("--warmup", type=int, default=6,
                  help="steps not counted (compiles; async k=2 fills its queue)")
   p.add_argument("--rounds", type=int, default=3)
-  p.add_argument("--modes", default=",".join(MODES))
+  p.add_argument("--modes", default=",".join(m for m in MODES if m != "sync-s4"))
   p.add_argument("--lengths", action="store_true",
                  help="first print the long-tailed policy's completion-length distribution")
   args = p.parse_args()
@@ -244,7 +259,7 @@ def main():
     print_lengths()
   print(f"{'round':>5s} {'mode':10s} {'s/update':>9s} {'busy':>6s} {'wait s':>7s} "
         f"{'gen s':>7s} {'len':>6s} {'stale':>6s} {'partial':>8s} {'util':>5s} {'upd s':>6s} "
-        f"{'cpu s':>6s} {'jit s':>6s} {'jit run':>7s} {'load':>5s}")
+        f"{'cpu s':>6s} {'jit s':>6s} {'jit run':>7s} {'warm s':>9s} {'load':>5s}")
   results: dict[str, list[dict]] = {m: [] for m in modes}
   for rnd in range(args.rounds):
     for m in modes:
@@ -253,7 +268,7 @@ def main():
       print(f"{rnd + 1:5d} {m:10s} {r['step']:9.2f} {r['busy']:6.2f} {r['wait']:7.2f} "
             f"{r['gen']:7.2f} {r['len']:6.1f} {r['stale']:6.2f} {r['partial']:8.2f} "
             f"{r['util']:5.2f} {r['update']:6.2f} {r['cpu']:6.2f} {r['jit']:6.2f} "
-            f"{r['jit_all']:7.1f} "
+            f"{r['jit_all']:7.1f} {r['warm']:5.2f} ({r['n_warm']}) "
             f"{os.getloadavg()[0]:5.1f}",
             flush=True)
   cores = len(os.sched_getaffinity(0))
@@ -261,12 +276,17 @@ def main():
         f"floor: the CPU seconds an update costs over the {cores} cores, the fewest wall "
         "seconds any overlap could take for that work")
   base = statistics.median(r["step"] for r in results[modes[0]])
+  base_warm = statistics.median(r["warm"] for r in results[modes[0]] if r["n_warm"]) \
+      if any(r["n_warm"] for r in results[modes[0]]) else float("nan")
   for m in modes:
     step = statistics.median(r["step"] for r in results[m])
     busy = statistics.median(r["busy"] for r in results[m])
     cpu = statistics.median(r["cpu"] for r in results[m])
+    warm = [r["warm"] for r in results[m] if r["n_warm"]]
+    warm = statistics.median(warm) if warm else float("nan")
     print(f"{m:10s} {step:6.2f} s/update  sampler busy {busy:4.2f}  cpu {cpu:4.2f} s "
-          f"(floor {cpu / cores:4.2f} s/update)  throughput {base / step:4.2f}x {modes[0]}")
+          f"(floor {cpu / cores:4.2f} s/update)  throughput {base / step:4.2f}x {modes[0]}  "
+          f"without compiles {warm:4.2f} s/update, {base_warm / warm:4.2f}x")
 
 
 if __name__ == "__main__":

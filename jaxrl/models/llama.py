@@ -233,9 +233,11 @@ class Attention(_Adapted):
     each [B, K, S, H]. Returns (out [B, T, D], kv): the updated cache, or without one the
     sequence's own (keys, values) [B, K, T, H] (a prefix for the sampler).
 
-    prompt: (keys [P, K, Tp, H], values, valid [P, Tp]) of P prompts that B = P * G rows
-    continue, G rows each (see Transformer.grouped_hidden): each row attends to its prompt's
-    valid positions, then causally to its own. key: the LoRA dropout key (None: no dropout)."""
+    prompt: (keys [P, K, Tp, H], values, valid [P, Tp], row_prompt [B] or None) of P prompts
+    that the B rows continue: row b continues prompt row_prompt[b], or with None rows p*G ..
+    p*G+G-1 continue prompt p, G = B / P (see Transformer.grouped_hidden): each row attends to
+    its prompt's valid positions, then causally to its own (within its segment, with
+    segment_ids_bt). key: the LoRA dropout key (None: no dropout)."""
     cfg = self.cfg
     dt = x_btd.dtype
     B, T = positions_bt.shape
@@ -272,18 +274,24 @@ class Attention(_Adapted):
       # The same mask by structure, for kernels that take it so (jaxrl.models.attention).
       causal = Causal(segment_ids_bt, segment_ids_bt)
       if prompt is not None:
-        prompt_k, prompt_v, valid_ps = prompt
-        rows = B // valid_ps.shape[0]  # completions per prompt
-        keys_bksh = jnp.concatenate([jnp.repeat(prompt_k, rows, axis=0), keys_bksh], axis=2)
-        values_bksh = jnp.concatenate([jnp.repeat(prompt_v, rows, axis=0), values_bksh],
-                                      axis=2)
-        valid_bts = jnp.broadcast_to(jnp.repeat(valid_ps, rows, axis=0)[:, None, :],
-                                     (B, T, valid_ps.shape[1]))
+        # Packed rows (Transformer.packed_hidden) have segments below the prompt: every
+        # segment sees the prompt's keys, which no pair of segment ids says, so only the dense
+        # mask does (the XLA attention path).
+        prompt_k, prompt_v, valid_ps, row_prompt = prompt
+        if row_prompt is None:  # G consecutive rows per prompt
+          rows = B // valid_ps.shape[0]
+          per_row = lambda x: jnp.repeat(x, rows, axis=0)  # noqa: E731
+        else:
+          per_row = lambda x: jnp.take(x, row_prompt, axis=0)  # noqa: E731
+        keys_bksh = jnp.concatenate([per_row(prompt_k), keys_bksh], axis=2)
+        values_bksh = jnp.concatenate([per_row(prompt_v), values_bksh], axis=2)
+        valid_bs = per_row(valid_ps)
+        valid_bts = jnp.broadcast_to(valid_bs[:, None, :], (B, T, valid_ps.shape[1]))
         mask_bts = jnp.concatenate([valid_bts, mask_bts], axis=2)
         # One segment (1) of the prompt's valid keys and this row's own; padding is 0.
-        causal = Causal(jnp.ones((B, T), jnp.int32), jnp.concatenate(
-            [jnp.repeat(valid_ps, rows, axis=0).astype(jnp.int32), jnp.ones((B, T), jnp.int32)],
-            axis=1))
+        causal = None if segment_ids_bt is not None else Causal(
+            jnp.ones((B, T), jnp.int32), jnp.concatenate(
+                [valid_bs.astype(jnp.int32), jnp.ones((B, T), jnp.int32)], axis=1))
     elif isinstance(cache, PagedKV):
       if T != 1:
         raise ValueError(f"a paged KV cache takes one token per slot, not {T}")
@@ -645,29 +653,63 @@ class Transformer(nnx.Module):
     as the full forward over each joined, unpadded prompt + completion. dropout_key: as in
     hidden (the prompt's pass and its completions' draw separate masks).
     """
-    (P, Tp), (N, Tc) = prompt_pt.shape, completion_nt.shape
-    G = N // P
-    pos_p = jnp.broadcast_to(jnp.arange(Tp), (P, Tp))
+    (P, _), (N, Tc) = prompt_pt.shape, completion_nt.shape
     # The completions' last token predicts nothing here: only tokens 0 .. Tc-2 are run.
-    pos_n = jnp.repeat(prompt_len_p, G)[:, None] + jnp.arange(Tc - 1)[None, :]
+    offsets = jnp.broadcast_to(jnp.arange(Tc - 1), (N, Tc - 1))
+    last_p, x_n = self._below_prompts(prompt_pt, prompt_len_p, completion_nt[:, :-1], offsets,
+                                      None, dropout_key)
+    h = jnp.concatenate([jnp.repeat(last_p[:, None], N // P, axis=0), x_n], axis=1)
+    return self.final_norm(h)
+
+  def packed_hidden(self, prompt_pt, prompt_len_p, tokens_rw, offsets_rw, segments_rw,
+                    row_prompt_r, *, dropout_key=None):
+    """grouped_hidden with the completions packed into R rows of W positions, one after
+    another (jaxrl.rl.grpo.experience.pack_completions builds them): row r holds completions
+    of prompt row_prompt_r[r] only. tokens_rw are the completions' input tokens (a completion
+    of L tokens runs its tokens 0 .. L-2), offsets_rw each token's index in its completion,
+    segments_rw a per-row id of its completion (>= 1) and 0 on padding: a token attends to its
+    prompt's valid positions and causally to its own completion's tokens, never another's.
+
+    Returns (h_last [P, D], h [R, W, D]), final-normed: h_last is each prompt's last real
+    position, which predicts its completions' token 0; h[r, w] predicts token offsets_rw[r, w]
+    + 1 of its completion. The values grouped_hidden gives the same tokens, in fewer positions
+    when completion lengths vary (a long tail pads every row to the longest)."""
+    last_p, x_r = self._below_prompts(prompt_pt, prompt_len_p, tokens_rw, offsets_rw,
+                                      segments_rw, dropout_key, row_prompt_r)
+    return self.final_norm(last_p), self.final_norm(x_r)
+
+  def _below_prompts(self, prompt_pt, prompt_len_p, tokens_bt, offsets_bt, segments_bt,
+                     dropout_key, row_prompt_b=None):
+    """The decoder over P prompts (each once) and B rows below them, row b continuing prompt
+    row_prompt_b[b] (None: rows p*G .. p*G+G-1 continue prompt p, G = B / P), a row's token
+    at position (its prompt's length) + offsets_bt: (the prompts' last real positions [P, D],
+    the rows [B, T, D]), not final-normed. segments_bt: None (one completion per row), else as
+    packed_hidden."""
+    P, Tp = prompt_pt.shape
+    if row_prompt_b is None:
+      start_b = jnp.repeat(prompt_len_p, tokens_bt.shape[0] // P)
+    else:
+      start_b = jnp.take(prompt_len_p, row_prompt_b)
+    pos_p = jnp.broadcast_to(jnp.arange(Tp), (P, Tp))
+    pos_n = start_b[:, None] + offsets_bt
     rope_p, rope_n = self._rope(pos_p), self._rope(pos_n)
     valid_ps = jnp.arange(Tp)[None, :] < prompt_len_p[:, None]
-    x_p, x_n = pin_rows(self._embed(prompt_pt)), pin_rows(self._embed(completion_nt[:, :-1]))
+    x_p, x_n = pin_rows(self._embed(prompt_pt)), pin_rows(self._embed(tokens_bt))
     def both(layer, x_p, x_n, key):
       # The prompt's own pass first (its padding comes after every real token, so it never
-      # reaches a real position), then the completions attend to its valid keys.
+      # reaches a real position), then the rows attend to its valid keys.
       key_p, key_n = (None, None) if key is None else jax.random.split(key)
       x_p, kv_p = layer(x_p, pos_p, rope_p, key=key_p)
-      x_n, _ = layer(x_n, pos_n, rope_n, prompt=(*kv_p, valid_ps), key=key_n)
+      x_n, _ = layer(x_n, pos_n, rope_n, segment_ids=segments_bt,
+                     prompt=(*kv_p, valid_ps, row_prompt_b), key=key_n)
       return x_p, x_n
 
     both = _remat(both, self.cfg.remat)
     for i, layer in enumerate(_traced(self.layers)):
       x_p, x_n = both(layer, x_p, x_n, _layer_key(dropout_key, i))
       x_p, x_n = pin_rows(x_p), pin_rows(x_n)
-    last_p = jnp.take_along_axis(x_p, (prompt_len_p - 1)[:, None, None], axis=1)  # [P, 1, D]
-    h = jnp.concatenate([jnp.repeat(last_p, G, axis=0), x_n], axis=1)
-    return self.final_norm(h)
+    last_p = jnp.take_along_axis(x_p, (prompt_len_p - 1)[:, None, None], axis=1)[:, 0]
+    return last_p, x_n
 
   def _embed(self, tokens_bt):
     return jnp.take(self.embed[...], tokens_bt, axis=0).astype(_dtype(self.cfg.dtype))

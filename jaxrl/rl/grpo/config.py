@@ -107,6 +107,10 @@ def algo_section(**overrides) -> ml_collections.ConfigDict:
       # (instead of G joined copies), when prompts_per_step divides by minibatches x replicas;
       # minibatches then hold whole groups.
       shared_prompt_forward=True,
+      # With the shared-prompt forward, also pack each group's completions into rows of
+      # max_new_tokens positions (experience.pack_completions): the learner's forwards skip the
+      # padding a long tail of completion lengths leaves. Attention takes the XLA path then.
+      pack_completions=False,
   ))
   c.update(overrides)
   return c
@@ -239,8 +243,14 @@ def grouped_forward(config, replicas: int, out) -> bool:
         f"algo.minibatches x replicas x optim.accum_steps = {a.minibatches} x {replicas} x "
         f"{accum}: adjust them.")
   grouped = bool(a.shared_prompt_forward) and r.prompts_per_step % split == 0
+  pack = bool(a.get("pack_completions"))
+  if pack and not a.shared_prompt_forward:
+    raise ConfigError(
+        "algo.pack_completions packs each group's completions below its shared prompt, but "
+        "algo.shared_prompt_forward=False: set it True or pack_completions=False.")
   if a.shared_prompt_forward and not grouped:
     out(f"shared-prompt forward off: rollout.prompts_per_step={r.prompts_per_step} is not "
         f"divisible by algo.minibatches x replicas x optim.accum_steps = {split}, so each "
-        f"completion runs with its own copy of its prompt")
+        f"completion runs with its own copy of its prompt" +
+        (" and algo.pack_completions is off with it" if pack else ""))
   return grouped

@@ -121,8 +121,12 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
   kernel = backends.attention_kernel(mesh, batch=get_rules("learner")["batch"],
                                     kv_heads=get_rules("learner")["kv_heads"])
 
+  # Packed completions (algo.pack_completions) take the XLA attention path: their scores are
+  # materialised whatever the kernel; the padded batch's rows bound the packed ones'.
+  packed = grouped and bool(a.get("pack_completions"))
+
   def scores(n_rows, queries, keys):  # float32 attention scores per device (plan.Program)
-    fused = kernel_takes(kernel, cfg, mesh, queries=queries, keys=keys)
+    fused = not packed and kernel_takes(kernel, cfg, mesh, queries=queries, keys=keys)
     return attention_score_bytes(cfg, mesh, rows=n_rows, queries=queries, keys=keys,
                                  fused=fused)
 

@@ -33,7 +33,7 @@ def update(p: Parts, state, experience: Experience):
   t0 = time.perf_counter()
   upd = []
   for mb in minibatches(p, experience):
-    state, m = p.train_step(state, p.put(mb))
+    state, m = p.train_step(state, p.put(device_batch(p, mb, p.config.optim.accum_steps)))
     upd.append(m)
   upd = to_host(upd)
   t_update = time.perf_counter() - t0
@@ -114,6 +114,8 @@ def batch_logprobs(graphdef, params, batch, temperature: float, *, entropy: bool
   grouped_learner_batch's (each prompt once; [N, Tc] on the completion's own index) or
   learner_batch's joined rows. Through Transformer.token_logprobs, so the LM head runs in
   chunks above model.chunk_min_vocab."""
+  if "pack_tokens" in batch:
+    return packed_logprobs(nnx.merge(graphdef, params), batch, temperature, entropy=entropy)
   if "prompt" in batch:
     model = nnx.merge(graphdef, params)
     h = model.grouped_hidden(batch["prompt"], batch["prompt_len"][:, 0], batch["completion"])
@@ -121,6 +123,40 @@ def batch_logprobs(graphdef, params, batch, temperature: float, *, entropy: bool
                                 entropy=entropy)
   return apply_logprobs(graphdef, params, batch["inputs"], batch["targets"], batch["positions"],
                         temperature=temperature, entropy=entropy)
+
+
+def packed_logprobs(model, batch, temperature: float, *, entropy: bool = True):
+  """batch_logprobs of a packed batch (experience.pack_completions): the forward over the
+  packed rows (Transformer.packed_hidden), its log-probs (and entropy) gathered back to the
+  [N, Tc] layout by pack_index. Token 0's come from its prompt's last position."""
+  completion, index = batch["completion"], batch["pack_index"]
+  (N, Tc), P = completion.shape, batch["prompt"].shape[0]
+  G = N // P
+  h_last, h = model.packed_hidden(batch["prompt"], batch["prompt_len"][:, 0],
+                                  batch["pack_tokens"], batch["pack_offsets"],
+                                  batch["pack_segments"], batch["pack_prompt"][:, 0])
+  first = model.token_logprobs(jnp.repeat(h_last, G, axis=0)[:, None], completion[:, :1],
+                               temperature=temperature, entropy=entropy)
+  packed = model.token_logprobs(h, batch["pack_targets"], temperature=temperature,
+                                entropy=entropy)
+
+  def unpack(first_n1, packed_rw):
+    if first_n1 is None:
+      return None
+    out = jnp.take(packed_rw.reshape(-1), index)
+    return jnp.where(jnp.arange(Tc)[None, :] == 0, first_n1, out)
+  return unpack(first[0], packed[0]), unpack(first[1], packed[1])
+
+
+def device_batch(p: Parts, batch: dict, parts: int) -> dict:
+  """A shared-prompt batch as a learner program that splits it into `parts` micro-batches
+  takes it: packed (experience.pack_completions) when algo.pack_completions is set, else as
+  is."""
+  if "completion_len" not in batch:
+    return batch
+  from jaxrl.rl.grpo.experience import pack_completions
+  return pack_completions(batch, group=p.config.rollout.group_size,
+                          pad_id=p.tokenizer.pad_id, parts=parts)
 
 
 def logprob_micro_batches(config) -> int:

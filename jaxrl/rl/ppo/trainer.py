@@ -47,7 +47,8 @@ from jaxrl.objectives import losses
 from jaxrl.parallel.distributed import to_host
 from jaxrl.rl.grpo import trainer as grpo
 from jaxrl.rl.grpo.experience import Experience, learner_forwards
-from jaxrl.rl.grpo.update import logprob_micro_batches, minibatches, old_policy_means
+from jaxrl.rl.grpo.update import (device_batch, logprob_micro_batches, minibatches,
+                                  old_policy_means)
 from jaxrl.rl.ppo.config import CHOICES, default_config
 from jaxrl.rl.ppo.critic import (critic_config, critic_optimizer, critic_source, init_critic,
                                  make_values_fn, value_loss)
@@ -171,8 +172,8 @@ def update(p: Parts, state: PPOState, experience: Experience, *, warmup: bool = 
   if not warmup:
     upd = []
     for mb in mbs:
-      actor, m = p.train_step(actor, p.put({k: v for k, v in mb.items()
-                                            if k not in CRITIC_ONLY}))
+      actor, m = p.train_step(actor, p.put(device_batch(
+          p, {k: v for k, v in mb.items() if k not in CRITIC_ONLY}, p.config.optim.accum_steps)))
       upd.append(m)
     upd = to_host(upd)
 
