@@ -1,5 +1,5 @@
 """algo.pack_completions: each group's completions packed into rows below its shared prompt
-(experience.pack_completions, Transformer.packed_hidden, update.packed_logprobs)."""
+(packing.pack_completions, Transformer.packed_hidden, update.packed_logprobs)."""
 
 import jax
 import numpy as np
@@ -11,7 +11,7 @@ from jaxrl.models import get_preset
 from jaxrl.parallel import batch_sharding, make_mesh
 from jaxrl.rl import grpo
 from jaxrl.rl.grpo.config import grouped_forward
-from jaxrl.rl.grpo.experience import pack_completions
+from jaxrl.rl.grpo.packing import pack_completions
 from jaxrl.sampler import Rollout
 from jaxrl.train.optim import make_optimizer, optim_section
 from jaxrl.train.rundir import read_metrics
@@ -142,14 +142,14 @@ def test_a_packed_run_matches_the_padded_run(tmp_path, devices, trainer, spec, e
   from jaxrl.rl import ppo
   module = {"grpo": grpo, "ppo": ppo}[trainer]
   choices = {"ppo": ppo.CHOICES}.get(trainer)
-  from jaxrl.rl.grpo import experience
+  from jaxrl.rl.grpo import packing
   calls = []  # (rows, completions) of each batch the programs took packed
 
   def counted(batch, **kw):
     out = pack_completions(batch, **kw)
     calls.append((out["pack_tokens"].shape[0], out["completion"].shape[0]))
     return out
-  monkeypatch.setattr(experience, "pack_completions", counted)
+  monkeypatch.setattr(packing, "pack_completions", counted)
   rows = {}
   for pack in (False, True):
     config = config_lib.load_config(

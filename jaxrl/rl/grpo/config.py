@@ -107,9 +107,9 @@ def algo_section(**overrides) -> ml_collections.ConfigDict:
       # (instead of G joined copies), when prompts_per_step divides by minibatches x replicas;
       # minibatches then hold whole groups.
       shared_prompt_forward=True,
-      # With the shared-prompt forward, also pack each group's completions into rows of
-      # max_new_tokens positions (experience.pack_completions): the learner's forwards skip the
-      # padding a long tail of completion lengths leaves. Attention takes the XLA path then.
+      # With the shared-prompt forward, also pack the completions end to end into rows below
+      # their prompts (packing.pack_completions): the learner's forwards skip the padding a
+      # long tail of completion lengths leaves. Attention takes the XLA path then.
       pack_completions=False,
   ))
   c.update(overrides)

@@ -18,6 +18,7 @@ from jaxrl.models import apply_logprobs
 from jaxrl.parallel import shard_activations
 from jaxrl.parallel.distributed import to_host
 from jaxrl.objectives import losses
+from jaxrl.rl.grpo.packing import device_batch
 
 if TYPE_CHECKING:
   from jaxrl.rl.grpo.experience import Experience
@@ -126,7 +127,7 @@ def batch_logprobs(graphdef, params, batch, temperature: float, *, entropy: bool
 
 
 def packed_logprobs(model, batch, temperature: float, *, entropy: bool = True):
-  """batch_logprobs of a packed batch (experience.pack_completions): the forward over the
+  """batch_logprobs of a packed batch (packing.pack_completions): the forward over the
   packed rows (Transformer.packed_hidden), its log-probs (and entropy) gathered back to the
   [N, Tc] layout by pack_index. Token 0's come from its prompt's last position."""
   completion, index = batch["completion"], batch["pack_index"]
@@ -146,17 +147,6 @@ def packed_logprobs(model, batch, temperature: float, *, entropy: bool = True):
     out = jnp.take(packed_rw.reshape(-1), index)
     return jnp.where(jnp.arange(Tc)[None, :] == 0, first_n1, out)
   return unpack(first[0], packed[0]), unpack(first[1], packed[1])
-
-
-def device_batch(p: Parts, batch: dict, parts: int) -> dict:
-  """A shared-prompt batch as a learner program that splits it into `parts` micro-batches
-  takes it: packed (experience.pack_completions) when algo.pack_completions is set, else as
-  is."""
-  if "completion_len" not in batch:
-    return batch
-  from jaxrl.rl.grpo.experience import pack_completions
-  return pack_completions(batch, group=p.config.rollout.group_size,
-                          pad_id=p.tokenizer.pad_id, parts=parts)
 
 
 def logprob_micro_batches(config) -> int:

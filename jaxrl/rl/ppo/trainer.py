@@ -47,8 +47,8 @@ from jaxrl.objectives import losses
 from jaxrl.parallel.distributed import to_host
 from jaxrl.rl.grpo import trainer as grpo
 from jaxrl.rl.grpo.experience import Experience, learner_forwards
-from jaxrl.rl.grpo.update import (device_batch, logprob_micro_batches, minibatches,
-                                  old_policy_means)
+from jaxrl.rl.grpo.packing import device_batch
+from jaxrl.rl.grpo.update import logprob_micro_batches, minibatches, old_policy_means
 from jaxrl.rl.ppo.config import CHOICES, default_config
 from jaxrl.rl.ppo.critic import (critic_config, critic_optimizer, critic_source, init_critic,
                                  make_values_fn, value_loss)
