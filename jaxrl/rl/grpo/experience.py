@@ -534,5 +534,3 @@ def completion_width(longest: int, max_new_tokens: int) -> int:
   instead of once per new longest length (each ~10 s for the demo's reference forward and
   update on 8 CPU devices), at the cost of computing up to twice the completion positions."""
   return max(min(bucket(longest, minimum=16), max_new_tokens), longest)
-
-

@@ -11,11 +11,12 @@ import numpy as np
 if TYPE_CHECKING:
   from jaxrl.rl.grpo.trainer import Parts
 
+PACKED = ("pack_tokens", "pack_offsets", "pack_segments", "pack_targets")  # [R, W] each
+
 
 def device_batch(p: Parts, batch: dict, parts: int) -> dict:
-  """A shared-prompt batch as a learner program that splits it into `parts` micro-batches
-  takes it: packed (pack_completions) when algo.pack_completions is set, else as
-  is."""
+  """A shared-prompt batch as the learner program that splits it into `parts` micro-batches
+  takes it: packed (pack_completions) when algo.pack_completions is set, else as is."""
   if "completion_len" not in batch:
     return batch
   return pack_completions(batch, group=p.config.rollout.group_size,
@@ -87,9 +88,6 @@ def pack_completions(batch: dict[str, np.ndarray], *, group: int, pad_id: int,
         index[n, 1:m + 1] = k * W + start + np.arange(m)
   rest = {k: v for k, v in batch.items() if k != "completion_len"}
   return {**rest, **out, "pack_index": index}
-
-
-PACKED = ("pack_tokens", "pack_offsets", "pack_segments", "pack_targets")  # [R, W] each
 
 
 def packed_rows(need: int, group: int) -> int:
