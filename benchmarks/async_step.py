@@ -275,15 +275,17 @@ def main():
   print(f"\nmedians over {args.rounds} round(s) (sync's busy is its perf/gen_fraction); "
         f"floor: the CPU seconds an update costs over the {cores} cores, the fewest wall "
         "seconds any overlap could take for that work")
+  def warm_median(rounds):  # over the rounds that had a step without compiles
+    warm = [r["warm"] for r in rounds if r["n_warm"]]
+    return statistics.median(warm) if warm else float("nan")
+
   base = statistics.median(r["step"] for r in results[modes[0]])
-  base_warm = statistics.median(r["warm"] for r in results[modes[0]] if r["n_warm"]) \
-      if any(r["n_warm"] for r in results[modes[0]]) else float("nan")
+  base_warm = warm_median(results[modes[0]])
   for m in modes:
     step = statistics.median(r["step"] for r in results[m])
     busy = statistics.median(r["busy"] for r in results[m])
     cpu = statistics.median(r["cpu"] for r in results[m])
-    warm = [r["warm"] for r in results[m] if r["n_warm"]]
-    warm = statistics.median(warm) if warm else float("nan")
+    warm = warm_median(results[m])
     print(f"{m:10s} {step:6.2f} s/update  sampler busy {busy:4.2f}  cpu {cpu:4.2f} s "
           f"(floor {cpu / cores:4.2f} s/update)  throughput {base / step:4.2f}x {modes[0]}  "
           f"without compiles {warm:4.2f} s/update, {base_warm / warm:4.2f}x")

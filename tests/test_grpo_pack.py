@@ -40,22 +40,29 @@ def _long_tail_rollout(rng, P, G, Tc):
 
 
 @pytest.mark.parametrize("parts", [1, 2])
+def _batches(seed, P, G, Tc, parts):
+  """(rollout, its grouped learner batch, that batch packed for `parts` micro-batches) of a
+  long-tailed rollout; the packed rows are fewer than the completions."""
+  rollout = _long_tail_rollout(np.random.default_rng(seed), P, G, Tc)
+  grouped = grpo.grouped_learner_batch(rollout, prompt_len=8, group=G, pad_id=0)
+  packed = pack_completions({**grouped, "completion_len": rollout.lengths}, group=G, pad_id=0,
+                            parts=parts)
+  assert "completion_len" not in packed and packed["pack_tokens"].shape[0] < P * G
+  return rollout, grouped, packed
+
+
+@pytest.mark.parametrize("parts", [1, 2])
 def test_pack_completions_places_every_token_once(parts):
   """Every completion token t >= 1 is the target of exactly one packed position, in a row of
   its own prompt within its own micro-batch (split_micro's: prompt b * parts + i in
   micro-batch i), predicted by its token t - 1 at offset t - 1; with a long tail the rows are
   fewer than the completions."""
-  rng = np.random.default_rng(0)
   P, G, Tc = 6, 8, 12
-  rollout = _long_tail_rollout(rng, P, G, Tc)
-  batch = grpo.grouped_learner_batch(rollout, prompt_len=8, group=G, pad_id=0)
-  packed = pack_completions({**batch, "completion_len": rollout.lengths}, group=G, pad_id=0,
-                            parts=parts)
-  assert "completion_len" not in packed
+  rollout, batch, packed = _batches(0, P, G, Tc, parts)
   W = Tc - 1
   R = packed["pack_tokens"].shape[0]
   u = R // P
-  assert R == P * u and packed["pack_tokens"].shape == (R, W) and R < P * G
+  assert R == P * u and packed["pack_tokens"].shape == (R, W)
   per = P // parts
   used = np.zeros((R, W), int)
   for n in range(P * G):
@@ -82,13 +89,9 @@ def test_packed_forward_equals_the_grouped_forward(devices, micro):
   same update: loss, metrics and parameters, with optim.accum_steps = micro."""
   cfg = get_preset("tiny")
   mesh = make_mesh()
-  rng = np.random.default_rng(1)
   P, G, Tc = 16, 4, 10
-  rollout = _long_tail_rollout(rng, P, G, Tc)
-  grouped = grpo.grouped_learner_batch(rollout, prompt_len=8, group=G, pad_id=0)
-  packed = pack_completions({**grouped, "completion_len": rollout.lengths}, group=G, pad_id=0,
-                            parts=micro)
-  assert packed["pack_tokens"].shape[0] < P * G
+  _, grouped, packed = _batches(1, P, G, Tc, micro)
+  rng = np.random.default_rng(1)
   mask = grouped["mask"]
   extra = {"ref_logp": np.zeros_like(mask) - 3.0, "beta": np.full_like(mask, 0.04),
            "adv": np.repeat(rng.normal(size=(P * G, 1)).astype(np.float32), Tc, 1)}

@@ -274,9 +274,6 @@ class Attention(_Adapted):
       # The same mask by structure, for kernels that take it so (jaxrl.models.attention).
       causal = Causal(segment_ids_bt, segment_ids_bt)
       if prompt is not None:
-        # Packed rows (Transformer.packed_hidden) have segments below the prompt: every
-        # segment sees the prompt's keys, which no pair of segment ids says, so only the dense
-        # mask does (the XLA attention path).
         prompt_k, prompt_v, valid_ps, row_prompt = prompt
         if row_prompt is None:  # G consecutive rows per prompt
           rows = B // valid_ps.shape[0]
@@ -288,7 +285,10 @@ class Attention(_Adapted):
         valid_bs = per_row(valid_ps)
         valid_bts = jnp.broadcast_to(valid_bs[:, None, :], (B, T, valid_ps.shape[1]))
         mask_bts = jnp.concatenate([valid_bts, mask_bts], axis=2)
-        # One segment (1) of the prompt's valid keys and this row's own; padding is 0.
+        # One segment (1) of the prompt's valid keys and this row's own; padding is 0. Packed
+        # rows (Transformer.packed_hidden) have segments below the prompt: every segment sees
+        # the prompt's keys, which no pair of segment ids says, so only the dense mask does
+        # (the XLA attention path).
         causal = None if segment_ids_bt is not None else Causal(
             jnp.ones((B, T), jnp.int32), jnp.concatenate(
                 [valid_bs.astype(jnp.int32), jnp.ones((B, T), jnp.int32)], axis=1))

@@ -243,7 +243,7 @@ def grouped_forward(config, replicas: int, out) -> bool:
         f"algo.minibatches x replicas x optim.accum_steps = {a.minibatches} x {replicas} x "
         f"{accum}: adjust them.")
   grouped = bool(a.shared_prompt_forward) and r.prompts_per_step % split == 0
-  pack = bool(a.get("pack_completions"))
+  pack = bool(a.pack_completions)
   if pack and not a.shared_prompt_forward:
     raise ConfigError(
         "algo.pack_completions packs each group's completions below its shared prompt, but "

@@ -16,7 +16,8 @@ PACKED = ("pack_tokens", "pack_offsets", "pack_segments", "pack_targets")  # [R,
 
 def device_batch(p: Parts, batch: dict, parts: int) -> dict:
   """A shared-prompt batch as the learner program that splits it into `parts` micro-batches
-  takes it: packed (pack_completions) when algo.pack_completions is set, else as is."""
+  takes it: packed (pack_completions) when it carries completion_len, which learner_forwards
+  adds under algo.pack_completions; else as is."""
   if "completion_len" not in batch:
     return batch
   return pack_completions(batch, group=p.config.rollout.group_size,

@@ -123,7 +123,7 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
 
   # Packed completions (algo.pack_completions) take the XLA attention path: their scores are
   # materialised whatever the kernel; the padded batch's rows bound the packed ones'.
-  packed = grouped and bool(a.get("pack_completions"))
+  packed = grouped and bool(a.pack_completions)
 
   def scores(n_rows, queries, keys):  # float32 attention scores per device (plan.Program)
     fused = not packed and kernel_takes(kernel, cfg, mesh, queries=queries, keys=keys)
