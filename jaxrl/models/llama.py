@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from typing import NamedTuple
 
@@ -810,11 +811,16 @@ def _nest(pairs):
 def abstract_model(cfg: ModelConfig, model=None):
   """(graphdef, shapes, axes) without allocating: shapes is a nested dict of ShapeDtypeStruct,
   axes the same tree holding each parameter's tuple of logical axis names. `model` is the
-  module class built from (cfg, rngs=...): the Transformer by default, or e.g. RewardModel."""
-  build = Transformer if model is None else model
-  model = nnx.eval_shape(lambda: build(cfg, rngs=nnx.Rngs(0)))
-  graphdef, state = nnx.split(model)
-  flat = list(nnx.to_flat_state(state))
-  shapes = _nest((p, v.get_value()) for p, v in flat)
-  axes = _nest((p, v.get_metadata()["axes"]) for p, v in flat)
-  return graphdef, shapes, axes
+  module class built from (cfg, rngs=...): the Transformer by default, or e.g. RewardModel.
+  Each call gets its own dicts; the tracing behind them is cached per (cfg, model)."""
+  graphdef, flat = _abstract_flat(cfg, Transformer if model is None else model)
+  return graphdef, _nest((p, v) for p, v, _ in flat), _nest((p, a) for p, _, a in flat)
+
+
+@functools.lru_cache(maxsize=16)
+def _abstract_flat(cfg: ModelConfig, build):
+  """(graphdef, ((path, ShapeDtypeStruct, axes), ...)) of build(cfg): a real-size plan asks
+  for the same model 6-10 times, and each trace of a 36-block init takes seconds."""
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: build(cfg, rngs=nnx.Rngs(0))))
+  return graphdef, tuple((p, v.get_value(), v.get_metadata()["axes"])
+                         for p, v in nnx.to_flat_state(state))

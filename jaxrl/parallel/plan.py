@@ -529,7 +529,13 @@ def reshard_bytes(src, dst) -> int:
 def estimate(program: Program) -> ProgramEstimate:
   """The plan's estimate of `program` per device (see the module docstring)."""
   argument = abstract_bytes(program.args)
-  out_tree = jax.eval_shape(program.fn, *program.args)
+  if program.kind == "train" and program.depth > 2:
+    # A train step's outputs (the new state, scalars) are shaped by its arguments, not by how
+    # many blocks the forward runs: traced through one block (first_layers), not 28-36.
+    with first_layers(1):
+      out_tree = jax.eval_shape(program.fn, *program.args)
+  else:
+    out_tree = jax.eval_shape(program.fn, *program.args)
   # An output without a sharding (a scan's carry) takes that of an argument of its shape.
   like = {(tuple(x.shape), str(x.dtype)): x.sharding for x in jax.tree.leaves(program.args)}
   out_tree = jax.tree.map(
