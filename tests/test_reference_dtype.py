@@ -58,10 +58,12 @@ def test_a_bfloat16_reference_gives_the_same_logprobs(devices):
 def test_the_plan_counts_a_bfloat16_reference_at_half_its_bytes(repo_root, devices):
   """The reference's bytes resident beside the train step halve, and its log-prob forward
   (the reference alone runs it: old log-probs from the update) takes the bf16 params as its
-  argument, as XLA counts it too; the run's peak stays within 15% of XLA's (CPU). (The forward
-  alone, at the tiny preset, is 30% under XLA's temporaries with a bf16 reference and 7% under
-  with an fp32 one; at Qwen3-0.6B's size compiled for v5e-8 it is 7.24 GiB planned against
-  7.11 compiled: docs/guides/scale.md.)"""
+  argument, as XLA counts it too; the run's peak falls by what XLA's falls (CPU).
+  Not asserted: the plan's peak against XLA:CPU's with bf16 compute, which follows the host's
+  ISA (within 15% on the AVX-512 CPUs; 28% under with either reference on an AVX2-only AMD Zen
+  2, where XLA keeps fp32 twins of the bf16 temporaries, 2026-12-06). The plan is for TPU: at
+  Qwen3-0.6B's size compiled for v5e-8 the forward is 7.24 GiB planned against 7.11 compiled
+  (docs/guides/scale.md), and tests/test_plan.py checks fp32 runs against XLA:CPU."""
   _, fp32 = grpo.programs(_config(repo_root, *BF16_COMPUTE))
   _, bf16 = grpo.programs(_config(repo_root, *BF16_COMPUTE, "placement.ref_dtype=bfloat16"))
   ref32 = fp32[0].resident["reference params"]
@@ -69,11 +71,13 @@ def test_the_plan_counts_a_bfloat16_reference_at_half_its_bytes(repo_root, devic
   assert {x.dtype for x in jax.tree.leaves(bf16[1].args[0])} == {np.dtype("bfloat16")}
   e32, e16 = estimate(fp32[1]), estimate(bf16[1])
   assert e32.argument - e16.argument == ref32 // 2
-  estimates = [estimate(p) for p in bf16]
-  compiled = [aot.compile_program(p) for p in bf16]
+  peaks = []
+  for programs in (fp32, bf16):
+    compiled = [aot.compile_program(p) for p in programs]
+    peaks.append(aot.run_peaks(programs, [estimate(p) for p in programs], compiled))
   assert compiled[1].argument == e16.argument
-  plan, xla = aot.run_peaks(bf16, estimates, compiled)
-  assert abs(plan - xla) / xla < 0.15, (plan, xla)
+  (plan32, xla32), (plan16, xla16) = peaks
+  assert xla16 < xla32 and plan32 - plan16 == pytest.approx(xla32 - xla16, rel=0.15), peaks
 
 
 def test_a_bfloat16_reference_with_lora_is_refused_in_one_sentence(repo_root, devices):
