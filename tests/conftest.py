@@ -4,6 +4,10 @@ import os
 import sys
 import tempfile
 
+# The XLA flags the suite was started with (`make test-isa`'s --xla_cpu_max_isa, say): the
+# end-to-end runs keep them when they drop the suite's own. (Kept in the environment, read by
+# the xdist workers, which inherit the flags below.)
+USER_XLA_FLAGS = os.environ.setdefault("JAXRL_SUITE_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
 # Optimisation level 0 compiles the tiny test programs about 4x faster on CPU and runs them
 # only about 10% slower; the tests compile far more than they run.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -20,6 +24,9 @@ import jax  # noqa: E402  (after the flags above)
 import pytest  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The seed of the learning tests' runs and of the shared runs they start from: 0 in CI;
+# tools/learning_sweep.py sets it to measure each bar's spread over seeds.
+LEARN_SEED = int(os.environ.get("JAXRL_LEARN_SEED", "0"))
 # The `jaxrl` console script of the environment running the tests.
 JAXRL = os.path.join(os.path.dirname(sys.executable), "jaxrl")
 
@@ -38,11 +45,45 @@ def repo_root():
 def subprocess_env(devices=8, *, test_flags=True):
   """This test process's environment (its XLA flags and compilation cache) for a jaxrl
   subprocess with `devices` fake CPU devices; test_flags=False gives plain XLA flags, as a
-  user's run has. Test modules import it (`from conftest import subprocess_env`)."""
-  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_force_host_platform_device_count") and test_flags]
+  user's run has (with the flags the suite was started with). Test modules import it (`from
+  conftest import subprocess_env`)."""
+  flags = [f for f in (os.environ["XLA_FLAGS"] if test_flags else USER_XLA_FLAGS).split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
   flags.append(f"--xla_force_host_platform_device_count={devices}")
   return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags))
+
+
+class Bars:
+  """A learning test's figures beside their bars. `above(name, value, bar)` and `below(...)`
+  record a figure as a junit-XML property ("value > bar"; tools/learning_sweep.py tabulates
+  them over CPU kinds and seeds) and `check()` asserts them all at once, so a cell that misses
+  one bar still reports every figure. The fixture fails a test that never calls check()."""
+
+  def __init__(self, record_property):
+    self._record, self._bars, self.checked = record_property, [], False
+
+  def above(self, name: str, value: float, bar: float):
+    self._add(name, value, ">", bar)
+
+  def below(self, name: str, value: float, bar: float):
+    self._add(name, value, "<", bar)
+
+  def _add(self, name, value, op, bar):
+    self._record(name, f"{float(value):.4f} {op} {bar}")
+    self._bars.append((name, float(value), op, bar))
+
+  def check(self):
+    self.checked = True
+    missed = [f"{n} {v:.4f} (bar {op} {b})" for n, v, op, b in self._bars
+              if not (v > b if op == ">" else v < b)]
+    assert not missed, "missed: " + "; ".join(missed)
+
+
+@pytest.fixture
+def bars(record_property):
+  b = Bars(record_property)
+  yield b
+  assert b.checked, "a learning test recorded bars and never checked them"
 
 
 @pytest.fixture
@@ -79,6 +120,7 @@ def _shared_run(tmp_path_factory, name: str, command: str, config: str, settings
   """The run dir of `jaxrl COMMAND --config configs/CONFIG` with `settings`, trained once per
   test session and shared by the xdist workers: the first to take the lock trains it, the others
   wait and reuse the finished run dir. Tests must only read it (copy it to resume from it).
+  Its seed is LEARN_SEED.
 
   It trains as `jaxrl_cli` runs it, on one CPU device under default XLA flags, as a user's run
   would: SFT's 1000 steps take about a third as long as in 8 fake devices (8,700 against 2,900
@@ -91,7 +133,8 @@ def _shared_run(tmp_path_factory, name: str, command: str, config: str, settings
     fcntl.flock(lock, fcntl.LOCK_EX)
     if not (workdir / "summary.json").exists():
       jaxrl_cli([command, "--config", os.path.join(ROOT, "configs", config), "--workdir",
-                 str(workdir)] + [f"--config.{k}={v}" for k, v in settings.items()])
+                 str(workdir)] + [f"--config.{k}={v}" for k, v in
+                                  {"seed": LEARN_SEED, **settings}.items()])
   return str(workdir)
 
 
@@ -175,6 +218,7 @@ _BUILDER = {"reward_models": 0, "rm_logprob": 1, "sft_addition": 0, "sft_slip": 
             "sft_calculator": 1}
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects: `-m learning` sees the marks added here
 def pytest_collection_modifyitems(config, items):
   """Orders the session for the Makefile's `-n 2 --dist worksteal`, which hands each worker one
   contiguous half of this list and lets a worker that runs dry take half of the other's queue
@@ -187,6 +231,10 @@ def pytest_collection_modifyitems(config, items):
     used = _SHARED_RUNS & set(getattr(item, "fixturenames", ()))
     return next((_BUILDER[r] for r in _BUILDER if r in used), None)
 
+  for item in items:  # a test with bars (the `bars` fixture) is a learning test
+    if "bars" in getattr(item, "fixturenames", ()):
+      assert item.get_closest_marker("slow"), f"{item.nodeid}: a learning test is marked slow"
+      item.add_marker(pytest.mark.learning)
   slow = [i for i in items if i.get_closest_marker("slow") is not None]
   fast = [i for i in items if i.get_closest_marker("slow") is None]
   heads = ([i for i in slow if worker(i) == 0], [i for i in slow if worker(i) == 1])

@@ -16,7 +16,8 @@ from jaxrl.train import init_train_state, make_optimizer, make_train_step, optim
 AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
 
 
-def test_auto_uses_eigen_dots_on_x86_without_avx512_only():
+def test_auto_uses_eigen_dots_on_x86_without_avx512_only(monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
   assert dots.choose("auto", machine="x86_64", flags=AVX2) == "eigen"
   assert dots.choose("auto", machine="x86_64", flags=AVX2 | {"avx512f"}) == "ynnpack"
   assert dots.choose("auto", machine="aarch64", flags=frozenset({"asimd"})) == "ynnpack"
@@ -24,6 +25,11 @@ def test_auto_uses_eigen_dots_on_x86_without_avx512_only():
   assert dots.choose("auto", machine="x86_64", flags=frozenset()) == "ynnpack"
   assert dots.choose(" Eigen ", machine="x86_64", flags=AVX2 | {"avx512f"}) == "eigen"
   assert dots.choose("ynnpack", machine="x86_64", flags=AVX2) == "ynnpack"
+  # XLA capped below AVX-512 (make test-isa's emulated AVX2 machine): auto chooses as there.
+  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_max_isa=AVX2 --xla_force_host_platform_device_count=8")
+  assert dots.choose("auto", machine="x86_64", flags=AVX2 | {"avx512f"}) == "eigen"
+  assert dots.choose("ynnpack", machine="x86_64", flags=AVX2 | {"avx512f"}) == "ynnpack"
+  assert not dots.below_avx512("--xla_cpu_max_isa=AVX512")
 
 
 def test_a_bad_setting_names_the_variable(monkeypatch):
@@ -35,6 +41,7 @@ def test_a_bad_setting_names_the_variable(monkeypatch):
 
 def test_the_default_is_auto(monkeypatch):
   monkeypatch.delenv(dots.ENV, raising=False)
+  monkeypatch.setenv("XLA_FLAGS", "")
   assert dots.choose(machine="x86_64", flags=AVX2) == "eigen"
   assert dots.choose(machine="x86_64", flags=AVX2 | {"avx512f"}) == "ynnpack"
 

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import assert_model_flops_per_token, jaxrl_cli
+from conftest import LEARN_SEED, assert_model_flops_per_token, jaxrl_cli
 from jaxrl import cli
 from jaxrl import config as config_lib
 from jaxrl.errors import ConfigError
@@ -185,7 +185,7 @@ def test_bad_configs_name_the_key(tmp_path, devices, overrides, pattern):
 
 
 @pytest.mark.slow
-def test_dpo_raises_heldout_preference_accuracy_from_sft(sft_addition, tmp_path):
+def test_dpo_raises_heldout_preference_accuracy_from_sft(sft_addition, tmp_path, bars):
   """`jaxrl dpo` (the default config: DPO at beta 0.1 plus the chosen answer's NLL at
   coefficient 1 (RPO), lr 5e-5, 100 steps; one device, as conftest's jaxrl_cli runs it) from the
   shared SFT policy on addition pairs: held-out preference accuracy (implied reward margin > 0)
@@ -207,13 +207,15 @@ def test_dpo_raises_heldout_preference_accuracy_from_sft(sft_addition, tmp_path)
   workdir = str(tmp_path / "dpo")
   jaxrl_cli(["dpo", "--config", "configs/dpo_tiny.py", "--workdir", workdir,
              f"--config.init.checkpoint={sft_addition}", "--config.eval.every=100",
-             "--config.train.log_every=50", "--config.train.save_every=100"])
+             "--config.train.log_every=50", "--config.train.save_every=100",
+             f"--config.seed={LEARN_SEED}"])
   summary = json.load(open(os.path.join(workdir, "summary.json")))
   rows = [r for r in read_metrics(workdir) if "eval/accuracy" in r]
   start, end = rows[0], rows[-1]
   assert (start["step"], end["step"]) == (0, 100) and summary["ref_mode"] == "live"
   assert start["eval/rewards/accuracies"] == 0.0
-  assert end["eval/rewards/accuracies"] > 0.75, end
-  assert end["eval/rewards/margins"] > 0.05, end
-  assert end["eval/loss"] < start["eval/loss"] - 0.05, (start, end)
-  assert end["eval/accuracy"] > start["eval/accuracy"] - 0.05, (start, end)
+  bars.above("preference accuracy", end["eval/rewards/accuracies"], 0.75)
+  bars.above("margin", end["eval/rewards/margins"], 0.05)
+  bars.below("held-out loss change", end["eval/loss"] - start["eval/loss"], -0.05)
+  bars.above("greedy exact-match change", end["eval/accuracy"] - start["eval/accuracy"], -0.05)
+  bars.check()

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_model_flops_per_token, jaxrl_cli
+from conftest import LEARN_SEED, assert_model_flops_per_token, jaxrl_cli
 from jaxrl import config as config_lib
 from jaxrl.models import RewardModel, abstract_model, get_preset, last_index, reward_apply
 from jaxrl.parallel import make_mesh
@@ -462,7 +462,7 @@ def test_alarm_watches_the_raw_reward_model_score():
 
 
 @pytest.mark.slow
-def test_reward_models_learn_their_labellers(reward_models):
+def test_reward_models_learn_their_labellers(reward_models, bars):
   """From the SFT policy: the honest RM ranks the correct sum above a near miss on held-out
   pairs well above chance; the biased RM learns its labeller's taste at once. Over RM seeds
   0-4 from the fixture's sft_addition policy (lr 1e-3, SFT seed 0), as the fixture trains them
@@ -478,17 +478,18 @@ def test_reward_models_learn_their_labellers(reward_models):
   honest = json.load(open(os.path.join(reward_models["honest"], "summary.json")))
   start = read_metrics(reward_models["honest"])[0]["eval/accuracy"]
   assert honest["status"] == "completed"
-  assert honest["eval"]["eval/accuracy"] >= 0.70, (start, honest["eval"])
-  assert honest["eval"]["eval/accuracy"] >= start + 0.20
-  assert honest["eval"]["eval/margin"] > 0
   assert honest["data"]["train"]["fingerprint"].startswith("sha256:")
   biased = json.load(open(os.path.join(reward_models["biased"], "summary.json")))
-  assert biased["eval"]["eval/accuracy"] >= 0.95, biased["eval"]
+  bars.above("honest RM accuracy", honest["eval"]["eval/accuracy"], 0.70)
+  bars.above("honest RM gain", honest["eval"]["eval/accuracy"] - start, 0.20)
+  bars.above("honest RM margin", honest["eval"]["eval/margin"], 0.0)
+  bars.above("biased RM accuracy", biased["eval"]["eval/accuracy"], 0.95)
+  bars.check()
 
 
 @pytest.mark.slow
 def test_grpo_against_a_biased_reward_model_fires_the_alarm(reward_models, sft_addition,
-                                                             tmp_path):
+                                                             tmp_path, bars):
   """Reward hacking, end to end: `jaxrl grpo` from the SFT policy with the biased RM as the
   only reward (the task's checker at weight 0 still logs accuracy). The proxy rises, held-out
   verifiable accuracy falls, and the reward-hacking alarm fires, is printed, is logged in
@@ -512,20 +513,23 @@ def test_grpo_against_a_biased_reward_model_fires_the_alarm(reward_models, sft_a
       f"--config.{o}" for o in (
           f"init.checkpoint={sft_addition}", f"reward_model.checkpoints={reward_models['biased']}",
           "rewards=task:0", "optim.lr=2e-4", "train.steps=40", "train.log_every=1",
-          "train.save_every=40", "eval.every=10")]).stdout
+          "train.save_every=40", "eval.every=10", f"seed={LEARN_SEED}")]).stdout
   rows = read_metrics(workdir)
   evals = [r for r in rows if "eval/accuracy" in r]
   proxy = [r["reward/rm_mean"] for r in rows if "reward/rm_mean" in r]
   assert len(proxy) == 40
-  assert evals[-1]["eval/accuracy"] < evals[0]["eval/accuracy"] - 0.2, evals
-  assert np.mean(proxy[-10:]) > np.mean(proxy[:10]), proxy
+  bars.below("held-out accuracy change", evals[-1]["eval/accuracy"] - evals[0]["eval/accuracy"],
+             -0.2)
+  bars.above("proxy rise (last 10 steps over the first 10)",
+             np.mean(proxy[-10:]) - np.mean(proxy[:10]), 0.0)
+  bars.check()
   assert any(r.get("alarm/reward_hacking") == 1.0 for r in evals)
   assert json.load(open(os.path.join(workdir, "summary.json")))["alarms"]["reward_hacking"] >= 1
   assert "reward hacking" in said
 
 
 @pytest.mark.slow
-def test_grpo_with_a_well_trained_reward_model_beats_sft(rm_logprob, sft_slip, tmp_path):
+def test_grpo_with_a_well_trained_reward_model_beats_sft(rm_logprob, sft_slip, tmp_path, bars):
   """`jaxrl grpo` with a well-trained reward model as its only reward (the task's checker at
   weight 0 only logs accuracy) raises held-out verifiable accuracy above the SFT policy it
   starts from. "Well-trained": the reward model adds its backbone's response log-prob to the
@@ -540,13 +544,15 @@ def test_grpo_with_a_well_trained_reward_model_beats_sft(rm_logprob, sft_slip, t
   0.112-0.151 and the KL alarm fired 1-6 times in every seed (held-out still rose)."""
   from jaxrl.train.rundir import read_metrics
   rm_eval = json.load(open(os.path.join(rm_logprob, "summary.json")))["eval"]
-  assert rm_eval["eval/accuracy"] >= 0.8, rm_eval
+  bars.above("log-prob RM accuracy", rm_eval["eval/accuracy"], 0.8)
   workdir = str(tmp_path / "grpo")
   jaxrl_cli(["grpo", "--config", "configs/grpo_tiny.py", "--workdir", workdir] + [
       f"--config.{o}" for o in (
           f"init.checkpoint={sft_slip}", f"reward_model.checkpoints={rm_logprob}",
           "rewards=task:0", "train.steps=80", "train.log_every=10", "train.save_every=80",
-          "eval.every=20")])
+          "eval.every=20", f"seed={LEARN_SEED}")])
   evals = [r["eval/accuracy"] for r in read_metrics(workdir) if "eval/accuracy" in r]
   print("held-out accuracy every 20 steps:", evals)
-  assert len(evals) == 5 and np.mean(evals[-2:]) >= evals[0] + 0.05, evals
+  assert len(evals) == 5
+  bars.above("held-out gain (mean of steps 60, 80)", np.mean(evals[-2:]) - evals[0], 0.05)
+  bars.check()

@@ -13,19 +13,19 @@ is faster depends on the CPU. On the learner's fp32 shapes (bench preset, the GR
   2026-12-01 06:41 UTC, median of 5: 0.951 and 0.935 of YNNPACK's time); a lone
   [4032, 256] x [256, 688] product 129 against 108 GFLOP/s (`benchmarks/matmul.py`).
 
-`JAXRL_CPU_DOTS` picks: `auto` (the default: Eigen on x86-64 without AVX-512, YNNPACK
-elsewhere), `ynnpack` (XLA's own default) or `eigen`. `auto` was opt-in until the demo stopped
-hanging on one SFT draw: on the AMD machine the demo's old SFT recipe (lr 3e-3, seed 0, 8
-devices) ended at held-out loss 0.473 with Eigen dots against 0.293 with YNNPACK, and GRPO from
-it gained +0.03 against +0.19, while GRPO from one SFT checkpoint gave bit-identical results
-under both. Over seeds that was the draw of a chaotic SFT, not a worse kernel: seeds 0-11 of
-that recipe on one device (2026-12-01), held-out loss YNNPACK / Eigen 0.231 / 0.242,
-0.459 / 0.620, 0.547 / 0.742, 0.433 / 0.424, 0.907 / 0.994, 0.625 / 0.704, 0.507 / 0.665,
-0.399 / 0.670, 1.000 / 0.920, 0.574 / 0.264, 0.588 / 0.504, 0.434 / 0.420: Eigen behind in 7
-of 12, by 0.04 +- 0.05 (mean, standard error), against a spread of 0.23-1.00 over seeds;
-held-out accuracy 0.399 against 0.387 on average. The demo's SFT now runs at lr 1e-3
-(jaxrl.demo), which ends at 0.47-0.66 over seeds 0-5 with YNNPACK and 0.51-0.66 over seeds
-0-3 with Eigen dots, and GRPO gains +0.12..+0.19 from either.
+`JAXRL_CPU_DOTS` picks: `auto` (the default: Eigen on x86-64 without AVX-512 or with XLA capped
+below it by --xla_cpu_max_isa, YNNPACK elsewhere), `ynnpack` (XLA's own default) or `eigen`.
+`auto` was opt-in until the demo stopped hanging on one SFT draw: on the AMD machine the demo's
+old SFT recipe (lr 3e-3, seed 0, 8 devices) ended at held-out loss 0.473 with Eigen dots
+against 0.293 with YNNPACK, and GRPO from it gained +0.03 against +0.19, while GRPO from one
+SFT checkpoint gave bit-identical results under both. Over seeds that was the draw of a chaotic
+SFT, not a worse kernel: seeds 0-11 of that recipe on one device (2026-12-01), held-out loss
+YNNPACK / Eigen 0.231 / 0.242, 0.459 / 0.620, 0.547 / 0.742, 0.433 / 0.424, 0.907 / 0.994,
+0.625 / 0.704, 0.507 / 0.665, 0.399 / 0.670, 1.000 / 0.920, 0.574 / 0.264, 0.588 / 0.504,
+0.434 / 0.420: Eigen behind in 7 of 12, by 0.04 +- 0.05 (mean, standard error), against a spread of
+0.23-1.00 over seeds; held-out accuracy 0.399 against 0.387 on average. The demo's SFT now runs
+at lr 1e-3 (jaxrl.demo), which ends at 0.47-0.66 over seeds 0-5 with YNNPACK and 0.51-0.66 over
+seeds 0-3 with Eigen dots, and GRPO gains +0.12..+0.19 from either.
 Decoding keeps YNNPACK either way, except one-slot shards ("decode_one_slot", see
 `jaxrl.sampler.engine`). Nothing changes off CPU (jaxrl.backends asks this module on CPU only).
 """
@@ -69,9 +69,18 @@ def choose(setting: str | None = None, *, machine: str | None = None,
     return setting
   machine = platform.machine() if machine is None else machine
   flags = cpu_flags() if flags is None else flags
-  if machine.lower() in ("x86_64", "amd64") and flags and "avx512f" not in flags:
+  if machine.lower() in ("x86_64", "amd64") and flags and (
+      "avx512f" not in flags or below_avx512()):
     return "eigen"
   return "ynnpack"
+
+
+def below_avx512(xla_flags: str | None = None) -> bool:
+  """Whether XLA_FLAGS caps XLA:CPU below AVX-512 (--xla_cpu_max_isa=AVX2, say, which `make
+  test-isa` sets to emulate an AVX2 machine): auto then chooses as that machine would."""
+  xla_flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+  isa = [f.split("=", 1)[1] for f in xla_flags.split() if f.startswith("--xla_cpu_max_isa=")]
+  return bool(isa) and isa[-1].upper() in ("SSE4_2", "AVX", "AVX2")
 
 
 def compiler_options(program: str) -> dict | None:
