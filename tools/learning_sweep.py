@@ -79,26 +79,32 @@ def read_cell(xml: str) -> dict[str, tuple[str, dict[str, str]]]:
 
 
 def table(cells: dict[tuple, dict]) -> str:
-  """One block per test figure: a line per cell, then the worst cell and the bar."""
-  figures: dict[tuple[str, str], list] = {}
+  """One block per test: a line per cell with each of its figures (and its outcome), then each
+  figure's worst cell, bar and margin. The lines go into the test's docstring as they are."""
+  tests: dict[str, dict] = {}
   for cell, results in cells.items():
     for test, (outcome, props) in results.items():
-      for name, text in props.items():
-        value, op, bar = text.split()
-        figures.setdefault((test, name), []).append((cell, float(value), op, float(bar),
-                                                     outcome))
+      if props:
+        tests.setdefault(test, {})[cell] = (outcome, {k: v.split() for k, v in props.items()})
   lines = []
-  for (test, name), rows in sorted(figures.items()):
-    op, bar = rows[0][2], rows[0][3]
-    worst = min(rows, key=lambda r: r[1]) if op == ">" else max(rows, key=lambda r: r[1])
-    lines += [f"{test}: {name} (bar {op} {bar:g})"]
-    for (isa, dots, seed), value, _, _, outcome in rows:
-      held = value > bar if op == ">" else value < bar
-      note = ("" if held else "  MISSES THE BAR") + ("" if outcome == "passed" else
-                                                     f"  (test {outcome})")
-      lines.append(f"  {isa:>6} {dots:<7} seed {seed}: {value:+.3f}{note}")
-    lines.append(f"  worst {worst[1]:+.3f} ({' '.join(map(str, worst[0]))}), bar {op} {bar:g}, "
-                 f"margin {abs(worst[1] - bar):.3f}")
+  for test, by_cell in sorted(tests.items()):
+    names = list(next(iter(by_cell.values()))[1])
+    lines.append(f"{test}: {len(by_cell)} cells (ISA, dots, seed): "
+                 + "; ".join(f"{n} {by_cell[next(iter(by_cell))][1][n][1]} "
+                             f"{float(by_cell[next(iter(by_cell))][1][n][2]):g}" for n in names))
+    for (isa, dots, seed), (outcome, figs) in sorted(by_cell.items(), key=lambda c: c[0][::-1]):
+      missed = [n for n, (v, op, b) in figs.items()
+                if not (float(v) > float(b) if op == ">" else float(v) < float(b))]
+      lines.append(f"  {isa} {dots} {seed}: " + ", ".join(
+          f"{n} {float(v):+.3f}" for n, (v, _, _) in figs.items())
+          + (f"  (misses: {', '.join(missed)})" if missed else "")
+          + ("" if outcome == "passed" or missed else f"  (test {outcome})"))
+    for n in names:
+      rows = [(c, float(f[n][0])) for c, (_, f) in by_cell.items() if n in f]
+      op, bar = by_cell[rows[0][0]][1][n][1], float(by_cell[rows[0][0]][1][n][2])
+      cell, worst = (min if op == ">" else max)(rows, key=lambda r: r[1])
+      lines.append(f"  worst {n}: {worst:+.3f} ({' '.join(map(str, cell))}); bar {op} {bar:g}, "
+                   f"margin {abs(worst - bar):.3f}")
   return "\n".join(lines)
 
 
