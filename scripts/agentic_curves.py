@@ -8,7 +8,8 @@ GRPO steps: eval/accuracy and eval/tool_calls/mean, median and min-max over the 
 Each seed S trains WORKDIR/sft_S then WORKDIR/grpo_S (init.checkpoint = sft_S, seed S in both),
 the commands tests/test_agentic.py's learning test runs; a run dir with a summary.json is kept,
 so a second call only plots. --warm-start SFT_DIR starts every seed's GRPO from one SFT run
-(the spread of GRPO alone). Arguments after `--` reach the GRPO runs as overrides, e.g.
+(the spread of GRPO alone); --plot DIR... plots finished GRPO run dirs (e.g. the cells of
+several ISA levels and dot kernels, each run under its own XLA_FLAGS and JAXRL_CPU_DOTS). Arguments after `--` reach the GRPO runs as overrides, e.g.
 `-- --config.train.steps=60`. Prints each seed's step-0 and final values and the gain.
 """
 
@@ -46,7 +47,7 @@ def train(workdir: str, seed: int, overrides: list[str], warm_start: str = "") -
   return grpo
 
 
-def plot(runs: dict[int, str], out_png: str) -> None:
+def plot(runs: dict, out_png: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -60,7 +61,7 @@ def plot(runs: dict[int, str], out_png: str) -> None:
           by_step.setdefault(r["step"], []).append(r[key])
     steps = sorted(by_step)
     ax.plot(steps, [statistics.median(by_step[t]) for t in steps], marker="o", linewidth=1.5,
-            label=f"median of {len(runs)} seeds")
+            label=f"median of {len(runs)} runs")
     ax.fill_between(steps, [min(by_step[t]) for t in steps], [max(by_step[t]) for t in steps],
                     alpha=0.25, linewidth=0, label="min-max")
     ax.set_title(title, fontsize=10)
@@ -80,14 +81,17 @@ def main(argv=None):
   ap.add_argument("--out", default="docs/guides/img/agentic_seeds.png")
   ap.add_argument("--warm-start", default="", metavar="SFT_DIR",
                   help="every seed's GRPO starts from this SFT run (default: each its own)")
+  ap.add_argument("--plot", nargs="+", default=[], metavar="GRPO_DIR",
+                  help="plot these finished GRPO runs instead of training seeds")
   ap.add_argument("overrides", nargs="*", help="GRPO overrides, after --")
   args = ap.parse_args(argv)
-  runs = {s: train(args.workdir, s, args.overrides, args.warm_start)
-          for s in seeds_of(args.seeds)}
+  runs = ({d: d for d in args.plot} if args.plot else
+          {s: train(args.workdir, s, args.overrides, args.warm_start)
+           for s in seeds_of(args.seeds)})
   for s, d in runs.items():
     evals = [r for r in read_metrics(d) if "eval/accuracy" in r]
     first, last = evals[0], evals[-1]
-    print(f"seed {s}: " + "; ".join(
+    print(f"{'seed ' if isinstance(s, int) else ''}{s}: " + "; ".join(
         f"{k} step {first['step']} {first[k]:.3f} -> step {last['step']} {last[k]:.3f} "
         f"({last[k] - first[k]:+.3f})" for k, _ in METRICS))
   plot(runs, args.out)
