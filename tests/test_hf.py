@@ -185,6 +185,9 @@ def test_export_is_bit_exact_and_reimports_bit_exact(tmp_path, mesh, loaded):
     assert "model.safetensors.index.json" in files and len(files) > 3
     index = json.load(open(out / "model.safetensors.index.json"))
     assert set(index["weight_map"].values()) == {f for f in files if f.endswith(".safetensors")}
+    # Readable by whoever may read the JSON beside them (safetensors alone writes them 0600).
+    assert {os.stat(out / f).st_mode & 0o777 for f in files} == {
+        os.stat(out / "config.json").st_mode & 0o777}
     original, exported = hf_tensors(fixture(name)), hf_tensors(str(out))
     assert set(original) == set(exported)
     for k, v in original.items():

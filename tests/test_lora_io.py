@@ -107,6 +107,8 @@ def test_peft_round_trip_is_bitwise(mesh, base, tmp_path, name):
   src = os.path.join(PEFT, name)
   cfg, _, params = with_peft(base, src, mesh)
   peft.save_peft(str(tmp_path), cfg, params, base_model_name_or_path="b")
+  mode = lambda f: os.stat(tmp_path / f).st_mode & 0o777  # noqa: E731
+  assert mode(peft.PEFT_WEIGHTS) == mode(peft.PEFT_CONFIG)  # safetensors alone writes 0600
   theirs, ours = load_file(os.path.join(src, peft.PEFT_WEIGHTS)), load_file(
       str(tmp_path / peft.PEFT_WEIGHTS))
   assert sorted(theirs) == sorted(ours)

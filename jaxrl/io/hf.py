@@ -301,11 +301,21 @@ def _host_array(x: jax.Array) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def save_safetensors(tensors: dict, path: str) -> None:
+  """safetensors' save_file, then the file made readable as the umask allows, as open() makes
+  the JSON beside it: save_file writes it owner-only (0600), which a server running as another
+  user cannot read."""
+  from safetensors.numpy import save_file
+  save_file(tensors, path, metadata={"format": "pt"})
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(path, 0o666 & ~umask)
+
+
 def save_hf(out: str, cfg: ModelConfig, params, *, max_shard_bytes: int = 2 << 30,
             extra_config: dict | None = None) -> list[str]:
   """Writes config.json and safetensors shards (with model.safetensors.index.json when there is
   more than one) that transformers loads unchanged. Only process 0 writes. Returns the files."""
-  from safetensors.numpy import save_file
   maps = tensor_map(cfg)
   flat = {_path_of(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
   if set(flat) != set(maps):
@@ -340,7 +350,7 @@ def save_hf(out: str, cfg: ModelConfig, params, *, max_shard_bytes: int = 2 << 3
       weight_map[m.hf_name] = name
       total += x.nbytes
     if writer:
-      save_file(tensors, os.path.join(out, name), metadata={"format": "pt"})
+      save_safetensors(tensors, os.path.join(out, name))
   if writer:
     with open(os.path.join(out, "config.json"), "w") as f:
       json.dump(config_to_hf(cfg, extra=extra_config), f, indent=2)

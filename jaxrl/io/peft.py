@@ -41,6 +41,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from jaxrl.errors import ConfigError
+from jaxrl.io.hf import save_safetensors
 from jaxrl.io.params import _saved_tree, check_structure, config_from_dict, config_to_dict
 from jaxrl.models import lora
 from jaxrl.models.config import LORA_WEIGHTS, ModelConfig
@@ -121,7 +122,6 @@ def save_peft(out: str, cfg: ModelConfig, params, *,
               base_model_name_or_path: str = "") -> list[str]:
   """Writes OUT/adapter_model.safetensors and OUT/adapter_config.json from the adapters in
   `params` (whole params or the adapters alone). Only process 0 writes. Returns the files."""
-  from safetensors.numpy import save_file
   if not cfg.lora_rank:
     raise ConfigError("this model has no LoRA adapters (model.lora.rank is 0): export its "
                       "full weights with `jaxrl convert jaxrl-to-hf` instead.")
@@ -136,7 +136,7 @@ def save_peft(out: str, cfg: ModelConfig, params, *,
   tensors = {names[p]: np.ascontiguousarray(_host(x).T) for p, x in flat.items()}
   if jax.process_index() == 0:
     os.makedirs(out, exist_ok=True)
-    save_file(tensors, os.path.join(out, PEFT_WEIGHTS), metadata={"format": "pt"})
+    save_safetensors(tensors, os.path.join(out, PEFT_WEIGHTS))
     with open(os.path.join(out, PEFT_CONFIG), "w") as f:
       json.dump(adapter_config(cfg, base_model_name_or_path=base_model_name_or_path), f,
                 indent=2)
