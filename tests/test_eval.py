@@ -276,6 +276,7 @@ def test_jaxrl_eval_writes_metrics_and_scored_completions(user_data_run, repo_ro
   command.run(config, checkpoint=r["workdir"], data=r["test"], workdir=str(out),
               out=lambda *a: None)
   result = json.load(open(out / "eval.json"))
+  assert (out / "eval.json").read_text().endswith("}\n")  # `cat` leaves the prompt on its line
   rows = [json.loads(line) for line in open(out / "completions.jsonl")]
   assert result["step"] == 2 and result["checker"] == "format" and result["prompts"] == 8
   assert len(rows) == 8 * (1 + 4)

@@ -174,6 +174,7 @@ def run(config, *, checkpoint: str | None, data: str | None = None,
       f.write(json.dumps(row) + "\n")
   with open(os.path.join(workdir, "eval.json"), "w", encoding="utf-8") as f:
     json.dump(result, f, indent=2)
+    f.write("\n")
   for k, v in metrics.items():
     out(f"  {k:<20}{v:.4f}")
   out(f"{len(ev.completions)} completions -> {path}; metrics -> "
