@@ -133,8 +133,10 @@ def test_unreadable_empty_missing_and_unknown_files(tmp_path):
   assert _one_line(e) == (f"data file {empty} has no rows: give one with at least one record.")
   with pytest.raises(ConfigError) as e:
     read_records(str(tmp_path / "nope.parquet"), "rl")
+  # Any format will do in its place, so the sentence names them all (not the missing one's).
   assert _one_line(e) == (f"data file {str(tmp_path / 'nope.parquet')!r} does not exist: give "
-                          "the path of a Parquet file.")
+                          "the path of a .jsonl, .parquet or .arrow file, a save_to_disk "
+                          "directory or array_record files.")
   csv = tmp_path / "data.csv"
   csv.write_text("prompt,answer\n")
   with pytest.raises(ConfigError) as e:

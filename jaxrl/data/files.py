@@ -37,6 +37,7 @@ from jaxrl.errors import ConfigError
 FORMATS = ("jsonl", "parquet", "arrow", "saved")
 _WHAT = {"jsonl": "a JSONL file", "parquet": "a Parquet file", "arrow": "an Arrow file",
          "saved": "a directory saved with datasets' save_to_disk"}
+ANY_DATA = "a .jsonl, .parquet or .arrow file, a save_to_disk directory or array_record files"
 _SAVED_MARKERS = ("state.json", "dataset_info.json", "dataset_dict.json")
 _BATCH_ROWS = 1024
 
@@ -269,6 +270,8 @@ def rows(path: str, fields=None):
   """(where, row or BadRow) of the data at `path`, any format file_format knows, with `fields`
   renamed; file-level problems (missing, unreadable, empty, unknown format) raise at once."""
   fields = check_fields(fields)
+  if not os.path.exists(path):
+    check_file(path, give=ANY_DATA)
   fmt = file_format(path)
   if fmt is None:
     raise unknown_format(path)

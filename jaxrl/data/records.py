@@ -418,6 +418,5 @@ def read_records(path: str, kind: str, *, on_bad_row: str = "error",
       or (os.path.isdir(path) and glob.glob(os.path.join(path, "*.array_record*")))):
     return read_array_record(path, kind, on_bad_row=on_bad_row, fields=fields)
   if not os.path.exists(path):
-    check_file(path, give="a .jsonl, .parquet or .arrow file, a save_to_disk directory or "
-               "array_record files")
+    check_file(path, give=files.ANY_DATA)
   raise files.unknown_format(path)
