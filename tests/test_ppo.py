@@ -34,8 +34,13 @@ def test_pulse_run_warms_the_critic_up_and_resumes_bitwise(repo_root, tmp_path, 
   quiet = lambda *a: None  # noqa: E731
   # A run killed after its step-2 checkpoint (steps=2), then resumed to 3...
   resumed = str(tmp_path / "resumed")
-  s2 = ppo.run(_config(repo_root), resumed, out=quiet)
+  said = []
+  s2 = ppo.run(_config(repo_root), resumed, out=said.append)
   assert s2["status"] == "completed" and s2["step"] == 2
+  # The warm-up step's line says what it did (it printed "step 1/2 " and nothing more).
+  assert any("(lr" in s and "warm-up 1 step)" in s for s in said), said
+  one = next(s for s in said if s.startswith("step 1/2 "))
+  assert "critic/value_loss=" in one and one.endswith("(critic warm-up: the actor waits)"), one
   # Step 1 was the critic's warm-up: the actor made no update, the critic one per step.
   assert int(s2["state"].actor.step) == 1 and int(s2["state"].critic.step) == 2
   rows = _rows(resumed)

@@ -105,8 +105,11 @@ class Progress:
       self.bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.4f}",  # (PPO's warm-up)
                            tok_s=f"{metrics.get('perf/tokens_per_s', 0):.0f}", refresh=True)
     else:
-      keys = [k for k in ("loss", "lr", "grad_norm", "perf/tokens_per_s") if k in metrics]
-      self.out(f"step {step}/{self.total} " + " ".join(f"{k}={_fmt(metrics[k])}" for k in keys))
+      keys = [k for k in ("loss", "lr", "grad_norm", "critic/value_loss", "perf/tokens_per_s")
+              if k in metrics]
+      warmup = " (critic warm-up: the actor waits)" if metrics.get("critic/warmup") else ""
+      self.out(f"step {step}/{self.total} "
+               + " ".join(f"{k}={_fmt(metrics[k])}" for k in keys) + warmup)
 
   def note(self, text: str) -> None:
     if self.bar is not None:

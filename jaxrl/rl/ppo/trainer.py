@@ -88,7 +88,7 @@ def run(config, workdir: str, *, out=print) -> dict:
                              "reward_hacking_alarm": p.alarms.watching or "off"},
       banner=f"ppo: actor {p.cfg.num_params:,} parameters{lora.describe(p.cfg)}, critic from "
              f"{c.init}{lora.describe(p.critic_cfg)} (lr {c.lr}, warm-up {c.warmup_steps} "
-             f"steps), {len(p.stream.records)} prompts, "
+             f"step{'' if c.warmup_steps == 1 else 's'}), {len(p.stream.records)} prompts, "
              f"{r.prompts_per_step} x {r.group_size} samples per step, {config.train.steps} "
              f"steps; placement {p.run.placement.mode}")
 
