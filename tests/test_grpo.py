@@ -370,6 +370,10 @@ def test_pulse_run_logs_every_metric_and_resumes(repo_root, tmp_path, devices, m
                      out=lines.append)
   assert summary["step"] == 3 and any("resuming" in s for s in lines)
   assert any("train.steps: 2 -> 3" in s for s in lines)  # a changed config is never silent
+  lines.clear()  # run again as it is, it says it is done and where its summary is
+  grpo.run(config_lib.load_config(spec, adaptive + ["train.steps=3"]), workdir, out=lines.append)
+  assert (f"this run is already complete (step 3 of 3): its summary is {workdir}/summary.json "
+          "(raise train.steps to train on).") in lines, lines
   rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
   assert [r["step"] for r in rows] == [0, 1, 2, 3]
   # The resumed step continues from the beta step 2 reached, not from algo.beta again...

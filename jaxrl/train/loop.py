@@ -184,6 +184,9 @@ def train_loop(*, state, step_fn: Callable, batches, put: Callable, total_steps:
   pending: list[tuple[int, dict]] = []
   # A resumed run starts from what it logged before (a finished one re-run keeps its numbers).
   last, evals = logged_before(run.workdir, step) if step > 0 else ({}, {})
+  if main and step >= total_steps > 0:
+    out(f"this run is already complete (step {step} of {total_steps}): its summary is "
+        f"{os.path.join(run.workdir, 'summary.json')} (raise train.steps to train on).")
   status = "failed"  # until the loop ends normally or is interrupted
   t_last, steps_since, tokens_since, flops_since = time.perf_counter(), 0, 0, 0.0
   with Interrupts(say=main) as interrupts:
