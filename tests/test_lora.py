@@ -572,8 +572,8 @@ def test_lora_starts_from_a_hf_checkpoint(repo_root, devices):
 
 @pytest.mark.slow
 def test_lora_grpo_raises_heldout_accuracy_above_sft(tmp_path, sft_slip, bars):
-  """GRPO with LoRA (rank 8, alpha 16, every linear weight: 36,864 trained parameters, 7.9%
-  of the model's 466,560) from the demo's SFT policy, 40 steps at lr 1.5e-4 with the task's
+  """GRPO with LoRA (rank 8, alpha 16, every linear weight: 38,912 trained parameters, 7.8%
+  of the model's 498,304) from the demo's SFT policy, 40 steps at lr 1.5e-4 with the task's
   verifier, one CPU device as a user's run: held-out greedy accuracy rises clearly above the
   SFT starting point with KL below the alarm (0.1) and the base untouched.
 
