@@ -322,7 +322,8 @@ def test_reward_hacking_alarm_sees_a_slow_slide_over_its_window():
     assert flat.on_eval(step, acc)["alarm/reward_hacking"] == 0.0
 
 
-def test_pulse_run_logs_every_metric_and_resumes(repo_root, tmp_path, devices, monkeypatch):
+def test_pulse_run_logs_every_metric_and_resumes(repo_root, tmp_path, devices, monkeypatch,
+                                                 caplog):
   spec = os.path.join(repo_root, "configs/grpo_tiny.py:runlocal")
   workdir = str(tmp_path / "grpo")
   # The adaptive KL controller on, with a short horizon so beta moves visibly every step.
@@ -351,8 +352,12 @@ def test_pulse_run_logs_every_metric_and_resumes(repo_root, tmp_path, devices, m
   trained = summary["state"].params
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                           trained)
-  for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(restore_params(workdir, abstract))):
+  with caplog.at_level("WARNING"):
+    restored = restore_params(workdir, abstract)
+  for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(restored)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # orbax warned on every restore that the step's _CHECKPOINT_METADATA (one level up) is missing
+  assert not [r.getMessage() for r in caplog.records if "does not exist" in r.getMessage()]
   # A relative run path, as `make demo` passes runs/demo/sft (orbax wants absolute paths).
   monkeypatch.chdir(tmp_path)
   for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(restore_params("grpo", abstract))):

@@ -64,9 +64,11 @@ def check_structure(saved, target, *, where: str, fix: str) -> None:
 
 
 def _saved_tree(path):
-  """The tree of ArrayMetadata an orbax item directory holds, read without reading arrays."""
-  with ocp.PyTreeCheckpointer() as ckptr:
-    md = ckptr.metadata(path)
+  """The tree of ArrayMetadata an orbax item directory holds, read without reading arrays.
+  Through the item handler, not a Checkpointer: a Checkpointer looks for the step's
+  _CHECKPOINT_METADATA inside the item (a run's checkpoints/N/state) and warns that it is
+  missing on every restore; the file is one level up, where CheckpointManager wrote it."""
+  md = ocp.PyTreeCheckpointHandler().metadata(epath.Path(path))
   md = getattr(md, "item_metadata", md)
   return getattr(md, "tree", md)
 
@@ -148,8 +150,8 @@ def restore_params(path: str, abstract_params, step: int | None = None, *,
                   "checkpoint")
   restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding),
                               abstract_params)
-  with ocp.PyTreeCheckpointer() as ckptr:
-    out = ckptr.restore(root / str(step) / "state", args=ocp.args.PyTreeRestore(
-        item={"params": abstract_params}, restore_args={"params": restore_args},
-        partial_restore=True))
+  out = ocp.PyTreeCheckpointHandler().restore(  # the handler: see _saved_tree
+      epath.Path(root / str(step) / "state"), args=ocp.args.PyTreeRestore(
+          item={"params": abstract_params}, restore_args={"params": restore_args},
+          partial_restore=True))
   return out["params"]
