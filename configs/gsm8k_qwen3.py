@@ -23,7 +23,9 @@ tests/fixtures/hf/qwen3 and a Parquet from jaxrl.data.files.write_gsm8k_fixture:
         --workdir /tmp/gsm8k_grpo
 
 arg: "" or "grpo" (GRPO, 8 chips, bf16 compute, full remat, chunked log-probs), "sft" (the SFT
-stage), "fixture" / "sft_fixture" (the same on the tiny fixture and /tmp/gsm8k, on CPU).
+stage), "fixture" / "sft_fixture" (the same on the tiny fixture and /tmp/gsm8k, on CPU; for
+data written elsewhere, give both stages --config.data.train_file=DIR/train.parquet
+--config.data.eval_file=DIR/test.parquet).
 """
 
 import os
