@@ -315,7 +315,20 @@ def cmd_plan(args, overrides) -> None:
                       f"{args.config} is none of them; plan e.g. configs/grpo_tiny.py.")
   module = trainer(command)
   config = _load(args, overrides, module.CHOICES)
-  devices = aot.topology_devices(args.compile) if args.compile else None
+  import jax
+  slice_ = config.get("plan", {}).get("topology", "") if jax.default_backend() != "tpu" else ""
+  try:
+    devices = aot.topology_devices(args.compile or slice_) if args.compile or slice_ else None
+  except ConfigError as e:
+    if args.compile:
+      raise
+    raise ConfigError(f"{e} Or plan this machine's devices instead: --config.plan.topology= "
+                      "(with XLA_FLAGS=--xla_force_host_platform_device_count=8 for 8 fake "
+                      "CPU devices).") from None
+  if slice_ and not args.compile:
+    print(f"planned for {slice_} (plan.topology): {len(devices)} abstract TPU chips, as there "
+          f"is no TPU here (--config.plan.topology= plans this machine's "
+          f"{jax.device_count()} {jax.default_backend()} devices instead)")
   work, programs = module.programs(config, devices=devices)
   cfg = config_lib.model_config(config)
   placement = make_placement(config.mesh, config.get("placement"), devices=devices)

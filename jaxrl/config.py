@@ -435,6 +435,9 @@ def iter_config_files(root: str = "configs") -> Iterator[str]:
 # CHIP -> plan.device. The mesh takes every chip the slice has (mesh.fsdp = -1), so "v5e-4" (a
 # 4-chip v5e slice, for the LoRA variants that fit one) differs from "v5e" only in its sizing.
 REAL_CHIPS = {"v5e": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e", "v5e-4": "tpu-v5e"}
+# CHIP -> its slice's topology (plan.topology): `jaxrl plan` on a machine without that slice
+# plans the topology's abstract devices, as `--compile` compiles for them.
+SLICE_TOPOLOGY = {"v5e": "v5e:2x4", "v5p": "v5p:2x2x1", "v6e": "v6e:2x4", "v5e-4": "v5e:2x2"}
 
 
 def hf_model_config(arg, *, preset: str, checkpoint: str, fixture: str, sft_config,
@@ -485,6 +488,7 @@ def hf_model_config(arg, *, preset: str, checkpoint: str, fixture: str, sft_conf
   c.placement.ref_dtype = ref_dtype
   c.plan = plan_config()
   c.plan.device = REAL_CHIPS[chip]
+  c.plan.topology = SLICE_TOPOLOGY[chip]
   if arg == "fixture":
     c.model.hf_path = fixture
     c.model.param_dtype = c.model.dtype = "float32"
@@ -498,7 +502,7 @@ def hf_model_config(arg, *, preset: str, checkpoint: str, fixture: str, sft_conf
                      slots=16, grow_cache=True)
     c.train.update(steps=2, log_every=1, save_every=2)
     c.eval.update(every=2, examples=8, batch_size=8)
-    c.plan.device = ""
+    c.plan.device = c.plan.topology = ""
   return c
 
 

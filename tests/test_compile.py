@@ -194,6 +194,21 @@ def test_jaxrl_plan_compile_prints_xla_beside_the_plan(repo_root, capsys):
   assert "v5e HBM 16 GiB per chip: the largest peak" in out and "fits" in out
 
 
+def test_jaxrl_plan_plans_a_slice_config_for_its_slice_off_tpu(repo_root, capsys):
+  """A real-size config names its slice (plan.topology): off TPU, `jaxrl plan` plans that
+  slice's abstract chips as written, instead of refusing a mesh this machine cannot hold (on
+  one CPU device, qwen3.py's sampler mesh asked for 8 devices)."""
+  from jaxrl import cli
+  cli.main(["plan", "--config", os.path.join(repo_root, "configs/qwen3.py:0.6b,grpo,v5p")])
+  out = capsys.readouterr().out
+  assert out.startswith("planned for v5p:2x2x1 (plan.topology): 4 abstract TPU chips")
+  assert "learner: Mesh(data=1 x fsdp=4 x tensor=1) over 4 tpu devices" in out
+  assert "device memory 95.000 GiB" in out
+  cli.main(["plan", "--config", os.path.join(repo_root, "configs/qwen3.py:0.6b,grpo,v5p"),
+            "--config.plan.topology="])
+  assert "over 8 cpu devices" in capsys.readouterr().out  # the suite's fake devices
+
+
 def test_a_program_the_tpu_compiler_cannot_fit_is_reported_not_raised():
   """libtpu refuses a program whose temporaries exceed the chip's HBM (CompileTimeHbmOom); the
   compile reports it, with the compiler's figure, instead of a traceback."""

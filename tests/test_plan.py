@@ -27,8 +27,9 @@ def _config(repo_root, name, *overrides):
 
 
 def test_the_plan_section_has_no_knob_a_trainer_does_not_read():
-  # Rows, lengths, remat, the reference and the KV cache come from the trainer's sections.
-  assert set(plan_config().keys()) == {"device", "device_gib", "check"}
+  # Rows, lengths, remat, the reference and the KV cache come from the trainer's sections;
+  # topology is the slice `jaxrl plan` plans off TPU (the run itself has its devices).
+  assert set(plan_config().keys()) == {"device", "device_gib", "check", "topology"}
 
 
 @pytest.mark.parametrize("name", list(TRAINERS))

@@ -56,6 +56,9 @@ def plan_config() -> ml_collections.ConfigDict:
       device="",  # a DEVICE_MEMORY_GIB name; "" = the runtime's own figure, else only report
       device_gib=0.0,  # explicit per-device memory, overrides `device`
       check=True,  # a trainer stops before step 1 when the plan says it does not fit
+      # A TPU slice ("v5e:2x4"): `jaxrl plan` off TPU plans its abstract devices, not this
+      # machine's, so a slice's config plans as written on a laptop.
+      topology="",
   ))
 
 
