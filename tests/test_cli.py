@@ -2,6 +2,7 @@
 
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -31,6 +32,26 @@ def test_info_reports_devices_and_mesh(capsys, devices):
   out = capsys.readouterr().out
   assert "devices            8 (cpu)" in out
   assert "Mesh(data=1 x fsdp=4 x tensor=2) over 8 cpu devices" in out
+
+
+LIBTPU_NOISE = ("host bounds", "InitGoogle", "TPU_WORKER")
+
+
+def test_the_console_script_on_a_cpu_machine_does_not_print_libtpus_errors():
+  """Without a TPU, jax loaded libtpu (installed for --compile) to find no chip, and it printed
+  "Failed to find host bounds...", "Logging before InitGoogle()" and an E0000 TPU_WORKER line
+  before every command's output; the console script now asks for the CPU first."""
+  from jaxrl.backends.tpu import tpu_here
+  if tpu_here() or os.path.exists("/dev/nvidiactl"):
+    pytest.skip("this machine has an accelerator: jax should look for it")
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  bare = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"],
+                        env=env, capture_output=True, text=True)
+  if not any(x in bare.stderr for x in LIBTPU_NOISE):
+    pytest.skip("jax alone prints no libtpu errors here (libtpu not installed)")
+  res = subprocess.run([JAXRL, "info"], env=env, capture_output=True, text=True)
+  assert res.returncode == 0 and "backend            cpu" in res.stdout, res.stderr
+  assert not [x for x in LIBTPU_NOISE if x in res.stdout + res.stderr], res.stderr
 
 
 def test_sweep_dry_run_lists_runs(capsys, repo_root, tmp_path):

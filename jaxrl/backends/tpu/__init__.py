@@ -22,7 +22,9 @@ on TPU; over the paged cache (rollout.kv_cache=paged) it runs the paged attentio
 from __future__ import annotations
 
 import functools
+import glob
 import os
+import sys
 
 from jaxrl.backends.sharded import per_device, per_device_paged
 from jaxrl.backends.tpu import paged
@@ -33,6 +35,34 @@ ENV = "JAXRL_TPU_ATTENTION"
 CHOICES = ("splash", "xla")
 COLLECTIVE_MATMUL_ENV = "JAXRL_TPU_COLLECTIVE_MATMUL"
 PAGED_ENV = "JAXRL_TPU_PAGED"
+
+
+def tpu_here() -> bool:
+  """Whether this machine has a TPU chip: a /dev/accel* or /dev/vfio device (how TPU VMs
+  expose chips) or a PCI device of Google's vendor id (0x1ae0), read without loading libtpu."""
+  if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+    return True
+  for path in glob.glob("/sys/bus/pci/devices/*/vendor"):
+    try:
+      with open(path) as f:
+        if f.read().strip() == "0x1ae0":
+          return True
+    except OSError:
+      pass
+  return False
+
+
+def cpu_only_without_accelerators() -> None:
+  """For the console script, before jax starts a backend: on a machine with neither a TPU nor
+  an NVIDIA GPU, JAX_PLATFORMS=cpu. Otherwise jax loads libtpu (the test extra installs it for
+  `jaxrl plan --compile`) only to find no chip, and libtpu printed three lines of errors before
+  every command's output. A JAX_PLATFORMS of the user's own is kept; --compile still loads
+  libtpu for its topology."""
+  if "JAX_PLATFORMS" in os.environ or os.path.exists("/dev/nvidiactl") or tpu_here():
+    return
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  if "jax" in sys.modules:  # imported, but no backend started yet: the config read the env
+    sys.modules["jax"].config.update("jax_platforms", "cpu")
 
 
 def paged_choice() -> str:
