@@ -297,6 +297,13 @@ def test_alarms_fire():
   assert alarms.on_eval(5, 0.4)["alarm/reward_hacking"] == 1.0  # reward up, accuracy down
   assert alarms.raised == {"kl": 1, "reward_hacking": 1}
   assert any("kl=0.5000 > 0.1" in s for s in said) and any("reward hacking" in s for s in said)
+  assert not any("learned nothing" in s for s in said)
+  # A step whose groups all scored alike (a pulse from an untrained policy: every reward 0)
+  # says once that it learned nothing; its loss and grad_norm were 0 without a word.
+  for step in (6, 7):
+    alarms.on_step(step, {"reward/mean": 0.0, "kl": 0.0, "frac_zero_std_groups": 1.0})
+  notes = [s for s in said if "learned nothing" in s]
+  assert len(notes) == 1 and notes[0].startswith("note step 6: every group's rewards were equal")
 
 
 def test_reward_hacking_alarm_sees_a_slow_slide_over_its_window():

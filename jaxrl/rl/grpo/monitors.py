@@ -58,6 +58,7 @@ class Alarms:
     self.raised = {"kl": 0, "reward_hacking": 0}
     self.kl_max: float | None = None  # over every step of the run, logged or not
     self.watching: str | None = None  # the held-out metric on_eval is given, once armed
+    self.said_flat = False  # the note that a step's groups all had equal rewards, said once
 
   def get_state(self) -> dict:
     """What a resumed run needs to raise the same alarms and report the same kl/max."""
@@ -79,6 +80,12 @@ class Alarms:
       # The baseline eval came before any step; step 1's rollouts come from that same starting
       # policy, so its reward is the baseline's.
       self.evals[-1] = (self.evals[-1][0], metrics[self.reward_key], self.evals[-1][2])
+    if metrics.get("frac_zero_std_groups") == 1.0 and not self.said_flat:
+      self.said_flat = True  # a pulse from an untrained policy: every reward 0
+      self.out(f"note step {step}: every group's rewards were equal ({self.reward_key} "
+               f"{metrics[self.reward_key]:.3f}), so every advantage is 0 and the step learned "
+               "nothing: a pulse from an untrained policy checks the plumbing only; to learn, "
+               "start from a policy that earns some rewards (init.checkpoint=an SFT run)")
     if metrics.get("kl", 0.0) > self.kl_threshold:
       self.raised["kl"] += 1
       self.out(f"ALARM step {step}: kl={metrics['kl']:.4f} > {self.kl_threshold} (the policy is "
