@@ -41,11 +41,17 @@ def test_async_k2_reaches_the_synchronous_heldout_accuracy(repo_root, tmp_path, 
   0.715 / 0.715, 0.727 / 0.734: differences -0.008..+0.008 (1/256 is 0.004; on seed 1 the
   runs' rewards differed, staleness 2, the greedy accuracy did not), sync's gain over SFT
   +0.13..+0.19. So the issue's 0.03 holds with margin on every seed measured, and the gain
-  bar (+0.03) is far below the smallest gain."""
+  bar (+0.03) is far below the smallest gain.
+
+  Over the 12 cells of tools/learning_sweep.py (2026-12-06, a 2-core AMD EPYC Zen 2: XLA capped at
+  AVX2 or AVX x Eigen or YNNPACK learner dots x seeds 0-2, the seed the fixture's and the run's;
+  the float roundings of the CPU kinds CI lands on): sync's gain median +0.094 (+0.031, AVX2 eigen
+  2, to +0.199), |async k=2 - sync| 0.000-0.023. Bars: a gain of +0.015 (there was learning to
+  match) and the issue's 0.03."""
   sft_acc = json.load(open(os.path.join(sft_slip, "summary.json")))["eval"]["eval/accuracy"]
   sync = heldout_accuracy(repo_root, sft_slip, tmp_path / "sync")
   k2 = heldout_accuracy(repo_root, sft_slip, tmp_path / "k2", async_k=2)
   print(f"held-out accuracy: sft {sft_acc:.3f}, sync {sync:.3f}, async k=2 {k2:.3f}")
-  bars.above("sync's held-out gain", sync - sft_acc, 0.03)  # there was learning to match
+  bars.above("sync's held-out gain", sync - sft_acc, 0.015)  # there was learning to match
   bars.below("|async k=2 - sync|", abs(k2 - sync), 0.0301)  # 0.03 itself passes
   bars.check()

@@ -203,6 +203,13 @@ def test_dpo_raises_heldout_preference_accuracy_from_sft(sft_addition, tmp_path,
   policy: from the earlier 600-step fixture (0.711) 100 plain DPO steps fell to about 0.66, as
   did IPO, KTO, SimPO, ORPO and even plain NLL on the correct answers (measured 2026-11-30).
   The check below only guards against a collapse.
+
+  Over the 12 cells of tools/learning_sweep.py (2026-12-06, a 2-core AMD EPYC Zen 2: XLA capped at
+  AVX2 or AVX x Eigen or YNNPACK learner dots x seeds 0-2, the seed the fixture's and the run's;
+  the float roundings of the CPU kinds CI lands on): preference accuracy median 0.807 (0.711, AVX2
+  ynnpack 1, to 0.906), margin 0.033-0.094, loss change -0.105 to -0.051, greedy change +0.008 to
+  +0.066; seed 1's cells are the lowest (their sft_addition draw is 0.62-0.69, not 0.78-0.89).
+  Bars: 0.65, 0.02, -0.03 and -0.05.
   """
   workdir = str(tmp_path / "dpo")
   jaxrl_cli(["dpo", "--config", "configs/dpo_tiny.py", "--workdir", workdir,
@@ -214,8 +221,8 @@ def test_dpo_raises_heldout_preference_accuracy_from_sft(sft_addition, tmp_path,
   start, end = rows[0], rows[-1]
   assert (start["step"], end["step"]) == (0, 100) and summary["ref_mode"] == "live"
   assert start["eval/rewards/accuracies"] == 0.0
-  bars.above("preference accuracy", end["eval/rewards/accuracies"], 0.75)
-  bars.above("margin", end["eval/rewards/margins"], 0.05)
-  bars.below("held-out loss change", end["eval/loss"] - start["eval/loss"], -0.05)
+  bars.above("preference accuracy", end["eval/rewards/accuracies"], 0.65)
+  bars.above("margin", end["eval/rewards/margins"], 0.02)
+  bars.below("held-out loss change", end["eval/loss"] - start["eval/loss"], -0.03)
   bars.above("greedy exact-match change", end["eval/accuracy"] - start["eval/accuracy"], -0.05)
   bars.check()

@@ -415,7 +415,13 @@ def test_demo_grpo_raises_heldout_accuracy_above_sft(tmp_path, sft_slip, bars):
   seed, by 0.009: the demo's documented claim, not a loose guard) and KL 0.1. The demo whole
   (its SFT seed varied too) gained +0.094 to +0.265 over seeds 0-4 on 1 device and +0.101 to
   +0.239 on 8. The demo's SFT phase itself is not re-run: the SFT tests cover it, and the
-  fixture trains the same settings."""
+  fixture trains the same settings.
+
+  Over the 12 cells of tools/learning_sweep.py (2026-12-06, a 2-core AMD EPYC Zen 2: XLA capped at
+  AVX2 or AVX x Eigen or YNNPACK learner dots x seeds 0-2, the seed the fixture's and the run's;
+  the float roundings of the CPU kinds CI lands on): gain median +0.143 (+0.090, AVX ynnpack 0, to
+  +0.227); KL max 0.052-0.109: the alarm (0.1) fired in 1 of the 12 (AVX2 ynnpack 2, the cell that
+  gained most). Bars: +0.06 and KL 0.12."""
   import shutil
   workdir = tmp_path / "demo"
   shutil.copytree(sft_slip, workdir / "sft")
@@ -431,8 +437,8 @@ def test_demo_grpo_raises_heldout_accuracy_above_sft(tmp_path, sft_slip, bars):
   sft_acc = result["sft"]["eval/accuracy"]
   grpo_acc = result["grpo"]["eval/accuracy"]
   assert sft_acc == json.load(open(workdir / "sft" / "summary.json"))["eval"]["eval/accuracy"]
-  bars.above("held-out gain", grpo_acc - sft_acc, 0.10)
-  bars.below("KL max", result["grpo"]["kl/max"], 0.1)
+  bars.above("held-out gain", grpo_acc - sft_acc, 0.06)
+  bars.below("KL max", result["grpo"]["kl/max"], 0.12)
   bars.check()
   assert result["grpo"]["alarms"]["kl"] == 0
   # a real PNG with three panels (summary paths are relative to where the demo ran)

@@ -581,7 +581,12 @@ def test_lora_grpo_raises_heldout_accuracy_above_sft(tmp_path, sft_slip, bars):
   the seed): seed 0 0.586 -> 0.758 (+0.172, KL max 0.066), seed 1 0.606 -> 0.773 (+0.168,
   0.022), seed 2 0.641 -> 0.719 (+0.078, 0.022); 45-75 s each. The bar, +0.05, sits below the
   worst. At lr 2.5e-4 and 5e-4 the gain was larger (+0.20, +0.21 at seed 0) but KL reached
-  0.106 and 0.116 and raised the alarm."""
+  0.106 and 0.116 and raised the alarm.
+
+  Over the 12 cells of tools/learning_sweep.py (2026-12-06, a 2-core AMD EPYC Zen 2: XLA capped at
+  AVX2 or AVX x Eigen or YNNPACK learner dots x seeds 0-2, the seed the fixture's and the run's;
+  the float roundings of the CPU kinds CI lands on): gain median +0.100 (+0.051, AVX2 eigen 2, to
+  +0.168), KL max 0.014-0.064. Bars: +0.03 and KL 0.1."""
   import json
   from conftest import LEARN_SEED, jaxrl_cli
   workdir = tmp_path / "grpo_lora"
@@ -596,7 +601,7 @@ def test_lora_grpo_raises_heldout_accuracy_above_sft(tmp_path, sft_slip, bars):
   summary = json.load(open(workdir / "summary.json"))
   end = summary["eval"]["eval/accuracy"]
   assert summary["step"] == 40
-  bars.above("held-out gain", end - start, 0.05)
+  bars.above("held-out gain", end - start, 0.03)
   bars.below("KL max", summary["kl/max"], 0.1)
   bars.check()
   assert summary["alarms"]["kl"] == 0

@@ -66,7 +66,7 @@ def test_gsm8k_recipe_runs_end_to_end_on_the_fixture(tmp_path, repo_root, device
 # 13 of the 256 held-out prompts more after GRPO than before it: below seed 3's +0.074, the worst
 # of seeds 0-4 (see the docstring). A run that does not learn scores exactly its step-0 greedy
 # accuracy and fails. The test runs seed 0 (+0.078).
-MARGIN = 0.05
+MARGIN = 0.03
 
 
 @pytest.mark.slow
@@ -98,6 +98,11 @@ def test_sft_then_grpo_on_the_users_own_files_raises_held_out_accuracy(tmp_path,
   steps on 20% random slips, 20 GRPO steps, 128 prompts) gained +0.000 to +0.055, and -0.016
   at seed 0 when re-run on this machine. 217 s against the old recipe's 176 s, one after the
   other on the loaded machine.
+
+  Over the 12 cells of tools/learning_sweep.py (2026-12-06, a 2-core AMD EPYC Zen 2: XLA capped at
+  AVX2 or AVX x Eigen or YNNPACK learner dots x seeds 0-2, the seed the fixture's and the run's;
+  the float roundings of the CPU kinds CI lands on): gain median +0.127 (+0.051, AVX eigen 0, to
+  +0.176). Bar: +0.03.
   """
   from jaxrl.data.records import write_jsonl
   from jaxrl.tasks import get_task
@@ -126,5 +131,5 @@ def test_sft_then_grpo_on_the_users_own_files_raises_held_out_accuracy(tmp_path,
   evals = [r["eval/accuracy"] for r in _metrics(grpo) if "eval/accuracy" in r]
   print("held-out eval/accuracy:", evals)
   assert len(evals) == 5
-  bars.above("held-out gain", evals[-1] - evals[0], MARGIN - 1e-9)  # 0.05 itself passes
+  bars.above("held-out gain", evals[-1] - evals[0], MARGIN - 1e-9)  # 0.03 itself passes
   bars.check()

@@ -473,15 +473,21 @@ def test_reward_models_learn_their_labellers(reward_models, bars):
   5.4-6.7, near its plateau by step 400-600, hence 600. Bars 0.70 and a gain of 0.20. (From
   the older lr-3e-3 SFT policy it reached only 0.62: a 2-layer model must redo the sum at the
   last token to tell 46 from 47, and that policy's features did it worse.)
-  The biased RM after 100 steps: 1.0 in 5 of 5 seeds; bar 0.95."""
+  The biased RM after 100 steps: 1.0 in 5 of 5 seeds; bar 0.95.
+
+  Over the 12 cells of tools/learning_sweep.py (2026-12-06, a 2-core AMD EPYC Zen 2: XLA capped at
+  AVX2 or AVX x Eigen or YNNPACK learner dots x seeds 0-2, the seed the fixture's and the run's;
+  the float roundings of the CPU kinds CI lands on): honest RM median 0.773 (0.674, AVX eigen 1, to
+  0.900), gain +0.133 to +0.381, margin 1.02-4.60 (seed 1's sft_addition draw is the weakest
+  backbone); biased RM 1.0 in 12 of 12. Bars: 0.62, a gain of 0.10, margin 0, 0.95."""
   from jaxrl.train.rundir import read_metrics
   honest = json.load(open(os.path.join(reward_models["honest"], "summary.json")))
   start = read_metrics(reward_models["honest"])[0]["eval/accuracy"]
   assert honest["status"] == "completed"
   assert honest["data"]["train"]["fingerprint"].startswith("sha256:")
   biased = json.load(open(os.path.join(reward_models["biased"], "summary.json")))
-  bars.above("honest RM accuracy", honest["eval"]["eval/accuracy"], 0.70)
-  bars.above("honest RM gain", honest["eval"]["eval/accuracy"] - start, 0.20)
+  bars.above("honest RM accuracy", honest["eval"]["eval/accuracy"], 0.62)
+  bars.above("honest RM gain", honest["eval"]["eval/accuracy"] - start, 0.10)
   bars.above("honest RM margin", honest["eval"]["eval/margin"], 0.0)
   bars.above("biased RM accuracy", biased["eval"]["eval/accuracy"], 0.95)
   bars.check()
@@ -506,7 +512,12 @@ def test_grpo_against_a_biased_reward_model_fires_the_alarm(reward_models, sft_a
   fell from 0.82-0.88 to 0.000 by step 40 (most of it by step 10), the proxy's last-10-step
   mean rose by 9.0-9.2 over its first 10, and the alarm fired in 5 of 5 (at 2-3 evals
   each). From the earlier lr-3e-3 fixtures (2026-12-02) the fall was 0.47-0.73 in 12 of 12
-  runs. The test asks a fall of 0.2."""
+  runs. The test asks a fall of 0.2.
+
+  Over the 12 cells of tools/learning_sweep.py (2026-12-06, a 2-core AMD EPYC Zen 2: XLA capped at
+  AVX2 or AVX x Eigen or YNNPACK learner dots x seeds 0-2, the seed the fixture's and the run's;
+  the float roundings of the CPU kinds CI lands on): held-out fell by 0.613-0.891, the proxy rose
+  by 6.8-9.3, and the alarm fired in 12 of 12."""
   from jaxrl.train.rundir import read_metrics
   workdir = str(tmp_path / "grpo")
   said = jaxrl_cli(["grpo", "--config", "configs/grpo_tiny.py", "--workdir", workdir] + [
@@ -541,7 +552,12 @@ def test_grpo_with_a_well_trained_reward_model_beats_sft(rm_logprob, sft_slip, t
   follow the seed): the mean of steps 60 and 80 over step 0, median +0.158 (+0.121 to +0.206),
   seed 0 0.586 -> 0.742 / 0.773. The test asks +0.05, twice the standard error of a 256-prompt
   eval. KL is not asserted here: at grpo_tiny's lr 5e-5 with this reward it peaked at
-  0.112-0.151 and the KL alarm fired 1-6 times in every seed (held-out still rose)."""
+  0.112-0.151 and the KL alarm fired 1-6 times in every seed (held-out still rose).
+
+  Over the 12 cells of tools/learning_sweep.py (2026-12-06, a 2-core AMD EPYC Zen 2: XLA capped at
+  AVX2 or AVX x Eigen or YNNPACK learner dots x seeds 0-2, the seed the fixture's and the run's;
+  the float roundings of the CPU kinds CI lands on): log-prob RM 0.846-0.965, gain median +0.128
+  (+0.070, AVX2 eigen 2, to +0.174). Bars: 0.8 and +0.04."""
   from jaxrl.train.rundir import read_metrics
   rm_eval = json.load(open(os.path.join(rm_logprob, "summary.json")))["eval"]
   bars.above("log-prob RM accuracy", rm_eval["eval/accuracy"], 0.8)
@@ -554,5 +570,5 @@ def test_grpo_with_a_well_trained_reward_model_beats_sft(rm_logprob, sft_slip, t
   evals = [r["eval/accuracy"] for r in read_metrics(workdir) if "eval/accuracy" in r]
   print("held-out accuracy every 20 steps:", evals)
   assert len(evals) == 5
-  bars.above("held-out gain (mean of steps 60, 80)", np.mean(evals[-2:]) - evals[0], 0.05)
+  bars.above("held-out gain (mean of steps 60, 80)", np.mean(evals[-2:]) - evals[0], 0.04)
   bars.check()
