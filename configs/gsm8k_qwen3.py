@@ -29,6 +29,7 @@ data written elsewhere, give both stages --config.data.train_file=DIR/train.parq
 """
 
 import os
+import tempfile
 
 from jaxrl.config import hf_model_config
 from jaxrl.rl import grpo
@@ -36,7 +37,8 @@ from jaxrl.train import sft
 
 CHECKPOINT = "checkpoints/Qwen3-0.6B"
 DATA = "data/gsm8k"
-FIXTURE_DATA = "/tmp/gsm8k"  # where the docstring's write_gsm8k_fixture call writes
+# Where the docstring's write_gsm8k_fixture call writes: /tmp/gsm8k (TMPDIR's when it is set).
+FIXTURE_DATA = os.path.join(tempfile.gettempdir(), "gsm8k")
 FIXTURE = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
                                         "tests", "fixtures", "hf", "qwen3"))
 ARGS = ("", "grpo", "sft", "fixture", "sft_fixture")
