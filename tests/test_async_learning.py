@@ -47,7 +47,21 @@ def test_async_k2_reaches_the_synchronous_heldout_accuracy(repo_root, tmp_path, 
   AVX2 or AVX x Eigen or YNNPACK learner dots x seeds 0-2, the seed the fixture's and the run's;
   the float roundings of the CPU kinds CI lands on): sync's gain median +0.094 (+0.031, AVX2 eigen
   2, to +0.199), |async k=2 - sync| 0.000-0.023. Bars: a gain of +0.015 (there was learning to
-  match) and the issue's 0.03."""
+  match) and the issue's 0.03.
+
+  cells (ISA dots seed: sync's held-out gain; |async k=2 - sync|):
+  AVX2 eigen 0: +0.078, +0.004
+  AVX2 ynnpack 0: +0.098, +0.012
+  AVX eigen 0: +0.102, +0.008
+  AVX ynnpack 0: +0.055, +0.008
+  AVX2 eigen 1: +0.055, +0.008
+  AVX2 ynnpack 1: +0.094, +0.012
+  AVX eigen 1: +0.094, +0.004
+  AVX ynnpack 1: +0.144, +0.008
+  AVX2 eigen 2: +0.031, +0.012
+  AVX2 ynnpack 2: +0.199, +0.008
+  AVX eigen 2: +0.102, +0.023
+  AVX ynnpack 2: +0.074, +0.000"""
   sft_acc = json.load(open(os.path.join(sft_slip, "summary.json")))["eval"]["eval/accuracy"]
   sync = heldout_accuracy(repo_root, sft_slip, tmp_path / "sync")
   k2 = heldout_accuracy(repo_root, sft_slip, tmp_path / "k2", async_k=2)

@@ -421,7 +421,21 @@ def test_demo_grpo_raises_heldout_accuracy_above_sft(tmp_path, sft_slip, bars):
   AVX2 or AVX x Eigen or YNNPACK learner dots x seeds 0-2, the seed the fixture's and the run's;
   the float roundings of the CPU kinds CI lands on): gain median +0.143 (+0.090, AVX ynnpack 0, to
   +0.227); KL max 0.052-0.109: the alarm (0.1) fired in 1 of the 12 (AVX2 ynnpack 2, the cell that
-  gained most). Bars: +0.06 and KL 0.12."""
+  gained most). Bars: +0.06 and KL 0.12.
+
+  cells (ISA dots seed: held-out gain; KL max):
+  AVX2 eigen 0: +0.109, +0.071
+  AVX2 ynnpack 0: +0.148, +0.059
+  AVX eigen 0: +0.141, +0.066
+  AVX ynnpack 0: +0.090, +0.066
+  AVX2 eigen 1: +0.125, +0.066
+  AVX2 ynnpack 1: +0.144, +0.060
+  AVX eigen 1: +0.144, +0.083
+  AVX ynnpack 1: +0.156, +0.078
+  AVX2 eigen 2: +0.090, +0.052
+  AVX2 ynnpack 2: +0.227, +0.109
+  AVX eigen 2: +0.203, +0.072
+  AVX ynnpack 2: +0.105, +0.081"""
   import shutil
   workdir = tmp_path / "demo"
   shutil.copytree(sft_slip, workdir / "sft")

@@ -586,7 +586,21 @@ def test_lora_grpo_raises_heldout_accuracy_above_sft(tmp_path, sft_slip, bars):
   Over the 12 cells of tools/learning_sweep.py (2026-12-06, a 2-core AMD EPYC Zen 2: XLA capped at
   AVX2 or AVX x Eigen or YNNPACK learner dots x seeds 0-2, the seed the fixture's and the run's;
   the float roundings of the CPU kinds CI lands on): gain median +0.100 (+0.051, AVX2 eigen 2, to
-  +0.168), KL max 0.014-0.064. Bars: +0.03 and KL 0.1."""
+  +0.168), KL max 0.014-0.064. Bars: +0.03 and KL 0.1.
+
+  cells (ISA dots seed: held-out gain; KL max):
+  AVX2 eigen 0: +0.105, +0.055
+  AVX2 ynnpack 0: +0.102, +0.043
+  AVX eigen 0: +0.129, +0.064
+  AVX ynnpack 0: +0.059, +0.045
+  AVX2 eigen 1: +0.086, +0.041
+  AVX2 ynnpack 1: +0.078, +0.022
+  AVX eigen 1: +0.098, +0.039
+  AVX ynnpack 1: +0.102, +0.027
+  AVX2 eigen 2: +0.051, +0.014
+  AVX2 ynnpack 2: +0.168, +0.043
+  AVX eigen 2: +0.105, +0.040
+  AVX ynnpack 2: +0.094, +0.028"""
   import json
   from conftest import LEARN_SEED, jaxrl_cli
   workdir = tmp_path / "grpo_lora"

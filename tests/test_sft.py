@@ -221,7 +221,34 @@ def test_sft_tiny_learns_addition(policy, request, bars):
   Over the 12 cells of tools/learning_sweep.py (2026-12-06, a 2-core AMD EPYC Zen 2: XLA capped at
   AVX2 or AVX x Eigen or YNNPACK learner dots x seeds 0-2, the seed the fixture's and the run's;
   the float roundings of the CPU kinds CI lands on): sft_addition median 0.854 (0.617-0.894),
-  sft_slip 0.611 (0.496-0.703), loss ratios 0.032-0.069: the bars hold in every cell."""
+  sft_slip 0.611 (0.496-0.703), loss ratios 0.032-0.069: the bars hold in every cell.
+
+  sft_addition cells (ISA dots seed: held-out accuracy; held-out loss / step 0's):
+  AVX2 eigen 0: +0.894, +0.032
+  AVX2 ynnpack 0: +0.781, +0.041
+  AVX eigen 0: +0.883, +0.032
+  AVX ynnpack 0: +0.863, +0.034
+  AVX2 eigen 1: +0.637, +0.066
+  AVX2 ynnpack 1: +0.617, +0.067
+  AVX eigen 1: +0.688, +0.060
+  AVX ynnpack 1: +0.633, +0.069
+  AVX2 eigen 2: +0.856, +0.042
+  AVX2 ynnpack 2: +0.891, +0.040
+  AVX eigen 2: +0.852, +0.042
+  AVX ynnpack 2: +0.856, +0.043
+  sft_slip cells (ISA dots seed: held-out accuracy; held-out loss / step 0's):
+  AVX2 eigen 0: +0.644, +0.037
+  AVX2 ynnpack 0: +0.621, +0.044
+  AVX eigen 0: +0.613, +0.044
+  AVX ynnpack 0: +0.703, +0.039
+  AVX2 eigen 1: +0.594, +0.062
+  AVX2 ynnpack 1: +0.562, +0.062
+  AVX eigen 1: +0.574, +0.061
+  AVX ynnpack 1: +0.613, +0.046
+  AVX2 eigen 2: +0.609, +0.056
+  AVX2 ynnpack 2: +0.496, +0.064
+  AVX eigen 2: +0.555, +0.059
+  AVX ynnpack 2: +0.613, +0.059"""
   wd = request.getfixturevalue(policy)
   metrics = read_metrics(wd)
   before, after = metrics[0], metrics[-1]
