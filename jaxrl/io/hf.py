@@ -37,7 +37,7 @@ from jax.sharding import Mesh
 
 from jaxrl import config as config_lib
 from jaxrl.errors import ConfigError
-from jaxrl.io.params import load_params, restore_params, save_params
+from jaxrl.io.params import load_params, restore_params, save_params, save_safetensors
 from jaxrl.models.config import ModelConfig, RopeScaling  # noqa: F401  (hf.RopeScaling)
 # The config.json map lives with the model, where the config loader reads it without reaching
 # up into io; its names stay importable from here too, beside the tensor map.
@@ -299,17 +299,6 @@ def _host_array(x: jax.Array) -> np.ndarray:
     return np.asarray(x)
   from jax.experimental import multihost_utils
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-def save_safetensors(tensors: dict, path: str) -> None:
-  """safetensors' save_file, then the file made readable as the umask allows, as open() makes
-  the JSON beside it: save_file writes it owner-only (0600), which a server running as another
-  user cannot read."""
-  from safetensors.numpy import save_file
-  save_file(tensors, path, metadata={"format": "pt"})
-  umask = os.umask(0)
-  os.umask(umask)
-  os.chmod(path, 0o666 & ~umask)
 
 
 def save_hf(out: str, cfg: ModelConfig, params, *, max_shard_bytes: int = 2 << 30,

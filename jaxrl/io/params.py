@@ -155,3 +155,14 @@ def restore_params(path: str, abstract_params, step: int | None = None, *,
           item={"params": abstract_params}, restore_args={"params": restore_args},
           partial_restore=True))
   return out["params"]
+
+
+def save_safetensors(tensors: dict, path: str) -> None:
+  """safetensors' save_file, then the file made readable as the umask allows, as open() makes
+  the JSON beside it: save_file writes it owner-only (0600), which a server running as another
+  user cannot read."""
+  from safetensors.numpy import save_file
+  save_file(tensors, path, metadata={"format": "pt"})
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(path, 0o666 & ~umask)

@@ -41,8 +41,8 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from jaxrl.errors import ConfigError
-from jaxrl.io.hf import save_safetensors
-from jaxrl.io.params import _saved_tree, check_structure, config_from_dict, config_to_dict
+from jaxrl.io.params import (_saved_tree, check_structure, config_from_dict, config_to_dict,
+                              save_safetensors)
 from jaxrl.models import lora
 from jaxrl.models.config import LORA_WEIGHTS, ModelConfig
 from jaxrl.models.hf_config import CORRUPT, read_json
