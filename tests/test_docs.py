@@ -6,6 +6,8 @@ A block's mark is an HTML comment (invisible on the rendered page) on the line b
 
     <!-- ci: run -->                        run by test_a_page_runs_as_written
     <!-- ci: run; expect "TEXT" "TEXT" -->  ... and each TEXT must appear in what it printed
+    <!-- ci: run; write FILE -->            the page says to save the block as FILE: it is
+                                            written there (and compiled), for later blocks
     <!-- ci: not run: REASON -->            a TPU, a download, hours of compute, ...
 
 The scratch directory links the checkout's read-only parts (configs/, tests/, scripts/, ...,
@@ -27,8 +29,8 @@ import pytest
 
 from conftest import ROOT, USER_XLA_FLAGS
 
-MARK = re.compile(r"<!--\s*ci:\s*(run(?:;\s*expect\s+(?P<expect>.*?))?|not run:\s*(?P<why>.+?))"
-                  r"\s*-->")
+MARK = re.compile(r"<!--\s*ci:\s*(run(?:;\s*write\s+(?P<write>\S+))?"
+                  r"(?:;\s*expect\s+(?P<expect>.*?))?|not run:\s*(?P<why>.+?))\s*-->")
 FENCE = re.compile(r"^```(\w*)\s*$")
 LANGS = ("bash", "python")
 # What a scratch directory links from the checkout: what the pages' commands read.
@@ -63,6 +65,7 @@ def blocks(page: str, text: str | None = None) -> list[dict]:
           "page": page, "line": i + 1, "lang": m.group(1), "code": "\n".join(lines[i + 1:end]),
           "mark": None if mark is None else "not run" if mark.group("why") else "run",
           "expect": shlex.split(mark.group("expect") or "") if mark else [],
+          "write": (mark.group("write") or "") if mark else "",
           "why": (mark.group("why") or "").strip() if mark else ""})
     i = end + 1
   return out
@@ -88,7 +91,11 @@ def run_block(block: dict, cwd: str, timeout: float = BLOCK_TIMEOUT_S) -> tuple[
              MPLBACKEND="Agg")
   if USER_XLA_FLAGS:
     env["XLA_FLAGS"] = USER_XLA_FLAGS
-  if block["lang"] == "python":
+  if block.get("write"):
+    with open(os.path.join(cwd, block["write"]), "w", encoding="utf-8") as f:
+      f.write(code + "\n")
+    cmd = [os.path.join(ROOT, ".venv", "bin", "python"), "-m", "py_compile", block["write"]]
+  elif block["lang"] == "python":
     cmd = [os.path.join(ROOT, ".venv", "bin", "python"), "-c", code]
   else:  # what a block exports reaches the page's later blocks, as in the reader's shell
     exports = os.path.join(cwd, ".doc-test-exports")
