@@ -9,8 +9,9 @@ Each seed S trains WORKDIR/sft_S then WORKDIR/grpo_S (init.checkpoint = sft_S, s
 the commands tests/test_agentic.py's learning test runs; a run dir with a summary.json is kept,
 so a second call only plots. --warm-start SFT_DIR starts every seed's GRPO from one SFT run
 (the spread of GRPO alone); --plot DIR... plots finished GRPO run dirs (e.g. the cells of
-several ISA levels and dot kernels, each run under its own XLA_FLAGS and JAXRL_CPU_DOTS). Arguments after `--` reach the GRPO runs as overrides, e.g.
-`-- --config.train.steps=60`. Prints each seed's step-0 and final values and the gain.
+several ISA levels and dot kernels, each run under its own XLA_FLAGS and JAXRL_CPU_DOTS).
+Arguments after `--` reach the GRPO runs as overrides, e.g. `-- --config.train.steps=60`.
+Prints each run's step-0 and final values and the gain.
 """
 
 import argparse
@@ -47,7 +48,7 @@ def train(workdir: str, seed: int, overrides: list[str], warm_start: str = "") -
   return grpo
 
 
-def plot(runs: dict, out_png: str) -> None:
+def plot(runs: dict[str, str], out_png: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -86,12 +87,12 @@ def main(argv=None):
   ap.add_argument("overrides", nargs="*", help="GRPO overrides, after --")
   args = ap.parse_args(argv)
   runs = ({d: d for d in args.plot} if args.plot else
-          {s: train(args.workdir, s, args.overrides, args.warm_start)
+          {f"seed {s}": train(args.workdir, s, args.overrides, args.warm_start)
            for s in seeds_of(args.seeds)})
   for s, d in runs.items():
     evals = [r for r in read_metrics(d) if "eval/accuracy" in r]
     first, last = evals[0], evals[-1]
-    print(f"{'seed ' if isinstance(s, int) else ''}{s}: " + "; ".join(
+    print(f"{s}: " + "; ".join(
         f"{k} step {first['step']} {first[k]:.3f} -> step {last['step']} {last[k]:.3f} "
         f"({last[k] - first[k]:+.3f})" for k, _ in METRICS))
   plot(runs, args.out)

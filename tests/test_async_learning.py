@@ -43,11 +43,9 @@ def test_async_k2_reaches_the_synchronous_heldout_accuracy(repo_root, tmp_path, 
   +0.13..+0.19. So the issue's 0.03 holds with margin on every seed measured, and the gain
   bar (+0.03) is far below the smallest gain.
 
-  Over the 12 cells of tools/learning_sweep.py (2026-12-06, a 2-core AMD EPYC Zen 2: XLA capped at
-  AVX2 or AVX x Eigen or YNNPACK learner dots x seeds 0-2, the seed the fixture's and the run's;
-  the float roundings of the CPU kinds CI lands on): sync's gain median +0.094 (+0.031, AVX2 eigen
-  2, to +0.199), |async k=2 - sync| 0.000-0.023. Bars: a gain of +0.015 (there was learning to
-  match) and the issue's 0.03.
+  Over the 12 cells of tools/learning_sweep.py (docs/design.md, Testing; 2026-12-06): sync's gain
+  median +0.094 (+0.031, AVX2 eigen 2, to +0.199), |async k=2 - sync| 0.000-0.023. Bars: a gain of
+  +0.015 (there was learning to match) and the issue's 0.03.
 
   cells (ISA dots seed: sync's held-out gain; |async k=2 - sync|):
   AVX2 eigen 0: +0.078, +0.004

@@ -39,8 +39,9 @@ def test_the_sweep_tabulates_each_figure_over_cells_with_the_worst(tmp_path):
     cells[("native", "eigen", seed)] = learning_sweep.read_cell(str(xml))
   assert cells[("native", "eigen", 1)]["test_agentic::test_calc"][0] == "failed"
   text = learning_sweep.table(cells)
-  assert "test_agentic::test_calc: 2 cells (ISA, dots, seed): gain > 0.25" in text
-  assert "  native eigen 0: gain +0.310\n" in text
-  assert "  native eigen 1: gain +0.220  (misses: gain)" in text
+  assert ("test_agentic::test_calc: 2 cells; bars: gain > 0.25\n"
+          "  cells (ISA dots seed: gain):") in text
+  assert "  native eigen 0: +0.310\n" in text
+  assert "  native eigen 1: +0.220  (misses: gain)" in text
   assert "  worst gain: +0.220 (native eigen 1); bar > 0.25, margin 0.030" in text
   assert learning_sweep.seeds_of("0-2,5") == [0, 1, 2, 5]

@@ -37,6 +37,7 @@ LANGS = ("bash", "python")
 LINKED = ("configs", "tests", "scripts", "notebooks", "benchmarks", "tools", "tpu", "jaxrl",
           ".venv", "Makefile", "pyproject.toml", "README.md", "docs")
 BLOCK_TIMEOUT_S = 900
+PYTHON = os.path.join(ROOT, ".venv", "bin", "python")  # the reader's, after `make setup`
 
 
 def pages() -> list[str]:
@@ -47,7 +48,7 @@ def pages() -> list[str]:
 
 def blocks(page: str, text: str | None = None) -> list[dict]:
   """The page's fenced bash and python blocks: {page, line (of the fence), lang, code, mark
-  ("run", "not run" or None), expect (texts), why}."""
+  ("run", "not run" or None), expect (texts), write (a file name or ""), why}."""
   if text is None:
     with open(os.path.join(ROOT, page), encoding="utf-8") as f:
       text = f.read()
@@ -91,12 +92,12 @@ def run_block(block: dict, cwd: str, timeout: float = BLOCK_TIMEOUT_S) -> tuple[
              MPLBACKEND="Agg")
   if USER_XLA_FLAGS:
     env["XLA_FLAGS"] = USER_XLA_FLAGS
-  if block.get("write"):
+  if block["write"]:
     with open(os.path.join(cwd, block["write"]), "w", encoding="utf-8") as f:
       f.write(code + "\n")
-    cmd = [os.path.join(ROOT, ".venv", "bin", "python"), "-m", "py_compile", block["write"]]
+    cmd = [PYTHON, "-m", "py_compile", block["write"]]
   elif block["lang"] == "python":
-    cmd = [os.path.join(ROOT, ".venv", "bin", "python"), "-c", code]
+    cmd = [PYTHON, "-c", code]
   else:  # what a block exports reaches the page's later blocks, as in the reader's shell
     exports = os.path.join(cwd, ".doc-test-exports")
     cmd = ["bash", "-e", "-o", "pipefail", "-c",

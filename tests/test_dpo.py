@@ -204,12 +204,10 @@ def test_dpo_raises_heldout_preference_accuracy_from_sft(sft_addition, tmp_path,
   did IPO, KTO, SimPO, ORPO and even plain NLL on the correct answers (measured 2026-11-30).
   The check below only guards against a collapse.
 
-  Over the 12 cells of tools/learning_sweep.py (2026-12-06, a 2-core AMD EPYC Zen 2: XLA capped at
-  AVX2 or AVX x Eigen or YNNPACK learner dots x seeds 0-2, the seed the fixture's and the run's;
-  the float roundings of the CPU kinds CI lands on): preference accuracy median 0.807 (0.711, AVX2
-  ynnpack 1, to 0.906), margin 0.033-0.094, loss change -0.105 to -0.051, greedy change +0.008 to
-  +0.066; seed 1's cells are the lowest (their sft_addition draw is 0.62-0.69, not 0.78-0.89).
-  Bars: 0.65, 0.02, -0.03 and -0.05.
+  Over the 12 cells of tools/learning_sweep.py (docs/design.md, Testing; 2026-12-06): preference
+  accuracy median 0.807 (0.711, AVX2 ynnpack 1, to 0.906), margin 0.033-0.094, loss change -0.105
+  to -0.051, greedy change +0.008 to +0.066; seed 1's cells are the lowest (their sft_addition draw
+  is 0.62-0.69, not 0.78-0.89). Bars: 0.65, 0.02, -0.03 and -0.05.
 
   cells (ISA dots seed: preference accuracy; margin; held-out loss change; greedy exact-match
       change):

@@ -417,11 +417,9 @@ def test_demo_grpo_raises_heldout_accuracy_above_sft(tmp_path, sft_slip, bars):
   +0.239 on 8. The demo's SFT phase itself is not re-run: the SFT tests cover it, and the
   fixture trains the same settings.
 
-  Over the 12 cells of tools/learning_sweep.py (2026-12-06, a 2-core AMD EPYC Zen 2: XLA capped at
-  AVX2 or AVX x Eigen or YNNPACK learner dots x seeds 0-2, the seed the fixture's and the run's;
-  the float roundings of the CPU kinds CI lands on): gain median +0.143 (+0.090, AVX ynnpack 0, to
-  +0.227); KL max 0.052-0.109: the alarm (0.1) fired in 1 of the 12 (AVX2 ynnpack 2, the cell that
-  gained most). Bars: +0.06 and KL 0.12.
+  Over the 12 cells of tools/learning_sweep.py (docs/design.md, Testing; 2026-12-06): gain median
+  +0.143 (+0.090, AVX ynnpack 0, to +0.227); KL max 0.052-0.109: the alarm (0.1) fired in 1 of the
+  12 (AVX2 ynnpack 2, the cell that gained most). Bars: +0.06 and KL 0.12.
 
   cells (ISA dots seed: held-out gain; KL max):
   AVX2 eigen 0: +0.109, +0.071

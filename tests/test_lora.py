@@ -583,10 +583,8 @@ def test_lora_grpo_raises_heldout_accuracy_above_sft(tmp_path, sft_slip, bars):
   worst. At lr 2.5e-4 and 5e-4 the gain was larger (+0.20, +0.21 at seed 0) but KL reached
   0.106 and 0.116 and raised the alarm.
 
-  Over the 12 cells of tools/learning_sweep.py (2026-12-06, a 2-core AMD EPYC Zen 2: XLA capped at
-  AVX2 or AVX x Eigen or YNNPACK learner dots x seeds 0-2, the seed the fixture's and the run's;
-  the float roundings of the CPU kinds CI lands on): gain median +0.100 (+0.051, AVX2 eigen 2, to
-  +0.168), KL max 0.014-0.064. Bars: +0.03 and KL 0.1.
+  Over the 12 cells of tools/learning_sweep.py (docs/design.md, Testing; 2026-12-06): gain median
+  +0.100 (+0.051, AVX2 eigen 2, to +0.168), KL max 0.014-0.064. Bars: +0.03 and KL 0.1.
 
   cells (ISA dots seed: held-out gain; KL max):
   AVX2 eigen 0: +0.105, +0.055

@@ -129,12 +129,10 @@ def test_ppo_raises_heldout_accuracy_above_sft_and_the_critic_explains_returns(t
   shared. A longer run (60 steps at lr 2e-5, critic lr 1e-4, 5 warm-up steps) reached 0.773,
   KL max 0.052 (seed 0).
 
-  Over the 12 cells of tools/learning_sweep.py (2026-12-06, a 2-core AMD EPYC Zen 2: XLA capped at
-  AVX2 or AVX x Eigen or YNNPACK learner dots x seeds 0-2, the seed the fixture's and the run's;
-  the float roundings of the CPU kinds CI lands on): gain median +0.100 (+0.039, AVX2 eigen 1, to
-  +0.199), KL max 0.027-0.064, explained variance's least 0.019-0.234, its rise +0.032 to +0.555.
-  Bars: +0.02 (weak: this recipe's gain is the least steady of the learning tests; a longer run is
-  the follow-up), KL 0.1, both variance bars 0.
+  Over the 12 cells of tools/learning_sweep.py (docs/design.md, Testing; 2026-12-06): gain median
+  +0.100 (+0.039, AVX2 eigen 1, to +0.199), KL max 0.027-0.064, explained variance's least
+  0.019-0.234, its rise +0.032 to +0.555. Bars: +0.02 (weak: this recipe's gain is the least steady
+  of the learning tests; a longer run is the follow-up), KL 0.1, both variance bars 0.
 
   cells (ISA dots seed: held-out gain; KL max; explained variance (least of the last 3 logs); its
       rise over step 5's):

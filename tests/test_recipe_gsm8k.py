@@ -99,10 +99,8 @@ def test_sft_then_grpo_on_the_users_own_files_raises_held_out_accuracy(tmp_path,
   at seed 0 when re-run on this machine. 217 s against the old recipe's 176 s, one after the
   other on the loaded machine.
 
-  Over the 12 cells of tools/learning_sweep.py (2026-12-06, a 2-core AMD EPYC Zen 2: XLA capped at
-  AVX2 or AVX x Eigen or YNNPACK learner dots x seeds 0-2, the seed the fixture's and the run's;
-  the float roundings of the CPU kinds CI lands on): gain median +0.127 (+0.051, AVX eigen 0, to
-  +0.176). Bar: +0.03.
+  Over the 12 cells of tools/learning_sweep.py (docs/design.md, Testing; 2026-12-06): gain median
+  +0.127 (+0.051, AVX eigen 0, to +0.176). Bar: +0.03.
 
   cells (ISA dots seed: held-out gain):
   AVX2 eigen 0: +0.062

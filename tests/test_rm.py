@@ -475,11 +475,10 @@ def test_reward_models_learn_their_labellers(reward_models, bars):
   last token to tell 46 from 47, and that policy's features did it worse.)
   The biased RM after 100 steps: 1.0 in 5 of 5 seeds; bar 0.95.
 
-  Over the 12 cells of tools/learning_sweep.py (2026-12-06, a 2-core AMD EPYC Zen 2: XLA capped at
-  AVX2 or AVX x Eigen or YNNPACK learner dots x seeds 0-2, the seed the fixture's and the run's;
-  the float roundings of the CPU kinds CI lands on): honest RM median 0.773 (0.674, AVX eigen 1, to
-  0.900), gain +0.133 to +0.381, margin 1.02-4.60 (seed 1's sft_addition draw is the weakest
-  backbone); biased RM 1.0 in 12 of 12. Bars: 0.62, a gain of 0.10, margin 0, 0.95.
+  Over the 12 cells of tools/learning_sweep.py (docs/design.md, Testing; 2026-12-06): honest RM
+  median 0.773 (0.674, AVX eigen 1, to 0.900), gain +0.133 to +0.381, margin 1.02-4.60 (seed 1's
+  sft_addition draw is the weakest backbone); biased RM 1.0 in 12 of 12. Bars: 0.62, a gain of
+  0.10, margin 0, 0.95.
 
   cells (ISA dots seed: honest RM accuracy; honest RM gain; honest RM margin; biased RM
       accuracy):
@@ -529,10 +528,8 @@ def test_grpo_against_a_biased_reward_model_fires_the_alarm(reward_models, sft_a
   each). From the earlier lr-3e-3 fixtures (2026-12-02) the fall was 0.47-0.73 in 12 of 12
   runs. The test asks a fall of 0.2.
 
-  Over the 12 cells of tools/learning_sweep.py (2026-12-06, a 2-core AMD EPYC Zen 2: XLA capped at
-  AVX2 or AVX x Eigen or YNNPACK learner dots x seeds 0-2, the seed the fixture's and the run's;
-  the float roundings of the CPU kinds CI lands on): held-out fell by 0.613-0.891, the proxy rose
-  by 6.8-9.3, and the alarm fired in 12 of 12.
+  Over the 12 cells of tools/learning_sweep.py (docs/design.md, Testing; 2026-12-06): held-out fell
+  by 0.613-0.891, the proxy rose by 6.8-9.3, and the alarm fired in 12 of 12.
 
   cells (ISA dots seed: held-out accuracy change; proxy rise (last 10 steps over the first 10)):
   AVX2 eigen 0: -0.891, +8.603
@@ -583,10 +580,8 @@ def test_grpo_with_a_well_trained_reward_model_beats_sft(rm_logprob, sft_slip, t
   eval. KL is not asserted here: at grpo_tiny's lr 5e-5 with this reward it peaked at
   0.112-0.151 and the KL alarm fired 1-6 times in every seed (held-out still rose).
 
-  Over the 12 cells of tools/learning_sweep.py (2026-12-06, a 2-core AMD EPYC Zen 2: XLA capped at
-  AVX2 or AVX x Eigen or YNNPACK learner dots x seeds 0-2, the seed the fixture's and the run's;
-  the float roundings of the CPU kinds CI lands on): log-prob RM 0.846-0.965, gain median +0.128
-  (+0.070, AVX2 eigen 2, to +0.174). Bars: 0.8 and +0.04.
+  Over the 12 cells of tools/learning_sweep.py (docs/design.md, Testing; 2026-12-06): log-prob RM
+  0.846-0.965, gain median +0.128 (+0.070, AVX2 eigen 2, to +0.174). Bars: 0.8 and +0.04.
 
   cells (ISA dots seed: log-prob RM accuracy; held-out gain (mean of steps 60, 80)):
   AVX2 eigen 0: +0.959, +0.119

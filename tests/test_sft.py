@@ -218,10 +218,9 @@ def test_sft_tiny_learns_addition(policy, request, bars):
     that labeller scores about 0.6): median 0.555 (0.500-0.637), 0.586 at seed 0; bar 0.45.
   The loss bar, 0.15 of step 0's, is over twice the worst ratio measured (0.067).
 
-  Over the 12 cells of tools/learning_sweep.py (2026-12-06, a 2-core AMD EPYC Zen 2: XLA capped at
-  AVX2 or AVX x Eigen or YNNPACK learner dots x seeds 0-2, the seed the fixture's and the run's;
-  the float roundings of the CPU kinds CI lands on): sft_addition median 0.854 (0.617-0.894),
-  sft_slip 0.611 (0.496-0.703), loss ratios 0.032-0.069: the bars hold in every cell.
+  Over the 12 cells of tools/learning_sweep.py (docs/design.md, Testing; 2026-12-06): sft_addition
+  median 0.854 (0.617-0.894), sft_slip 0.611 (0.496-0.703), loss ratios 0.032-0.069: the bars hold
+  in every cell.
 
   sft_addition cells (ISA dots seed: held-out accuracy; held-out loss / step 0's):
   AVX2 eigen 0: +0.894, +0.032

@@ -9,8 +9,8 @@ A cell is one pytest session (`-m learning -n 2`) under XLA_FLAGS=--xla_cpu_max_
 for `native`: the machine's own), JAXRL_CPU_DOTS=DOTS and JAXRL_LEARN_SEED=SEED (the seed of
 the learning runs and of the shared runs they start from). Figures come back as junit-XML
 properties; each cell's XML is kept in OUT (a finished cell is not re-run), and the table,
-one line per cell and test figure with the worst cell and the bar, is printed and written to
-OUT/table.md. -k and other arguments after `--` reach pytest.
+each test's bars, a line per cell (the lines in its docstring) and each figure's worst cell,
+is printed and written to OUT/table.md. -k and other arguments after `--` reach pytest.
 
 --xla_cpu_max_isa caps XLA's own code generation (elementwise fusions, Eigen dots) below the
 machine's ISA, so an AVX-512 machine reproduces an AVX2 one's rounding (and `auto` dots then
@@ -79,8 +79,9 @@ def read_cell(xml: str) -> dict[str, tuple[str, dict[str, str]]]:
 
 
 def table(cells: dict[tuple, dict]) -> str:
-  """One block per test: a line per cell with each of its figures (and its outcome), then each
-  figure's worst cell, bar and margin. The lines go into the test's docstring as they are."""
+  """One block per test: its bars, a line per cell (in the order run) with each figure and the
+  bars it misses, then each figure's worst cell and margin. The cell lines are the ones in the
+  tests' docstrings."""
   tests: dict[str, dict] = {}
   for cell, results in cells.items():
     for test, (outcome, props) in results.items():
@@ -88,23 +89,22 @@ def table(cells: dict[tuple, dict]) -> str:
         tests.setdefault(test, {})[cell] = (outcome, {k: v.split() for k, v in props.items()})
   lines = []
   for test, by_cell in sorted(tests.items()):
-    names = list(next(iter(by_cell.values()))[1])
-    lines.append(f"{test}: {len(by_cell)} cells (ISA, dots, seed): "
-                 + "; ".join(f"{n} {by_cell[next(iter(by_cell))][1][n][1]} "
-                             f"{float(by_cell[next(iter(by_cell))][1][n][2]):g}" for n in names))
-    for (isa, dots, seed), (outcome, figs) in sorted(by_cell.items(), key=lambda c: c[0][::-1]):
+    first = next(iter(by_cell.values()))[1]  # every cell records the same figures and bars
+    lines.append(f"{test}: {len(by_cell)} cells; bars: " + "; ".join(
+        f"{n} {op} {float(bar):g}" for n, (_, op, bar) in first.items()))
+    lines.append("  cells (ISA dots seed: " + "; ".join(first) + "):")
+    for (isa, dots, seed), (outcome, figs) in by_cell.items():
       missed = [n for n, (v, op, b) in figs.items()
                 if not (float(v) > float(b) if op == ">" else float(v) < float(b))]
-      lines.append(f"  {isa} {dots} {seed}: " + ", ".join(
-          f"{n} {float(v):+.3f}" for n, (v, _, _) in figs.items())
-          + (f"  (misses: {', '.join(missed)})" if missed else "")
-          + ("" if outcome == "passed" or missed else f"  (test {outcome})"))
-    for n in names:
-      rows = [(c, float(f[n][0])) for c, (_, f) in by_cell.items() if n in f]
-      op, bar = by_cell[rows[0][0]][1][n][1], float(by_cell[rows[0][0]][1][n][2])
-      cell, worst = (min if op == ">" else max)(rows, key=lambda r: r[1])
-      lines.append(f"  worst {n}: {worst:+.3f} ({' '.join(map(str, cell))}); bar {op} {bar:g}, "
-                   f"margin {abs(worst - bar):.3f}")
+      lines.append(f"  {isa} {dots} {seed}: " + ", ".join(f"{float(v):+.3f}" for v, _, _ in
+                                                         figs.values())
+                   + (f"  (misses: {', '.join(missed)})" if missed else "")
+                   + ("" if outcome == "passed" or missed else f"  (test {outcome})"))
+    for n, (_, op, bar) in first.items():
+      cell, worst = (min if op == ">" else max)(
+          ((c, float(f[n][0])) for c, (_, f) in by_cell.items()), key=lambda r: r[1])
+      lines.append(f"  worst {n}: {worst:+.3f} ({' '.join(map(str, cell))}); bar {op} "
+                   f"{float(bar):g}, margin {abs(worst - float(bar)):.3f}")
   return "\n".join(lines)
 
 
