@@ -187,3 +187,18 @@ def test_residuals_traced_over_two_blocks_equal_the_whole_models(repo_root, devi
   full = [(p.layer_bytes, estimate(p).peak) for p in TRAINERS[name].programs(config)[1]]
   assert cut == full
   assert any(b for b, _ in cut)  # a program with per-block bytes was compared
+
+
+def test_planning_a_program_leaves_what_it_compiles_whole(repo_root, devices):
+  """The plan traces some programs' pieces through their first blocks (llama.first_layers, a
+  context variable that jit's trace cache does not key on): a program it then compiles, as
+  `jaxrl plan --compile` and benchmarks/scale.py do, must still run every block. Before, the
+  train step's outputs were traced through one block by the jitted step itself, and a deeper
+  model's compile after its plan was a one-block train step."""
+  config = _config(repo_root, "grpo", "model.num_layers=3", "model.remat=full")
+  def dots(programs):
+    return [p.fn.lower(*p.args).as_text().count("dot_general") for p in programs]
+  planned = grpo.programs(config)[1]
+  for p in planned:
+    estimate(p)
+  assert dots(planned) == dots(grpo.programs(config)[1])
