@@ -1,5 +1,6 @@
 """Every test runs on CPU with 8 fake devices, so each sharding path runs here."""
 
+import json
 import os
 import sys
 import tempfile
@@ -17,8 +18,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session: the xdist workers and the subprocesses the
 # end-to-end tests start compile the same train steps, and each compile then happens once.
 # (Set here, in the controller, before the workers start, so all of them inherit one folder.)
+# The controller removes it at the end (pytest_unconfigure) unless the caller named the folder.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxrl-jit-cache-"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+# Every compile, however short: most of the tests' programs compile in under half a second, at
+# level 0, and many recur from test to test (test_sampler, test_paged, test_sharding and
+# test_model: 139 s at a 0.5 s threshold, 126 s at 0; 2026-12-06, AMD EPYC, -n 2).
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402  (after the flags above)
 import pytest  # noqa: E402
@@ -200,22 +206,35 @@ def rm_logprob(sft_addition, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def sft_calculator(tmp_path_factory):
-  """The calculator recipe's warm start (configs/agentic_tiny.py:sft, seed 0): SFT on
-  calculator conversations, 15% of them calling the tool, so greedy it answers in its head
-  (tests/test_agentic.py's learning test gives its figures)."""
-  return _shared_run(tmp_path_factory, "sft_calculator", "sft", "agentic_tiny.py:sft", {})
+def sft_calculator():
+  """The calculator recipe's warm start (configs/agentic_tiny.py:sft, seed 0), committed:
+  tests/fixtures/calculator_sft, made by tests/fixtures/make_calculator_sft.py (SFT on
+  calculator conversations, 15% of them calling the tool, so greedy it answers in its head;
+  tests/test_agentic.py's learning test gives its figures). Trained here it took 4-5 of the
+  suite's minutes, and from CPU to CPU its rounding made a different policy. What its
+  config.json says of the training (seed, model, data, optim, train) must be today's recipe."""
+  from jaxrl import config as config_lib
+  from jaxrl.train import rundir
+  from jaxrl.train.sft import CHOICES
+  path = os.path.join(ROOT, "tests", "fixtures", "calculator_sft")
+  recipe = config_lib.load_config(os.path.join(ROOT, "configs", "agentic_tiny.py:sft"),
+                                  choices=CHOICES).to_dict()
+  saved = rundir.read_config(path)
+  changed = [k for k in ("seed", "model", "data", "optim", "train") if json.loads(json.dumps(
+      recipe[k], default=str)) != saved.get(k)]
+  assert not changed, (f"configs/agentic_tiny.py:sft's {changed} differ from the committed warm "
+                       "start's: rerun tests/fixtures/make_calculator_sft.py")
+  return path
 
 
-_SHARED_RUNS = {"sft_addition", "sft_slip", "reward_models", "rm_logprob", "sft_calculator"}
+_SHARED_RUNS = {"sft_addition", "sft_slip", "reward_models", "rm_logprob"}
 # Which of the two workers trains each shared run: a test that reads several goes to the worker
 # of the first it reads in this order (the runs built on others first). The reward models
 # both start from sft_addition, trained first on worker 0; worker 1 trains sft_slip, runs the
 # demo test, and finds sft_addition done by then. Dealt alternately by file order instead, a
 # test on each worker wanted `reward_models` at about the same time, and one worker sat on its
 # lock while the other trained it (setups of 111 and 117 s, CI at 14812a9, 2026-12-02).
-_BUILDER = {"reward_models": 0, "rm_logprob": 1, "sft_addition": 0, "sft_slip": 1,
-            "sft_calculator": 1}
+_BUILDER = {"reward_models": 0, "rm_logprob": 1, "sft_addition": 0, "sft_slip": 1}
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects: `-m learning` sees the marks added here
@@ -255,3 +274,9 @@ def assert_model_flops_per_token(row, cfg, seq_len: int, forwards: int, *, lm_he
   low = forwards * forward_flops(cfg, tokens=1, pairs=0, lm_head=lm_head)
   high = forwards * forward_flops(cfg, tokens=1, pairs=seq_len, lm_head=lm_head)
   assert low < per_token < high, (row["step"], per_token)
+
+
+def pytest_unconfigure(config):
+  if _OWN_CACHE and not hasattr(config, "workerinput"):  # the controller, once workers are done
+    import shutil
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
