@@ -20,7 +20,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # (Set here, in the controller, before the workers start, so all of them inherit one folder.)
 # The controller removes it at the end (pytest_unconfigure) unless the caller named the folder.
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxrl-jit-cache-"))
+if _OWN_CACHE:  # (not setdefault: its argument made an empty folder in every xdist worker)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxrl-jit-cache-")
 # Every compile, however short: most of the tests' programs compile in under half a second, at
 # level 0, and many recur from test to test (test_sampler, test_paged, test_sharding and
 # test_model: 139 s at a 0.5 s threshold, 126 s at 0; 2026-12-06, AMD EPYC, -n 2).
