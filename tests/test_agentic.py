@@ -17,7 +17,7 @@ from jaxrl.data.hf_tokenizer import HFTokenizer
 from jaxrl.data.tokenizer import ByteTokenizer
 from jaxrl.envs import EnvError, builtin_envs, env_factory, load_env_module
 from jaxrl.envs.calculator import CalcError, CalculatorEnv, calculate
-from jaxrl.envs.chat import ChatRenderer, assistant_turn, parse_tool_calls, tool_format
+from jaxrl.data.chat import ChatRenderer, assistant_turn, parse_tool_calls, tool_format
 from jaxrl.envs.games import GuessNumberEnv
 from jaxrl.envs.rollout import conversations
 from jaxrl.errors import ConfigError

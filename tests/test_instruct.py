@@ -331,7 +331,7 @@ def test_train_on_all_assistant_masks_every_assistant_turn():
                            data_cfg={"train_on": "all_assistant"}))
   assert tok.decode(batch["targets"][0][batch["loss_mask"][0] > 0], skip_special=False) == \
       "3<|im_end|>\n4<|im_end|>\n"
-  # Without a chat template: the multi-turn rollouts' plain-text convention (jaxrl.envs.chat),
+  # Without a chat template: the multi-turn rollouts' plain-text convention (jaxrl.data.chat),
   # each assistant turn and its eos trained.
   ex = tokenize_sft(record, ByteTokenizer(), {"train_on": "all_assistant"})
   assert ByteTokenizer().decode(ex["targets"][ex["loss_mask"] > 0], skip_special=False) == \

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 import grain
 import numpy as np
 
+from jaxrl.data.chat import ChatRenderer
 from jaxrl.data.prompts import chat_on, chat_turns, plain_text, template_kwargs
 from jaxrl.data.records import BadRow, ON_BAD_ROW, check_record, where
 from jaxrl.data.tokenizer import Tokenizer
@@ -72,9 +73,8 @@ def tokenize_sft(record: dict, tokenizer: Tokenizer, data_cfg=None) -> dict[str,
   check_choice("data.train_on", train_on, TRAIN_ON)
   if train_on == "all_assistant" and messages:
     if not chat_on(tokenizer, data_cfg):
-      # Without a chat template: the multi-turn rollouts' plain-text convention (jaxrl.envs.
+      # Without a chat template: the multi-turn rollouts' plain-text convention (jaxrl.data.
       # chat), so a demonstration is token for token the conversation GRPO samples.
-      from jaxrl.envs.chat import ChatRenderer
       ids, mask = ChatRenderer(tokenizer, data_cfg).conversation_ids(messages, None)
       return {"inputs": np.asarray(ids[:-1], np.int32),
               "targets": np.asarray(ids[1:], np.int32),

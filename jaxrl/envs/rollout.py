@@ -10,7 +10,7 @@ with environment steps, up to rollout.max_turns.
 conversations take G free slots from one prefill of its prompt, and when a slot's turn ends
 its environment reads the model's turn (its tool calls parsed in the checkpoint's format) and
 answers while the other slots keep decoding; the answer, rendered through the chat template
-(jaxrl.envs.chat), is appended to the slot's own KV cache (Engine.extend) and the slot decodes
+(jaxrl.data.chat), is appended to the slot's own KV cache (Engine.extend) and the slot decodes
 its next turn from there, never re-prefilling the conversation. A conversation that is over
 frees its slot for the next group. Environments step in a pool of rollout.env_workers
 threads, so a slow one (a sandbox, a web call) holds up only its own conversation; each
@@ -46,7 +46,7 @@ import jax
 import numpy as np
 
 from jaxrl.envs import Timed
-from jaxrl.envs.chat import ChatRenderer, assistant_turn
+from jaxrl.data.chat import ChatRenderer, assistant_turn
 from jaxrl.errors import ConfigError
 from jaxrl.parallel.distributed import to_host
 from jaxrl.sampler.engine import bucket, window, window_bucket

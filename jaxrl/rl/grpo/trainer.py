@@ -301,7 +301,7 @@ def setup(config, workdir: str, *, out=print, command: str = "grpo", choices=Non
   renderer = None
   if env is not None:  # the prompts are the environment's first messages, tools included
     from jaxrl.envs import Timed
-    from jaxrl.envs.chat import ChatRenderer
+    from jaxrl.data.chat import ChatRenderer
     from jaxrl.envs.rollout import prompt_ids
     renderer = ChatRenderer(tokenizer, config.data)
     longest = max(len(prompt_ids(renderer, Timed(*env), x)[0])

@@ -1,5 +1,7 @@
 """Tool calls in the model's own chat format: parsing them out of a completion, and rendering
-an environment's answer back through the checkpoint's chat template.
+an environment's answer back through the checkpoint's chat template. On the data side, below
+both the data pipeline (SFT demonstrations of multi-turn conversations) and the environments'
+multi-turn driver (jaxrl.envs.rollout), so neither imports the other.
 
 Two formats, picked from the chat template (tool_format):
   hermes  Qwen 2/2.5/3 and Hermes: each call is <tool_call>{"name": ..., "arguments": {...}}
