@@ -45,7 +45,7 @@ from jaxrl.models.hf_config import (  # noqa: F401
     ARCHITECTURES, config_from_hf, config_to_hf, family_for, family_of, read_hf_config)
 from jaxrl.models.hf_config import CORRUPT, read_json
 from jaxrl.models import lora, quant
-from jaxrl.models.llama import abstract_model
+from jaxrl.models.llama import abstract_model, is_stacked, per_layer
 from jaxrl.parallel.layouts import init_params, tree_shardings
 
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
@@ -268,16 +268,23 @@ def load_hf(path: str, mesh: Mesh, layout: str = "learner", *, cfg: ModelConfig 
   reader = _Reader() if reader is None else reader
   dtype = _NP_DTYPES[cfg.param_dtype]
 
+  def read_one(m: _Map, ix) -> np.ndarray:
+    block = reader.slice(files[m.hf_name], m.hf_name, m.hf_index(ix))
+    return np.ascontiguousarray(m.to_jaxrl(block, ix)).astype(dtype)
+
   def one(keypath, shape, sharding):
-    m = maps[_path_of(keypath)]
+    path = _path_of(keypath)
     cache: dict = {}
 
     def read(index):
       ix = _norm_index(index, shape.shape)
       key = tuple((s.start, s.stop) for s in ix)
       if key not in cache:
-        block = reader.slice(files[m.hf_name], m.hf_name, m.hf_index(ix))
-        cache[key] = np.ascontiguousarray(m.to_jaxrl(block, ix)).astype(dtype)
+        if is_stacked(path):  # a scanned model's [L, ...] leaf: its layers' tensors, stacked
+          cache[key] = np.stack([read_one(maps[("layers", i, *path[1:])], ix[1:])
+                                 for i in range(ix[0].start, ix[0].stop)])
+        else:
+          cache[key] = read_one(maps[path], ix)
       return cache[key]
 
     return jax.make_array_from_callback(shape.shape, sharding, read)
@@ -306,7 +313,8 @@ def save_hf(out: str, cfg: ModelConfig, params, *, max_shard_bytes: int = 2 << 3
   """Writes config.json and safetensors shards (with model.safetensors.index.json when there is
   more than one) that transformers loads unchanged. Only process 0 writes. Returns the files."""
   maps = tensor_map(cfg)
-  flat = {_path_of(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+  flat = per_layer({_path_of(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]},
+                   cfg.num_layers)
   if set(flat) != set(maps):
     extra, missing = set(flat) - set(maps), set(maps) - set(flat)
     raise ConfigError(f"params do not match the config: unexpected {sorted(map(str, extra))[:3]}"

@@ -49,6 +49,11 @@ def check_structure(saved, target, *, where: str, fix: str) -> None:
   checkpoint (e.g. "init.checkpoint='runs/sft'"), `fix` what to do about it. A restore never
   casts or drops silently: a model with fewer layers than its checkpoint is refused here."""
   a, b = _flat(saved), _flat(target)
+  scanned = [any(".layers.attn." in f".{k}" for k in t) for t in (a, b)]
+  if scanned[0] != scanned[1]:
+    raise ConfigError(f"{where}: its layers were saved {'stacked' if scanned[0] else 'one by one'}"
+                      f" (model.scan_layers={scanned[0]}) but this model has scan_layers="
+                      f"{scanned[1]}: set --config.model.scan_layers={scanned[0]}.")
   for k in sorted(set(a) | set(b)):
     if k not in b:
       raise ConfigError(f"{where}: tensor {k} {list(a[k][0])} has no place in this model: {fix}.")

@@ -46,7 +46,7 @@ from jaxrl.io.params import (_saved_tree, check_structure, config_from_dict, con
 from jaxrl.models import lora
 from jaxrl.models.config import LORA_WEIGHTS, ModelConfig
 from jaxrl.models.hf_config import CORRUPT, read_json
-from jaxrl.models.llama import abstract_model
+from jaxrl.models.llama import abstract_model, is_stacked, per_layer
 from jaxrl.parallel.layouts import tree_shardings
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -127,7 +127,8 @@ def save_peft(out: str, cfg: ModelConfig, params, *,
                       "full weights with `jaxrl convert jaxrl-to-hf` instead.")
   names = peft_names(cfg)
   _, adapters = lora.split_lora(params)
-  flat = {_path_of(p): x for p, x in jax.tree_util.tree_flatten_with_path(adapters)[0]}
+  flat = per_layer({_path_of(p): x for p, x in jax.tree_util.tree_flatten_with_path(adapters)[0]},
+                   cfg.num_layers)
   if set(flat) != set(names):
     missing = sorted(map(str, set(names) - set(flat)))
     extra = sorted(map(str, set(flat) - set(names)))
@@ -250,8 +251,7 @@ def load_peft(path: str, cfg: ModelConfig, mesh: Mesh, layout: str = "learner"):
                       "the adapter trained on this base.")
   abstract, _ = adapter_shardings(cfg, mesh, layout)
 
-  def one(keypath, a):
-    p = _path_of(keypath)
+  def tensor(p):
     name = names[p]
     if name not in by_name:
       raise ConfigError(f"{weights}: tensor {name} is missing: the adapter does not adapt "
@@ -261,7 +261,12 @@ def load_peft(path: str, cfg: ModelConfig, mesh: Mesh, layout: str = "learner"):
       raise ConfigError(f"{weights}: tensor {name} has shape {list(x.shape)} but this model "
                         f"needs {list(_peft_shape(cfg, p))}: the adapter was trained on another "
                         "base (or another rank).")
-    host = np.ascontiguousarray(x.astype(np.float32).T).astype(a.dtype)
+    return np.ascontiguousarray(x.astype(np.float32).T)
+
+  def one(keypath, a):
+    p = _path_of(keypath)
+    host = (np.stack([tensor(("layers", i, *p[1:])) for i in range(cfg.num_layers)])
+            if is_stacked(p) else tensor(p)).astype(a.dtype)
     return jax.make_array_from_callback(a.shape, a.sharding, lambda ix: host[ix])
 
   return jax.tree_util.tree_map_with_path(one, abstract)

@@ -65,6 +65,12 @@ class ModelConfig:
   remat: str = "none"
   logits_chunk: int = 128
   chunk_min_vocab: int = 32768
+  # scan_layers: the decoder layers as one stacked block (every parameter gains a leading
+  # [num_layers] axis, logical name "layers") that full-sequence forwards run under
+  # jax.lax.scan, so a program traces and compiles one layer, not num_layers; on for the
+  # real-size presets. Off, the layers are a list of blocks (the tiny presets). The values are
+  # the same either way (jaxrl.models.llama.stack_layers converts a checkpoint's params).
+  scan_layers: bool = False
   # LoRA (the config's model.lora section; jaxrl.models.lora): rank 0 is off. When on, each
   # weight named in lora_targets gets an nnx.LoRA adapter beside it, adding
   # (lora_alpha / lora_rank) * dropout(x) @ A @ B to its product; B starts at zero.

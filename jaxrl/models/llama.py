@@ -450,13 +450,16 @@ def is_projection(path, x) -> bool:
   """Whether the leaf at `path` of a params tree is a layer's q, k or v weight stored
   [D, heads, H] in a float dtype (what heads_major_projections transposes)."""
   keys = [getattr(k, "key", None) for k in path]
-  return (len(keys) >= 4 and keys[0] == "layers" and keys[2] == "attn" and
-          keys[3] in HEADS_MAJOR and x.ndim == 3 and jnp.issubdtype(x.dtype, jnp.floating))
+  if len(keys) > 1 and keys[0] == "layers" and not isinstance(keys[1], int):
+    keys.insert(1, None)  # scanned (model.scan_layers): [L, D, heads, H], no layer index
+  return (len(keys) >= 4 and keys[0] == "layers" and keys[2] == "attn" and keys[3] in HEADS_MAJOR
+          and x.ndim == 3 + (keys[1] is None) and jnp.issubdtype(x.dtype, jnp.floating))
 
 
 def to_heads_major(w_dnh):
-  """[D, heads, H] -> [heads, H, D]."""
-  return jnp.transpose(w_dnh, (1, 2, 0))
+  """[D, heads, H] -> [heads, H, D] (stacked [L, D, heads, H] -> [L, heads, H, D])."""
+  lead = tuple(range(w_dnh.ndim - 3))
+  return jnp.transpose(w_dnh, (*lead, *(n + len(lead) for n in (1, 2, 0))))
 
 
 def _write_positions(cache_bksh, new_bkh, pos_b):
@@ -537,6 +540,15 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, pd)
     self.mlp = MLP(cfg, rngs)
 
+  def adapt(self, cfg: ModelConfig, lora_rngs: nnx.Rngs | None):
+    """LoRA adapters (cfg.lora_rank) drawn from lora_rngs, then the int8 base
+    (cfg.lora_quantize), on this block just initialised."""
+    for part in (self.attn, self.mlp):
+      if cfg.lora_rank:
+        part.add_lora(cfg, lora_rngs)
+      if cfg.lora_quantize:
+        part.quantize_base()
+
   def __call__(self, x, positions, rope, *, segment_ids=None, cache=None, prompt=None,
                key=None):
     """key: this layer's LoRA dropout key (None: no dropout)."""
@@ -556,11 +568,13 @@ REMAT_POLICIES = {
 }
 
 
-def _remat(fn, remat: str):
-  """fn(layer, ...) rematerialised under model.remat's policy; fn itself for "none"."""
-  if remat == "none":
+def _remat(fn, cfg: ModelConfig):
+  """fn(layer, ...) rematerialised under model.remat's policy; fn itself for "none". (Inside
+  a scan's body XLA cannot merge the recomputation with the forward, so prevent_cse, which
+  costs optimisation barriers, is only asked of unrolled layers.)"""
+  if cfg.remat == "none":
     return fn
-  return nnx.remat(fn, policy=REMAT_POLICIES[remat], prevent_cse=True)
+  return nnx.remat(fn, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
 
 
 # See first_layers. A context variable, so another thread tracing a program meanwhile (the
@@ -583,11 +597,6 @@ def first_layers(n: int):
     _TRACED_LAYERS.reset(token)
 
 
-def _traced(layers):
-  n = _TRACED_LAYERS.get()
-  return layers if n is None else layers[:n]
-
-
 def _call_block(layer, x, positions, rope, segment_ids, cache, key=None):
   return layer(x, positions, rope, segment_ids=segment_ids, cache=cache, key=key)
 
@@ -595,6 +604,31 @@ def _call_block(layer, x, positions, rope, segment_ids, cache, key=None):
 def _layer_key(key, i: int):
   """Layer i's LoRA dropout key; None stays None (no dropout)."""
   return None if key is None else jax.random.fold_in(key, i)
+
+
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
+  """The decoder's layers under cfg.scan_layers: one Block whose every variable has a leading
+  [num_layers] axis (logical axis "layers"), initialised by one vmapped init, each layer from
+  keys of its own (so the init traces one block, not num_layers)."""
+  keys, lora_keys = (jax.random.split(rngs.params(), cfg.num_layers) for _ in range(2))
+  graphdefs = []
+
+  def one(key, lora_key):
+    block = Block(cfg, nnx.Rngs(params=key))
+    block.adapt(cfg, nnx.Rngs(params=lora_key))
+    graphdef, state = nnx.split(block)
+    graphdefs.append(graphdef)
+    return state
+
+  state = jax.vmap(one)(keys, lora_keys)
+  state = jax.tree.map(lambda v: v.replace(axes=("layers", *v.get_metadata()["axes"])), state,
+                       is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return nnx.merge(graphdefs[0], state)
+
+
+def _layer(graphdef, state, i: int):
+  """Layer i of a stacked block (nnx.split of it): its slice of every variable."""
+  return nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
 
 
 class Transformer(nnx.Module):
@@ -607,22 +641,20 @@ class Transformer(nnx.Module):
     self.embed = nnx.Param(
         (jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.embed_dim)) * 0.02).astype(pd),
         axes=("vocab", "embed"))
-    self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+    if cfg.scan_layers:
+      self.layers = _stacked_blocks(cfg, rngs)
+    else:
+      self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, pd)
     if not cfg.tie_embeddings:
       self.lm_head = nnx.Param(_normal(rngs, (cfg.embed_dim, cfg.vocab_size), cfg.embed_dim, pd),
                                axes=("embed", "vocab"))
-    if cfg.lora_rank:
+    if not cfg.scan_layers:
       # Adapters last, from one key of their own, so the base weights' init is the same with
       # LoRA on or off (a LoRA run starts from the base a plain run would).
-      lora_rngs = nnx.Rngs(params=rngs.params())
+      lora_rngs = nnx.Rngs(params=rngs.params()) if cfg.lora_rank else None
       for layer in self.layers:
-        layer.attn.add_lora(cfg, lora_rngs)
-        layer.mlp.add_lora(cfg, lora_rngs)
-    if cfg.lora_quantize:
-      for layer in self.layers:
-        layer.attn.quantize_base()
-        layer.mlp.quantize_base()
+        layer.adapt(cfg, lora_rngs)
 
   def hidden(self, tokens_bt, positions_bt=None, *, segment_ids_bt=None,
              cache: KVCache | None = None, dropout_key=None):
@@ -634,13 +666,14 @@ class Transformer(nnx.Module):
     x = pin_rows(self._embed(tokens_bt))
     # Remat wraps the full-sequence forward only: the learner's programs differentiate it, and
     # forward-only programs (prefill, the reference) lower it unchanged; decoding never sees it.
-    block = _call_block if cache is not None else _remat(_call_block, self.cfg.remat)
-    new_cache = []
-    for i, layer in enumerate(self.layers if cache is not None else _traced(self.layers)):
-      x, kv = block(layer, x, positions_bt, rope, segment_ids_bt,
-                    None if cache is None else cache[i], _layer_key(dropout_key, i))
-      x = pin_rows(x)
-      new_cache.append(kv)
+    block = _call_block if cache is not None else _remat(_call_block, self.cfg)
+
+    def step(layer, x, i, layer_cache):
+      x, kv = block(layer, x, positions_bt, rope, segment_ids_bt, layer_cache,
+                    _layer_key(dropout_key, i))
+      return pin_rows(x), kv
+
+    x, new_cache = self._decoder(step, x, cache)
     return self.final_norm(x), new_cache
 
   def grouped_hidden(self, prompt_pt, prompt_len_p, completion_nt, *, dropout_key=None):
@@ -705,12 +738,39 @@ class Transformer(nnx.Module):
                      prompt=(*kv_p, valid_ps, row_prompt_b), key=key_n)
       return x_p, x_n
 
-    both = _remat(both, self.cfg.remat)
-    for i, layer in enumerate(_traced(self.layers)):
-      x_p, x_n = both(layer, x_p, x_n, _layer_key(dropout_key, i))
-      x_p, x_n = pin_rows(x_p), pin_rows(x_n)
+    both = _remat(both, self.cfg)
+
+    def step(layer, x, i, _):
+      x_p, x_n = both(layer, *x, _layer_key(dropout_key, i))
+      return (pin_rows(x_p), pin_rows(x_n)), None
+
+    (x_p, x_n), _ = self._decoder(step, (x_p, x_n))
     last_p = jnp.take_along_axis(x_p, (prompt_len_p - 1)[:, None, None], axis=1)[:, 0]
     return last_p, x_n
+
+  def _decoder(self, step, carry, cache: KVCache | None = None):
+    """carry, kv = step(layer, carry, i, cache[i] or None) over the decoder's layers in order:
+    (the last carry, [kv of each layer]). A full-sequence forward of a scanned model
+    (cfg.scan_layers) is one jax.lax.scan over the stacked block, traced and compiled once
+    whatever the depth. The rest run one layer after another: unrolled models, cached
+    forwards (the sampler's KV cache stays a list of per-layer arrays, see KVCache: each
+    layer reads its slice of the stacked parameters) and first_layers' traces."""
+    n, cfg = _TRACED_LAYERS.get(), self.cfg
+    depth = cfg.num_layers if n is None or cache is not None else min(n, cfg.num_layers)
+    if not cfg.scan_layers:
+      layers = list(self.layers)[:depth]
+    else:
+      graphdef, state = nnx.split(self.layers)
+      if cache is None and n is None:
+        body = lambda c, xs: step(nnx.merge(graphdef, xs[1]), c, xs[0], None)
+        carry, kv = jax.lax.scan(body, carry, (jnp.arange(depth), state))
+        return carry, [jax.tree.map(lambda a, i=i: a[i], kv) for i in range(depth)]
+      layers = [_layer(graphdef, state, i) for i in range(depth)]
+    out = []
+    for i, layer in enumerate(layers):
+      carry, kv = step(layer, carry, i, None if cache is None else cache[i])
+      out.append(kv)
+    return carry, out
 
   def _embed(self, tokens_bt):
     return jnp.take(self.embed[...], tokens_bt, axis=0).astype(_dtype(self.cfg.dtype))
@@ -796,6 +856,52 @@ def apply_logprobs(graphdef, params, tokens_bt, targets_bt, positions_bt=None, *
   h_btd, _ = model.hidden(tokens_bt, positions_bt, segment_ids_bt=segment_ids_bt,
                           dropout_key=dropout_key)
   return model.token_logprobs(h_btd, targets_bt, temperature=temperature, entropy=entropy)
+
+
+def stack_layers(params):
+  """Params of the unrolled model (a pure dict: "layers" maps 0 .. L-1 to each layer's tree)
+  as the scanned model's (cfg.scan_layers: "layers" holds one tree, each leaf [L, ...]), at
+  any depth (a reward model's "backbone" included). unstack_layers undoes it."""
+  def walk(t):
+    if not isinstance(t, dict):
+      return t
+    out = {}
+    for k, v in t.items():
+      if k == "layers" and isinstance(v, dict) and v and all(isinstance(i, int) for i in v):
+        out[k] = jax.tree.map(lambda *xs: jnp.stack(xs), *(v[i] for i in range(len(v))))
+      else:
+        out[k] = walk(v)
+    return out
+  return walk(params)
+
+
+def unstack_layers(params, num_layers: int):
+  """The scanned model's params (stack_layers) as the unrolled model's: each layer's slice."""
+  def walk(t):
+    if not isinstance(t, dict):
+      return t
+    return {k: ({i: jax.tree.map(lambda x, i=i: x[i], v) for i in range(num_layers)}
+                if k == "layers" and not all(isinstance(i, int) for i in v) else walk(v))
+            for k, v in t.items()}
+  return walk(params)
+
+
+def is_stacked(path: tuple) -> bool:
+  """Whether a params path (keys as a tuple) is a scanned model's stacked layer leaf,
+  ("layers", "attn", "q") [L, ...], rather than one layer's ("layers", 0, "attn", "q")."""
+  return len(path) > 1 and path[0] == "layers" and not isinstance(path[1], int)
+
+
+def per_layer(flat: dict, num_layers: int) -> dict:
+  """{path: array} with each stacked layer leaf split into one entry per layer, the paths the
+  checkpoint formats (HF, PEFT) name layer by layer. Other entries stay as they are."""
+  out = {}
+  for path, x in flat.items():
+    if is_stacked(path):
+      out.update({("layers", i, *path[1:]): x[i] for i in range(num_layers)})
+    else:
+      out[path] = x
+  return out
 
 
 def _nest(pairs):

@@ -30,6 +30,8 @@ int8 x bf16 mixed product was not tried).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import qwix
@@ -77,17 +79,19 @@ def quantize_params(cfg, params) -> dict:
   if not cfg.lora_quantize:
     return params
 
-  def walk(node, in_layers):
+  def walk(node, in_layers, stacked):
     out = {}
     for k, v in node.items():
       if isinstance(v, dict):
-        out[k] = walk(v, in_layers or str(k) == "layers")
+        top = str(k) == "layers"  # scanned (model.scan_layers): one tree of [L, ...] leaves
+        out[k] = walk(v, in_layers or top, stacked or (top and not isinstance(next(iter(v)), int)))
       elif in_layers and str(k) in IN_AXES and not jnp.issubdtype(v.dtype, jnp.integer):
-        out[k], out[f"{k}{SCALE}"] = quantize(v, in_axes=IN_AXES[str(k)])
+        one = functools.partial(quantize, in_axes=IN_AXES[str(k)])
+        out[k], out[f"{k}{SCALE}"] = (jax.vmap(one) if stacked else one)(v)
       else:
         out[k] = v
     return out
-  return walk(params, False)
+  return walk(params, False, False)
 
 
 def dequantized_base(cfg, params) -> dict:

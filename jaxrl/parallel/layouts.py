@@ -224,7 +224,8 @@ def param_table(cfg: ModelConfig, mesh: Mesh, layout: str) -> str:
 
 def _middle_layer(name: str, num_layers: int) -> bool:
   parts = name.split(".")
-  return len(parts) > 1 and parts[0] == "layers" and 0 < int(parts[1]) < num_layers - 1
+  return (len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit()
+          and 0 < int(parts[1]) < num_layers - 1)
 
 
 def _fmt_bytes(n: float) -> str:

@@ -32,7 +32,7 @@ import numpy as np
 from jaxrl.errors import ConfigError
 from jaxrl.models import CACHE_AXES, ModelConfig, RewardModel, abstract_model, cache_shape
 from jaxrl.models.attention import Causal
-from jaxrl.models.llama import first_layers
+from jaxrl.models.llama import first_layers, is_stacked
 from jaxrl.models.lora import base_config as lora_base_config
 from jaxrl.models.lora import is_lora_path, partition, split_lora, trainable
 from jaxrl.models.quant import SCALE
@@ -397,8 +397,11 @@ def gathered_bytes(params) -> int:
       n += int(np.prod(x.shape)) * param_item
     if "layers" in keys:
       i = keys.index("layers")
-      layers[keys[i + 1] if i + 1 < len(keys) else ""] = layers.get(
-          keys[i + 1] if i + 1 < len(keys) else "", 0) + n
+      if not keys[i + 1].isdigit():  # a scanned model's stacked [L, ...] leaf: one layer's part
+        for layer in range(x.shape[0]):
+          layers[str(layer)] = layers.get(str(layer), 0) + n // x.shape[0]
+      else:
+        layers[keys[i + 1]] = layers.get(keys[i + 1], 0) + n
     else:
       other += n
   per_layer = max(layers.values()) if layers else 0
@@ -465,6 +468,10 @@ def kernel_takes(kernel, cfg: ModelConfig, mesh, *, queries: int, keys: int) -> 
   return out is not None
 
 
+def _keys(path) -> tuple:
+  return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+
+
 def residual_bytes(loss_fn, params, batch, *, ways: int, depth: int = 0) -> int:
   """Bytes per device the backward of loss_fn(params, batch, key) keeps from its forward: the
   residuals of jax.vjp, traced under eval_shape (nothing runs), the batch's rows split `ways`
@@ -489,6 +496,11 @@ def residual_bytes(loss_fn, params, batch, *, ways: int, depth: int = 0) -> int:
   strip = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
   out = jax.eval_shape(residuals, strip(params), strip(batch))
   flat_params = {(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(params)}
+  # A scanned model's layers, traced one by one (first_layers), read slices of its stacked
+  # leaves: the parameters still, not activations.
+  flat_params |= {(tuple(x.shape[1:]), str(x.dtype)) for path, x in
+                  jax.tree_util.tree_flatten_with_path(params)[0]
+                  if "layers" in (keys := _keys(path)) and is_stacked(keys[keys.index("layers"):])}
   count: dict[tuple, int] = {}
   for x in jax.tree.leaves(out):
     key = (tuple(x.shape), str(x.dtype))

@@ -1,0 +1,228 @@
+"""Layers under scan (model.scan_layers): the stacked model computes what the unrolled one does.
+
+Each family's HF fixture is read both ways. The scanned params are the unrolled ones stacked
+(jaxrl.models.llama.stack_layers), its logits and greedy decode match transformers' as the
+unrolled model's do, its gradients equal the unrolled model's to float rounding, and it writes
+the same HF and PEFT tensors back. Everything runs on the 8-device mesh, learner layout,
+fsdp 2 x tensor 4, so the stacked leaves are sharded as their layers are.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+from jaxrl.io import hf, peft
+from jaxrl.models import PRESETS, abstract_model, apply, init_cache, lora, quant
+from jaxrl.models import llama
+from jaxrl.models.config import lora_fields
+from jaxrl.parallel import cache_sharding, make_mesh, param_shardings, plan
+from jaxrl.sampler import Engine, SamplingParams, generate
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+FAMILIES = ("llama", "qwen2", "qwen3")
+FWD = jax.jit(lambda g, p, t, pos=None, cache=None: apply(g, p, t, pos, cache=cache),
+              static_argnums=0)
+
+
+def fixture(name):
+  return os.path.join(FIXTURES, "hf", name)
+
+
+def same(a, b) -> bool:
+  fa, fb = jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves_with_path(b)
+  return [p for p, _ in fa] == [p for p, _ in fb] and all(
+      x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y))
+      for (_, x), (_, y) in zip(fa, fb))
+
+
+@pytest.fixture(scope="module")
+def mesh(devices):
+  return make_mesh(data=1, fsdp=2, tensor=4)
+
+
+@pytest.fixture(scope="module")
+def loaded(mesh):
+  """family -> ((cfg, graphdef, params) unrolled, the same scanned), from the HF fixture."""
+  out = {}
+  for name in FAMILIES:
+    cfg, graphdef, params = hf.load_hf(fixture(name), mesh)
+    scfg = cfg.replace(scan_layers=True)
+    out[name] = ((cfg, graphdef, params), hf.load_hf(fixture(name), mesh, cfg=scfg))
+  return out
+
+
+def test_scanned_params_are_the_layers_stacked_in_their_layout(mesh, loaded):
+  for name in FAMILIES:
+    (cfg, _, params), (scfg, _, sparams) = loaded[name]
+    assert same(sparams, llama.stack_layers(params)), name
+    assert same(llama.unstack_layers(sparams, cfg.num_layers), params), name
+    q = sparams["layers"]["attn"]["q"]
+    assert q.shape == (cfg.num_layers, *params["layers"][0]["attn"]["q"].shape)
+    _, _, axes = abstract_model(scfg)
+    assert axes["layers"]["attn"]["q"] == ("layers", "embed", "heads", "head_dim")
+    want = param_shardings(scfg, mesh, "learner")
+    assert all(jax.tree.leaves(jax.tree.map(
+        lambda x, s: x.sharding.is_equivalent_to(s, x.ndim), sparams, want)))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_scanned_logits_and_greedy_decode_match_transformers(mesh, loaded, name):
+  (cfg, graphdef, params), (scfg, sgraphdef, sparams) = loaded[name]
+  ref = np.load(os.path.join(fixture(name), "reference.npz"))
+  tokens = jnp.asarray(ref["tokens"], jnp.int32)
+  logits = np.asarray(FWD(sgraphdef, sparams, tokens)[0])
+  assert np.abs(logits - ref["logits"]).max() < 1e-4
+  assert np.abs(logits - np.asarray(FWD(graphdef, params, tokens)[0])).max() < 1e-5
+  # The sampler's path: prefill into a per-layer cache, then cached one-token steps.
+  prompt, want = ref["prompt"].astype(np.int32), ref["greedy"]
+  B, P = prompt.shape
+  S = P + want.shape[1]
+  cache = jax.device_put(init_cache(scfg, B, S),
+                         [cache_sharding(mesh, scfg, B, S)] * scfg.num_layers)
+  logits, cache = FWD(sgraphdef, sparams, jnp.asarray(prompt),
+                      jnp.broadcast_to(jnp.arange(P), (B, P)), cache=cache)
+  out = []
+  tok = np.asarray(logits)[:, -1].argmax(-1)
+  for i in range(want.shape[1]):
+    out.append(tok)
+    logits, cache = FWD(sgraphdef, sparams, jnp.asarray(tok[:, None], jnp.int32),
+                        jnp.full((B, 1), P + i), cache=cache)
+    tok = np.asarray(logits)[:, -1].argmax(-1)
+  np.testing.assert_array_equal(np.stack(out, 1), want)
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_scanned_learner_forwards_and_gradients_equal_the_unrolled(loaded, remat):
+  """The learner's three forwards (full sequence, a GRPO group's shared prompt, packed rows)
+  and the gradient of a log-prob loss through each, scanned against unrolled, with the LoRA
+  dropout's per-layer keys (fold_in of the layer index, traced under scan)."""
+  (cfg, _, params), _ = loaded["qwen3"]
+  cfg = cfg.replace(remat=remat)
+  scfg = cfg.replace(scan_layers=True)
+  graphdef, sgraphdef = abstract_model(cfg)[0], abstract_model(scfg)[0]
+  rng = np.random.default_rng(0)
+  P, G, Tp, Tc = 2, 2, 5, 4
+  prompt = jnp.asarray(rng.integers(1, cfg.vocab_size, (P, Tp)), jnp.int32)
+  plen = jnp.asarray([5, 3], jnp.int32)
+  comp = jnp.asarray(rng.integers(1, cfg.vocab_size, (P * G, Tc)), jnp.int32)
+  targets = jnp.roll(comp, -1, axis=1)
+
+  def losses(g, p):
+    m = nnx.merge(g, p)
+    full = m.token_logprobs(m.hidden(comp)[0], targets)[0].sum()
+    grouped = m.token_logprobs(m.grouped_hidden(prompt, plen, comp), comp)[0].sum()
+    offsets = jnp.broadcast_to(jnp.arange(Tc), (P * G, Tc))
+    segments = jnp.ones((P * G, Tc), jnp.int32)
+    _, h = m.packed_hidden(prompt, plen, comp, offsets, segments,
+                           jnp.repeat(jnp.arange(P), G))
+    packed = m.token_logprobs(h, targets)[0].sum()
+    return full + grouped + packed, (full, grouped, packed)
+
+  grad = jax.jit(jax.grad(losses, argnums=1, has_aux=True), static_argnums=0)
+  g_u, v_u = grad(graphdef, params)
+  g_s, v_s = grad(sgraphdef, llama.stack_layers(params))
+  np.testing.assert_allclose(np.asarray(v_s), np.asarray(v_u), rtol=1e-6)
+  g_s = llama.unstack_layers(g_s, cfg.num_layers)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_u), jax.tree.leaves(g_s)):
+    scale = float(jnp.abs(a).max()) + 1e-6
+    assert float(jnp.abs(a - b).max()) <= 1e-5 * scale, jax.tree_util.keystr(path)
+
+
+def test_scanned_export_writes_the_fixtures_tensors_bit_for_bit(tmp_path, loaded):
+  for name in FAMILIES:
+    _, (scfg, _, sparams) = loaded[name]
+    hf.save_hf(str(tmp_path / name), scfg, sparams, max_shard_bytes=150_000)
+    original = {}
+    for d, store in ((fixture(name), original), ):
+      for f in sorted(os.listdir(d)):
+        if f.endswith(".safetensors"):
+          store.update(load_file(os.path.join(d, f)))
+    exported = {}
+    for f in sorted(os.listdir(tmp_path / name)):
+      if f.endswith(".safetensors"):
+        exported.update(load_file(str(tmp_path / name / f)))
+    assert sorted(original) == sorted(exported), name
+    assert all(np.array_equal(original[k], exported[k]) for k in original), name
+
+
+def test_scanned_lora_reads_and_writes_peft_adapters_as_the_unrolled(mesh, loaded, tmp_path):
+  """A PEFT adapter (the committed jaxrl export, rank 4 on every linear weight) loaded into
+  the scanned model: its logits equal the unrolled model's, and it exports the same tensors."""
+  src = os.path.join(FIXTURES, "peft", "jaxrl_export")
+  (cfg, _, params), (scfg, _, sparams) = loaded["qwen3"]
+  section = lora_fields(peft.peft_lora_section(src))
+  cfg, scfg = cfg.replace(**section), scfg.replace(**section)
+  unrolled = lora.combine(params, peft.load_peft(src, cfg, mesh))
+  scanned = lora.combine(sparams, peft.load_peft(src, scfg, mesh))
+  assert same(scanned, llama.stack_layers(unrolled))
+  tokens = jnp.asarray(np.load(os.path.join(FIXTURES, "peft", "reference.npz"))["tokens"],
+                       jnp.int32)
+  a = FWD(abstract_model(cfg)[0], unrolled, tokens)[0]
+  b = FWD(abstract_model(scfg)[0], scanned, tokens)[0]
+  assert float(jnp.abs(a - b).max()) < 1e-5
+  peft.save_peft(str(tmp_path), scfg, scanned)
+  theirs, ours = (load_file(os.path.join(d, peft.PEFT_WEIGHTS)) for d in (src, str(tmp_path)))
+  assert sorted(theirs) == sorted(ours) and all(np.array_equal(theirs[k], ours[k]) for k in theirs)
+
+
+def test_scanned_init_builds_lora_and_the_int8_base_per_layer():
+  """A scanned LoRA + int8 model's init: adapters and scales stacked with the "layers" axis,
+  every layer its own draw, and quantize_params of the stacked plain weights equal to the
+  per-layer quantisation stacked."""
+  cfg = PRESETS["tiny-qwen3"].replace(lora_rank=4, lora_targets=("q", "down"),
+                                      lora_quantize="int8", scan_layers=True)
+  _, shapes, axes = abstract_model(cfg)
+  L = cfg.num_layers
+  assert shapes["layers"]["attn"]["q_lora"]["lora_a"].shape[0] == L
+  assert axes["layers"]["attn"]["q_scale"][0] == "layers"
+  assert shapes["layers"]["attn"]["q"].dtype == jnp.int8
+  state = nnx.to_pure_dict(nnx.state(llama.Transformer(cfg, rngs=nnx.Rngs(params=0))))
+  q = state["layers"]["attn"]["q"]
+  assert not np.array_equal(np.asarray(q[0]), np.asarray(q[1]))  # each layer its own draw
+  plain = PRESETS["tiny-qwen3"]
+  p = nnx.to_pure_dict(nnx.state(llama.Transformer(plain, rngs=nnx.Rngs(params=1))))
+  qcfg = plain.replace(lora_rank=4, lora_targets=("q",), lora_quantize="int8")
+  per_layer = quant.quantize_params(qcfg, p)
+  stacked = quant.quantize_params(qcfg.replace(scan_layers=True), llama.stack_layers(p))
+  assert same(stacked, llama.stack_layers(per_layer))
+
+
+@pytest.mark.parametrize("kv_cache", ["dense", "paged"])
+def test_the_sampler_generates_the_same_tokens_from_scanned_params(loaded, kv_cache):
+  """The engine's rollouts (prefill, insert, decode steps) and their log-probs, scanned or
+  unrolled, on the TPU layout of the q, k and v weights too (heads-major, made per sync)."""
+  (cfg, graphdef, params), (scfg, sgraphdef, sparams) = loaded["llama"]
+  assert same(llama.heads_major_projections(sparams),
+              llama.stack_layers(llama.heads_major_projections(params)))
+  smesh = make_mesh(data=2, fsdp=1, tensor=4)
+  prompts = [[1, 5, 9, 13], [2, 4], [7, 7, 7]]
+  sp = SamplingParams(temperature=1.0, max_new_tokens=8, eos_id=None)
+  outs = []
+  for c, g, p in ((cfg, graphdef, params), (scfg, sgraphdef, sparams)):
+    engine = Engine(g, c, smesh, sampling=sp)
+    p = jax.device_put(p, param_shardings(c, smesh, "sampler"))
+    outs.append(generate(engine, p, prompts, n=2, slots=4, seed=3, kv_cache=kv_cache))
+  a, b = outs
+  np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
+  np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_the_plan_counts_a_scanned_model_as_the_unrolled(loaded):
+  (cfg, _, params), (_, _, sparams) = loaded["qwen2"]
+  assert plan.gathered_bytes(sparams) == plan.gathered_bytes(params)
+
+
+def test_a_checkpoint_restores_only_into_its_own_layer_form(loaded):
+  from jaxrl.errors import ConfigError
+  from jaxrl.io.params import check_structure
+  (_, _, params), (_, _, sparams) = loaded["qwen2"]
+  with pytest.raises(ConfigError, match=r"saved one by one \(model.scan_layers=False\) but this "
+                     r"model has scan_layers=True: set --config.model.scan_layers=False"):
+    check_structure(params, sparams, where="init.checkpoint='runs/sft'", fix="")
+  with pytest.raises(ConfigError, match=r"set --config.model.scan_layers=True"):
+    check_structure(sparams, params, where="init.checkpoint='runs/sft'", fix="")
