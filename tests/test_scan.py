@@ -226,3 +226,55 @@ def test_a_checkpoint_restores_only_into_its_own_layer_form(loaded):
     check_structure(params, sparams, where="init.checkpoint='runs/sft'", fix="")
   with pytest.raises(ConfigError, match=r"set --config.model.scan_layers=True"):
     check_structure(sparams, params, where="init.checkpoint='runs/sft'", fix="")
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+@pytest.mark.parametrize("lora_kind", ["", "lora", "qlora"])
+def test_the_weight_sync_gives_the_sampler_the_unrolled_models_weights(devices, mode, lora_kind):
+  """A scanned learner's sampler runs the layers one by one: every sync (bf16, adapters only
+  with LoRA, merged on the sampler) gives the very arrays the unrolled learner's sync gives."""
+  from jaxrl.parallel import init_params
+  from jaxrl.parallel.sync import WeightSync, make_placement, placement_config
+  section = placement_config()
+  section.mode = mode
+  placement = make_placement({"data": 1, "fsdp": -1, "tensor": 1}, section)
+  cfg = PRESETS["tiny-qwen3"]
+  if lora_kind:
+    cfg = cfg.replace(lora_rank=4, lora_targets=("q", "v", "down"),
+                      lora_quantize="int8" if lora_kind == "qlora" else "")
+  _, params = init_params(cfg, placement.learner.mesh)
+  # Adapters away from zero (B starts at zero, which would hide a misplaced layer).
+  params = jax.tree_util.tree_map_with_path(
+      lambda p, x: x + 0.01 * (1 + jnp.arange(x.size).reshape(x.shape) % 7)
+      if lora.is_lora_path(p) else x, params)
+  scfg = cfg.replace(scan_layers=True)
+  sparams = jax.device_put(llama.stack_layers(params), param_shardings(
+      scfg, placement.learner.mesh, "learner"))
+  outs = []
+  for c, p in ((cfg, params), (scfg, sparams)):
+    ws = WeightSync(c, placement, dtype="bfloat16")
+    assert not ws.sampler_cfg.scan_layers
+    outs.append([ws(p), ws.to_sampler(p)])
+    outs[-1].append(ws(p))  # a second step: adapters only, the sampler's base copy kept
+  for a, b in zip(*outs):
+    assert same(a, b)
+
+
+def test_a_run_of_the_other_layer_form_restores_converted(mesh):
+  """restore_params reads a run's checkpoint of either form into either model: the committed
+  calculator warm start (the tiny preset, unrolled) into the scanned model is its layers
+  stacked, in the scanned model's layout."""
+  from jaxrl.io.params import restore_params
+  run = os.path.join(FIXTURES, "calculator_sft")
+
+  def target(cfg):
+    _, shapes, _ = abstract_model(cfg)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        shapes, param_shardings(cfg, mesh, "learner"))
+  cfg = PRESETS["tiny"]
+  unrolled = restore_params(run, target(cfg))
+  scanned = restore_params(run, target(cfg.replace(scan_layers=True)))
+  assert same(scanned, llama.stack_layers(unrolled))
+  want = param_shardings(cfg.replace(scan_layers=True), mesh, "learner")
+  assert all(jax.tree.leaves(jax.tree.map(
+      lambda x, s: x.sharding.is_equivalent_to(s, x.ndim), scanned, want)))

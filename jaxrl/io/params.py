@@ -22,11 +22,11 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxrl.errors import ConfigError
 from jaxrl.models.config import ModelConfig, RopeScaling
-from jaxrl.models.llama import abstract_model
+from jaxrl.models.llama import abstract_model, stack_layers, unstack_layers
 from jaxrl.parallel.layouts import tree_shardings
 
 
@@ -149,17 +149,48 @@ def restore_params(path: str, abstract_params, step: int | None = None, *,
   if step is None:
     raise ConfigError(f"{key}={path!r} holds no checkpoint: train there first.")
   saved = _saved_tree(root / str(step) / "state")
-  check_structure(saved.get("params", {}) if isinstance(saved, dict) else saved, abstract_params,
-                  where=f"{key}={path!r} (step {step})",
+  saved = saved.get("params", {}) if isinstance(saved, dict) else saved
+  # A run of the other layer form (model.scan_layers) is read in its own form, then stacked
+  # or unstacked into this model's, in its layout.
+  want, read = abstract_params, _in_form_of(saved, abstract_params)
+  check_structure(saved, read, where=f"{key}={path!r} (step {step})",
                   fix="give the model that run trained (its config's model section), or another "
                   "checkpoint")
-  restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding),
-                              abstract_params)
+  restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), read)
   out = ocp.PyTreeCheckpointHandler().restore(  # the handler: see _saved_tree
       epath.Path(root / str(step) / "state"), args=ocp.args.PyTreeRestore(
-          item={"params": abstract_params}, restore_args={"params": restore_args},
+          item={"params": read}, restore_args={"params": restore_args},
           partial_restore=True))
-  return out["params"]
+  if read is want:
+    return out["params"]
+  layers = len(read["layers"]) if _scanned(want) else len(want["layers"])
+  convert = stack_layers if _scanned(want) else lambda t: unstack_layers(t, layers)
+  shardings = jax.tree.map(lambda a: a.sharding, want)
+  return jax.jit(convert, out_shardings=shardings, donate_argnums=0)(out["params"])
+
+
+def _scanned(tree) -> bool:
+  """Whether a params tree (arrays, shapes or orbax metadata) holds stacked layers."""
+  return any(".layers.attn." in f".{k}" for k in _flat(tree))
+
+
+def _in_form_of(saved, abstract):
+  """`abstract` (ShapeDtypeStructs with shardings) in the layer form of the saved tree: itself
+  when they agree; else each layer's leaves stacked, or a stacked leaf's layers, each sharded
+  as the stacked leaf is past its leading (replicated) layer axis."""
+  if _scanned(saved) == _scanned(abstract) or "layers" not in abstract:
+    return abstract
+  def sds(shape, like, spec):
+    return jax.ShapeDtypeStruct(shape, like.dtype,
+                                sharding=NamedSharding(like.sharding.mesh, P(*spec)))
+  if _scanned(abstract):  # saved one by one
+    num = next(iter(jax.tree.leaves(abstract["layers"]))).shape[0]
+    layer = jax.tree.map(lambda a: sds(a.shape[1:], a, tuple(a.sharding.spec)[1:]),
+                         abstract["layers"])
+    return {**abstract, "layers": {i: layer for i in range(num)}}
+  num = len(abstract["layers"])
+  return {**abstract, "layers": jax.tree.map(
+      lambda a: sds((num, *a.shape), a, (None, *a.sharding.spec)), abstract["layers"][0])}
 
 
 def save_safetensors(tensors: dict, path: str) -> None:

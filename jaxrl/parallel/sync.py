@@ -37,6 +37,7 @@ from jax.sharding import Mesh
 
 from jaxrl.errors import ConfigError
 from jaxrl.models import ModelConfig, abstract_model, lora
+from jaxrl.models.llama import unstack_layers
 from jaxrl.parallel.distributed import global_array, to_host
 from jaxrl.parallel.layouts import tree_shardings
 from jaxrl.parallel.mesh import make_mesh
@@ -419,6 +420,12 @@ class WeightSync:
                adapters_only: bool | None = None, lora_sampler: str = "merge"):
     self.placement = placement
     self.dtype = jnp.dtype(dtype) if dtype else None
+    # A scanned learner (model.scan_layers) holds its layers stacked; the sampler runs them
+    # one by one, as MaxText serves unscanned checkpoints: its decode steps then read each
+    # layer's weights as they sit (no slice of a stack per layer and step) and compile as the
+    # unrolled model's. The sync unstacks on the learner's devices, fused with its cast.
+    self.num_layers = cfg.num_layers if cfg.scan_layers else 0
+    cfg = cfg.replace(scan_layers=False)
     self.target = placement.sampler.model_shardings(cfg)
     self.history: list[SyncStats] = []
     self.adapters_only = bool(cfg.lora_rank) if adapters_only is None else adapters_only
@@ -451,14 +458,34 @@ class WeightSync:
   def last(self) -> SyncStats:
     return self.history[-1]
 
+  def unstacked(self, tree, dtype=None):
+    """`tree` (the learner's params, or a part of them) with a scanned model's stacked layers
+    split into one leaf per layer, cast to `dtype` on the way: a temporary copy on the
+    learner's devices, for sync to move. `tree` itself, unscanned."""
+    if not self.num_layers:
+      return tree
+    return _unstack(tree, num_layers=self.num_layers, dtype=dtype)
+
+  def to_sampler(self, params):
+    """The learner's whole params in the sampler's layout (and sync dtype), untimed: the
+    held-out evaluator's weights."""
+    if not self.num_layers:
+      return sync(params, self.target, dtype=self.dtype)
+    return sync(self.unstacked(params, self.dtype), self.target, donate=True)
+
   def __call__(self, params, *, donate: bool = False):
     t0 = time.perf_counter()
     if not self.adapters_only:
-      out = jax.block_until_ready(sync(params, self.target, dtype=self.dtype, donate=donate))
+      dtype = self.dtype
+      if self.num_layers:  # scanned: unstacked and cast into a temporary the sync frees
+        params, donate, dtype = self.unstacked(params, self.dtype), True, None
+      out = jax.block_until_ready(sync(params, self.target, dtype=dtype, donate=donate))
       moved = tree_bytes(out)
     else:
       base, adapters = lora.split_lora(params)
       base_target, adapter_target = lora.split_lora(self.target)
+      if self.num_layers:  # (uncast: a colocated merge reads the learner's adapters as they are)
+        adapters, donate = self.unstacked(adapters), True
       # The base is never donated: it is the learner's frozen base, shared by every step.
       if self.merge and _same_devices(adapters, adapter_target):
         # Colocated: the merge program takes the learner's adapters as they are and XLA moves
@@ -472,7 +499,11 @@ class WeightSync:
       if self._base_src is None or any(a is not b for a, b in zip(src, self._base_src)):
         if self.base is not None:
           release(self.base)
-        self.base, self._base_src = sync(base, base_target, dtype=self._base_dtype), src
+        # (scanned: the learner's stacked base unstacked once, a temporary freed after)
+        self.base = sync(self.unstacked(base, self._base_dtype), base_target,
+                         dtype=None if self.num_layers else self._base_dtype,
+                         donate=bool(self.num_layers))
+        self._base_src = src
         moved += tree_bytes(self.base)
       if self.merge:
         out = jax.block_until_ready(self._merge(self.base, adapters_s))
@@ -493,6 +524,12 @@ class WeightSync:
   def median(self) -> SyncStats:
     ms = statistics.median(s.ms for s in self.history)
     return SyncStats(ms, self.history[-1].bytes)
+
+
+@partial(jax.jit, static_argnames=("num_layers", "dtype"))
+def _unstack(tree, *, num_layers: int, dtype=None):
+  out = unstack_layers(tree, num_layers)
+  return cast_floats(out, dtype) if dtype is not None else out
 
 
 class SamplerCopy:

@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxrl import backends, config as config_lib
 from jaxrl.data.hf_tokenizer import tokenizer_for
 from jaxrl.models import RewardModel, abstract_model, lora, reward_apply
+from jaxrl.models.llama import unstack_layers
 from jaxrl.models.flops import forward_flops
 from jaxrl.parallel import batch_sharding, get_rules
 from jaxrl.parallel.plan import (Program, Workload, abstract_bytes, attention_score_bytes,
@@ -208,7 +209,10 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
 
   def sampler_params(c):
     return _floats_in(pg.params_of(abstract_model(c), smesh, "sampler"), sync_dtype)
-  sparams = sampler_params(cfg)
+  # A scanned learner's sampler runs the layers one by one (jaxrl.parallel.sync.WeightSync),
+  # the sync unstacking them.
+  plain = cfg.replace(scan_layers=False)
+  sparams = sampler_params(plain)
   target = jax.tree.map(lambda x: x.sharding, sparams)
   learner_order = mesh.devices.reshape(-1)
   if (set(learner_order) == set(smesh.devices.flat)
@@ -223,6 +227,8 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
   dtype = jnp.dtype(sync_dtype) if sync_dtype else None
 
   def cast(params):
+    if cfg.scan_layers:
+      params = unstack_layers(params, cfg.num_layers)
     return jax.tree.map(lambda x: x.astype(dtype) if dtype is not None and
                         jnp.issubdtype(x.dtype, jnp.floating) else x, params)
   # Colocated, the learner's state, the reference and the reward models stay on the chips
@@ -239,13 +245,13 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
                             max_new_tokens=r.max_new_tokens, eos_id=None)
   # LoRA: the sampler runs the plain model on weights merged from its own copy of the frozen
   # base, which stays on its chips the whole step (jaxrl.parallel.sync.WeightSync).
-  scfg, sbase = cfg, {}
+  scfg, sbase = plain, {}
   if cfg.lora_rank:
-    scfg, sbase_tree = lora.base_config(cfg), lora.split_lora(sparams)[0]
+    scfg, sbase_tree = lora.base_config(plain), lora.split_lora(sparams)[0]
     if cfg.lora_quantize:
       # QLoRA: that copy is the int8 base, synced uncast (jaxrl.parallel.sync.WeightSync), and
       # the merged weights are the plain model's.
-      sbase_tree = lora.split_lora(pg.params_of(abstract_model(cfg), smesh, "sampler"))[0]
+      sbase_tree = lora.split_lora(pg.params_of(abstract_model(plain), smesh, "sampler"))[0]
       sparams = sampler_params(scfg)
     else:
       sparams = sbase_tree

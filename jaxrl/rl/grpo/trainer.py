@@ -57,11 +57,11 @@ from jaxrl.data.hf_tokenizer import eos_ids
 from jaxrl.envs import env_factory
 from jaxrl.errors import ConfigError
 from jaxrl.evals.evaluator import EnvEvaluator, Evaluator, checker_for
-from jaxrl.models import abstract_model, lora
+from jaxrl.models import ModelConfig, abstract_model, lora
 from jaxrl.models.flops import rollout_flops
 from jaxrl.parallel import batch_sharding
 from jaxrl.parallel.distributed import global_array
-from jaxrl.parallel.sync import SamplerCopy, WeightSync, cast_floats, sync
+from jaxrl.parallel.sync import SamplerCopy, WeightSync, cast_floats
 from jaxrl.rewards import RewardSpec
 from jaxrl.rewards import model as rm_lib
 from jaxrl.rl.grpo.config import (CHOICES, conversation_tokens, default_config,
@@ -346,6 +346,15 @@ def setup(config, workdir: str, *, out=print, command: str = "grpo", choices=Non
   return parts, state
 
 
+def _sampler_model(graphdef, cfg: ModelConfig):
+  """(graphdef, cfg) of the model the evaluator's engine runs on WeightSync.to_sampler's
+  params: the learner's, with a scanned model's layers one by one (as the sync gives them)."""
+  if not cfg.scan_layers:
+    return graphdef, cfg
+  cfg = cfg.replace(scan_layers=False)
+  return abstract_model(cfg)[0], cfg
+
+
 def _evaluator(run: Run, graphdef, held_out: list[dict], task, weight_sync: WeightSync,
                alarms: Alarms) -> Evaluator | None:
   """The held-out evaluator of data.eval_file (or the task's test split), scored by the eval's
@@ -367,12 +376,12 @@ def _evaluator(run: Run, graphdef, held_out: list[dict], task, weight_sync: Weig
   if off is not None:
     run.say(f"held-out eval off: {off}; the reward-hacking alarm is off")
     return None
-  ev = Evaluator(graphdef, run.cfg, run.mesh, run.tokenizer, held_out, checker,
+  ev = Evaluator(*_sampler_model(graphdef, run.cfg), run.mesh, run.tokenizer, held_out,
+                 checker,
                  batch=e.batch_size, max_new=e.max_new_tokens or r.max_new_tokens, n=e.n,
                  ks=e.k, temperature=e.temperature, seed=config.seed,
                  sampler_mesh=run.placement.sampler.mesh,
-                 to_sampler=lambda params: sync(params, weight_sync.target,
-                                                dtype=weight_sync.dtype),
+                 to_sampler=weight_sync.to_sampler,
                  slots=r.slots, steps_per_call=r.steps_per_call, data_cfg=config.data)
   sampled = ""
   if e.n:
@@ -405,12 +414,11 @@ def _env_evaluator(run: Run, graphdef, held_out: list[dict], task, weight_sync: 
   if e.n:
     raise ConfigError(f"eval.n={e.n}: the multi-turn held-out eval (environment {env[0]!r}) "
                       "is greedy only for now; set --config.eval.n=0.")
-  ev = EnvEvaluator(graphdef, run.cfg, run.placement.sampler.mesh, run.tokenizer, held_out,
-                    env=env, renderer=renderer, max_new=e.max_new_tokens or r.max_new_tokens,
-                    max_turns=r.max_turns, budget=budget, prompt_len=prompt_len,
-                    slots=r.slots, steps_per_call=r.steps_per_call,
-                    to_sampler=lambda params: sync(params, weight_sync.target,
-                                                   dtype=weight_sync.dtype))
+  ev = EnvEvaluator(*_sampler_model(graphdef, run.cfg), run.placement.sampler.mesh,
+                    run.tokenizer, held_out, env=env, renderer=renderer,
+                    max_new=e.max_new_tokens or r.max_new_tokens, max_turns=r.max_turns,
+                    budget=budget, prompt_len=prompt_len, slots=r.slots,
+                    steps_per_call=r.steps_per_call, to_sampler=weight_sync.to_sampler)
   alarms.watching = (f"eval/accuracy (environment {env[0]!r} on {len(held_out)} prompts of "
                      f"{where})")
   run.say(f"held-out eval every {e.every} steps: {len(held_out)} prompts of {where}, "
