@@ -278,3 +278,21 @@ def test_a_run_of_the_other_layer_form_restores_converted(mesh):
   want = param_shardings(cfg.replace(scan_layers=True), mesh, "learner")
   assert all(jax.tree.leaves(jax.tree.map(
       lambda x, s: x.sharding.is_equivalent_to(s, x.ndim), scanned, want)))
+
+
+@pytest.mark.parametrize("row", ["qwen3:0.6b,grpo,v5e", "qwen3:0.6b,grpo,v5e,qlora"])
+def test_a_real_size_plan_is_the_same_scanned(repo_root, row):
+  """Every program of a real-size GRPO row (abstract TPU devices, as `jaxrl plan` plans it)
+  has the unrolled model's estimate, the weight sync (which unstacks) included."""
+  import sys
+  from jaxrl.parallel import compile as aot
+  from jaxrl.parallel.plan import estimate
+  sys.path.insert(0, os.path.join(repo_root, "benchmarks"))
+  import scale
+  peaks = []
+  for scan in (False, True):
+    config, module, chip = scale.load(row)
+    config.model.scan_layers = scan
+    _, programs = module.programs(config, devices=aot.topology_devices(scale.TOPOLOGY[chip]))
+    peaks.append([(p.name, estimate(p).program_peak) for p in programs])
+  assert peaks[0] == peaks[1] and len(peaks[0]) == 5

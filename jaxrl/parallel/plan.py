@@ -529,7 +529,7 @@ def reshard_bytes(src, dst) -> int:
   program 13.42 against 14.53; docs/guides/lora.md). Before, the plan counted no temporaries
   and said 2.35 and 5.66."""
   total = 0
-  for x, y in zip(jax.tree.leaves(src), jax.tree.leaves(dst)):
+  for x, y in zip(_per_layer_leaves(src), jax.tree.leaves(dst)):
     sx, sy = getattr(x, "sharding", None), getattr(y, "sharding", None)
     if sy is None or (sx is not None and sx.is_equivalent_to(sy, len(x.shape))):
       continue
@@ -539,6 +539,31 @@ def reshard_bytes(src, dst) -> int:
     split = whole // max(1, math.prod(shard) * item)  # distinct shards
     total += math.prod(shard) * item if split >= len(sy.device_set) else whole
   return total
+
+
+def _per_layer_leaves(tree) -> list:
+  """The leaves of `tree` with a scanned model's stacked layer leaves ([L, ...], the layer axis
+  replicated) given as their L layers, each sharded as the stack past its layer axis: the
+  leaves of the unrolled model's tree, in its order (a scanned learner's sync unstacks)."""
+  flat = {_keys(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  stacked = {k for k in flat if "layers" in k and is_stacked(k[k.index("layers"):])}
+  if not stacked:
+    return list(flat.values())
+  def one(x):
+    spec = tuple(x.sharding.spec)[1:] if getattr(x, "sharding", None) is not None else None
+    return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=None if spec is None else
+                                jax.sharding.NamedSharding(x.sharding.mesh,
+                                                               jax.sharding.PartitionSpec(*spec)))
+  out = {}
+  for k, x in flat.items():
+    if k in stacked:
+      i = k.index("layers")
+      out.update({(*k[:i + 1], n, *k[i + 1:]): one(x) for n in range(x.shape[0])})
+    else:
+      out[k] = x
+  # In the order jax flattens the unrolled tree: by path, layer indices as numbers.
+  order = lambda k: tuple((0, v, "") if isinstance(v, int) else (1, 0, str(v)) for v in k)
+  return [out[k] for k in sorted(out, key=order)]
 
 
 def estimate(program: Program) -> ProgramEstimate:
