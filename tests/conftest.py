@@ -221,8 +221,14 @@ def sft_calculator():
   recipe = config_lib.load_config(os.path.join(ROOT, "configs", "agentic_tiny.py:sft"),
                                   choices=CHOICES).to_dict()
   saved = rundir.read_config(path)
-  changed = [k for k in ("seed", "model", "data", "optim", "train") if json.loads(json.dumps(
-      recipe[k], default=str)) != saved.get(k)]
+
+  def unset_dropped(x):  # None is a key left unset: as a key added since, at its default
+    if isinstance(x, dict):
+      return {k: unset_dropped(v) for k, v in x.items() if v is not None}
+    return x
+  changed = [k for k in ("seed", "model", "data", "optim", "train")
+             if unset_dropped(json.loads(json.dumps(recipe[k], default=str)))
+             != unset_dropped(saved.get(k))]
   assert not changed, (f"configs/agentic_tiny.py:sft's {changed} differ from the committed warm "
                        "start's: rerun tests/fixtures/make_calculator_sft.py")
   return path
