@@ -166,7 +166,8 @@ def restore_params(path: str, abstract_params, step: int | None = None, *,
   layers = len(read["layers"]) if _scanned(want) else len(want["layers"])
   convert = stack_layers if _scanned(want) else lambda t: unstack_layers(t, layers)
   shardings = jax.tree.map(lambda a: a.sharding, want)
-  return jax.jit(convert, out_shardings=shardings, donate_argnums=0)(out["params"])
+  # (Not donated: no stacked leaf has a layer's shape, so XLA could reuse none of them.)
+  return jax.jit(convert, out_shardings=shardings)(out["params"])
 
 
 def _scanned(tree) -> bool:
