@@ -296,3 +296,25 @@ def test_a_real_size_plan_is_the_same_scanned(repo_root, row):
     _, programs = module.programs(config, devices=aot.topology_devices(scale.TOPOLOGY[chip]))
     peaks.append([(p.name, estimate(p).program_peak) for p in programs])
   assert peaks[0] == peaks[1] and len(peaks[0]) == 5
+
+
+def test_a_scanned_grpo_run_logs_the_unrolled_runs_figures(repo_root, tmp_path, devices):
+  """A GRPO pulse (configs/grpo_tiny.py:runlocal, 2 steps, held-out greedy accuracy and
+  pass@k from the sampler's engine) scanned and unrolled: the same rewards, losses and evals
+  (the scanned backward sums in another order: float rounding)."""
+  import json
+  from jaxrl import config as config_lib
+  from jaxrl.rl import grpo
+  spec = os.path.join(repo_root, "configs/grpo_tiny.py:runlocal")
+  rows = []
+  for scan in (False, True):
+    overrides = ["train.steps=2", "eval.every=2", "eval.n=2", "eval.k=(1, 2)",
+                 f"model.scan_layers={scan}"]
+    workdir = str(tmp_path / str(scan))
+    grpo.run(config_lib.load_config(spec, overrides), workdir, out=lambda *a: None)
+    rows.append([json.loads(x) for x in open(os.path.join(workdir, "metrics.jsonl"))])
+  assert len(rows[0]) == len(rows[1]) and any("eval/pass@2" in r for r in rows[1])
+  for a, b in zip(*rows):
+    for key in ("reward/mean", "loss", "kl", "eval/accuracy", "eval/pass@2", "eval/mean@2"):
+      if key in a:
+        assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)

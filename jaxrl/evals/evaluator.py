@@ -154,13 +154,15 @@ class Evaluator:
 
   Greedy runs on the params as given (the learner layout on `mesh`); sampling runs the engine
   on `sampler_mesh` (default `mesh`) on `to_sampler(params)` (default: the params as given),
-  `slots` decode slots at a time (default `batch`)."""
+  `slots` decode slots at a time (default `batch`), as the model `sampler_model` (graphdef,
+  cfg) when that differs (a scanned learner's sampler runs the layers unrolled)."""
 
   def __init__(self, graphdef, cfg, mesh, tokenizer, records: Sequence[dict], checker: Checker,
                *, batch: int, max_new: int, n: int = 0, ks: Sequence[int] = (),
                temperature: float = 1.0, seed: int = 0, sampler_mesh=None,
                to_sampler: Callable | None = None, slots: int | None = None,
-               steps_per_call: int = 8, prefix: str = "eval/", data_cfg=None):
+               steps_per_call: int = 8, prefix: str = "eval/", data_cfg=None,
+               sampler_model: tuple | None = None):
     self.records, self.checker, self.tokenizer = _held_out(records), checker, tokenizer
     self.n, self.ks = int(n), tuple(int(k) for k in ks)
     bad = [k for k in self.ks if not 1 <= k <= max(self.n, 0)]
@@ -177,8 +179,8 @@ class Evaluator:
       sampler_mesh = mesh if sampler_mesh is None else sampler_mesh
       self.slots = _slots(sampler_mesh, min(slots or batch, len(self.records) * self.n))
       self.steps_per_call = steps_per_call
-      self.engine = _engine(graphdef, cfg, sampler_mesh, tokenizer, max_new,
-                            temperature=float(temperature))
+      self.engine = _engine(*(sampler_model or (graphdef, cfg)), sampler_mesh, tokenizer,
+                            max_new, temperature=float(temperature))
     # A copy made for sampling is freed once sampled from (GRPO's learner and sampler share
     # devices); params used as given are the caller's.
     self.to_sampler, self.own_copy = to_sampler or (lambda params: params), to_sampler is not None

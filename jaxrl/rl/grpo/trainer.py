@@ -376,8 +376,8 @@ def _evaluator(run: Run, graphdef, held_out: list[dict], task, weight_sync: Weig
   if off is not None:
     run.say(f"held-out eval off: {off}; the reward-hacking alarm is off")
     return None
-  ev = Evaluator(*_sampler_model(graphdef, run.cfg), run.mesh, run.tokenizer, held_out,
-                 checker,
+  ev = Evaluator(graphdef, run.cfg, run.mesh, run.tokenizer, held_out, checker,
+                 sampler_model=_sampler_model(graphdef, run.cfg),
                  batch=e.batch_size, max_new=e.max_new_tokens or r.max_new_tokens, n=e.n,
                  ks=e.k, temperature=e.temperature, seed=config.seed,
                  sampler_mesh=run.placement.sampler.mesh,
