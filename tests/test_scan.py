@@ -17,32 +17,15 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from jaxrl.io import hf, peft
-from jaxrl.models import PRESETS, abstract_model, apply, init_cache, lora, quant
+from jaxrl.models import PRESETS, abstract_model, init_cache, lora, quant
 from jaxrl.models import llama
 from jaxrl.models.config import lora_fields
 from jaxrl.parallel import cache_sharding, make_mesh, param_shardings, plan
 from jaxrl.sampler import Engine, SamplingParams, generate
+# The HF fixtures' helpers, and their mesh (learner layout, fsdp 2 x tensor 4).
+from test_hf import FAMILIES, FWD, fixture, hf_tensors, leaves_equal as same, mesh  # noqa: F401
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
-FAMILIES = ("llama", "qwen2", "qwen3")
-FWD = jax.jit(lambda g, p, t, pos=None, cache=None: apply(g, p, t, pos, cache=cache),
-              static_argnums=0)
-
-
-def fixture(name):
-  return os.path.join(FIXTURES, "hf", name)
-
-
-def same(a, b) -> bool:
-  fa, fb = jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves_with_path(b)
-  return [p for p, _ in fa] == [p for p, _ in fb] and all(
-      x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y))
-      for (_, x), (_, y) in zip(fa, fb))
-
-
-@pytest.fixture(scope="module")
-def mesh(devices):
-  return make_mesh(data=1, fsdp=2, tensor=4)
 
 
 @pytest.fixture(scope="module")
@@ -137,15 +120,7 @@ def test_scanned_export_writes_the_fixtures_tensors_bit_for_bit(tmp_path, loaded
   for name in FAMILIES:
     _, (scfg, _, sparams) = loaded[name]
     hf.save_hf(str(tmp_path / name), scfg, sparams, max_shard_bytes=150_000)
-    original = {}
-    for d, store in ((fixture(name), original), ):
-      for f in sorted(os.listdir(d)):
-        if f.endswith(".safetensors"):
-          store.update(load_file(os.path.join(d, f)))
-    exported = {}
-    for f in sorted(os.listdir(tmp_path / name)):
-      if f.endswith(".safetensors"):
-        exported.update(load_file(str(tmp_path / name / f)))
+    original, exported = hf_tensors(fixture(name)), hf_tensors(str(tmp_path / name))
     assert sorted(original) == sorted(exported), name
     assert all(np.array_equal(original[k], exported[k]) for k in original), name
 

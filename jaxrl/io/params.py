@@ -22,12 +22,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from jaxrl.errors import ConfigError
 from jaxrl.models.config import ModelConfig, RopeScaling
 from jaxrl.models.llama import abstract_model, stack_layers, unstack_layers
-from jaxrl.parallel.layouts import tree_shardings
+from jaxrl.parallel.layouts import abstract_layer, tree_shardings
 
 
 # ----------------------------------------------------------------------------- structure
@@ -181,17 +181,13 @@ def _in_form_of(saved, abstract):
   as the stacked leaf is past its leading (replicated) layer axis."""
   if _scanned(saved) == _scanned(abstract) or "layers" not in abstract:
     return abstract
-  def sds(shape, like, spec):
-    return jax.ShapeDtypeStruct(shape, like.dtype,
-                                sharding=NamedSharding(like.sharding.mesh, P(*spec)))
   if _scanned(abstract):  # saved one by one
     num = next(iter(jax.tree.leaves(abstract["layers"]))).shape[0]
-    layer = jax.tree.map(lambda a: sds(a.shape[1:], a, tuple(a.sharding.spec)[1:]),
-                         abstract["layers"])
+    layer = jax.tree.map(abstract_layer, abstract["layers"])
     return {**abstract, "layers": {i: layer for i in range(num)}}
   num = len(abstract["layers"])
-  return {**abstract, "layers": jax.tree.map(
-      lambda a: sds((num, *a.shape), a, (None, *a.sharding.spec)), abstract["layers"][0])}
+  return {**abstract, "layers": jax.tree.map(lambda a: abstract_layer(a, num),
+                                             abstract["layers"][0])}
 
 
 def save_safetensors(tensors: dict, path: str) -> None:

@@ -105,6 +105,19 @@ def init_params(cfg: ModelConfig, mesh: Mesh, layout: str = "learner", *, seed: 
   return graphdef, init(jax.random.key(seed))
 
 
+def abstract_layer(x, num_layers: int = 0):
+  """A scanned model's stacked leaf as one layer, abstract ([L, ...] -> [...], sharded as the
+  stack is past its replicated layer axis); num_layers > 0: the reverse, a layer's leaf as
+  the stack of num_layers ([...] -> [L, ...])."""
+  spec = tuple(x.sharding.spec) if getattr(x, "sharding", None) is not None else None
+  if num_layers:
+    shape, spec = (num_layers, *x.shape), None if spec is None else (None, *spec)
+  else:
+    shape, spec = x.shape[1:], None if spec is None else spec[1:]
+  return jax.ShapeDtypeStruct(shape, x.dtype, sharding=None if spec is None else
+                              NamedSharding(x.sharding.mesh, P(*spec)))
+
+
 def cache_sharding(mesh: Mesh, cfg: ModelConfig, slots: int, max_len: int,
                    layout: str = "sampler") -> NamedSharding:
   """Sharding of each [B, K, S, H] KV-cache array (a layer's keys, and its values): slots over

@@ -36,7 +36,7 @@ from jaxrl.models.llama import first_layers, is_stacked
 from jaxrl.models.lora import base_config as lora_base_config
 from jaxrl.models.lora import is_lora_path, partition, split_lora, trainable
 from jaxrl.models.quant import SCALE
-from jaxrl.parallel.layouts import get_rules, logical_spec
+from jaxrl.parallel.layouts import abstract_layer, get_rules, logical_spec
 from jaxrl.parallel.sync import HOST_RESHARD_MIN_BYTES, Layout, Placement, host_memory
 
 GIB = 1 << 30
@@ -549,16 +549,11 @@ def _per_layer_leaves(tree) -> list:
   stacked = {k for k in flat if "layers" in k and is_stacked(k[k.index("layers"):])}
   if not stacked:
     return list(flat.values())
-  def one(x):
-    spec = tuple(x.sharding.spec)[1:] if getattr(x, "sharding", None) is not None else None
-    return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=None if spec is None else
-                                jax.sharding.NamedSharding(x.sharding.mesh,
-                                                               jax.sharding.PartitionSpec(*spec)))
   out = {}
   for k, x in flat.items():
     if k in stacked:
       i = k.index("layers")
-      out.update({(*k[:i + 1], n, *k[i + 1:]): one(x) for n in range(x.shape[0])})
+      out.update({(*k[:i + 1], n, *k[i + 1:]): abstract_layer(x) for n in range(x.shape[0])})
     else:
       out[k] = x
   # In the order jax flattens the unrolled tree: by path, layer indices as numbers.
