@@ -50,7 +50,8 @@ from jaxrl.data.chat import ChatRenderer, assistant_turn
 from jaxrl.errors import ConfigError
 from jaxrl.parallel.distributed import to_host
 from jaxrl.sampler.engine import bucket, window, window_bucket
-from jaxrl.sampler.rollout import Rollout, count_decode
+from jaxrl.sampler.rollout import Rollout
+from jaxrl.sampler.scheduler import count_decode
 
 _STAT_SUMS = ("prefill_s", "decode_s", "prefill_calls", "prefill_prompts", "prefill_tokens",
               "decode_steps", "slot_steps", "live_slot_steps")

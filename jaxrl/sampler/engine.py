@@ -606,7 +606,7 @@ class Engine:
   def _take_pages(self, state, steps: int, width: int):
     """The pages the live slots write in the next `steps` decode steps, taken once for the
     call: slot b writes positions pos .. pos + k - 1, k = min(steps, max_new_tokens - ngen,
-    max_len - pos, width - pos) (the rollout driver's count, rollout._PageBook.growth), and
+    max_len - pos, width - pos) (the rollout driver's count, scheduler._PageBook.growth), and
     takes a free page for each page of them it does not hold, in the order the steps reach
     them (then slot by slot), the k-th request the k-th free page (paged.allocate). A slot
     left without one stalls at that page's first position until a later call gives it one.

@@ -9,7 +9,7 @@ from jaxrl import config as config_lib
 from jaxrl.data.prompts import prompt_section
 from jaxrl.errors import ConfigError
 from jaxrl.rewards import model as rm_lib
-from jaxrl.sampler.rollout import ADMISSIONS
+from jaxrl.sampler.scheduler import ADMISSIONS
 from jaxrl.objectives import advantages as adv_lib
 from jaxrl.objectives import losses
 from jaxrl.train.optim import CHOICES as OPTIM_CHOICES

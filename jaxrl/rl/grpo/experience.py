@@ -25,6 +25,7 @@ from jaxrl.rl.grpo.update import logprob_micro_batches, old_policy_sums, sampler
 from jaxrl.sampler import Rollout, bucket, generate
 from jaxrl.sampler import metrics as rollout_metrics
 from jaxrl.sampler.rollout import generate_stream
+from jaxrl.sampler.scheduler import Options
 
 if TYPE_CHECKING:
   from jaxrl.rl.grpo.trainer import Parts
@@ -264,6 +265,11 @@ def _seed(p: Parts, step: int, round_: int) -> int:
                                                    step * 16 + round_), (), 0, 2**31 - 1))
 
 
+def _options(p: Parts) -> Options:
+  """The scheduler's options, from config.rollout."""
+  return Options.from_config(p.config.rollout, p.tokenizer.pad_id)
+
+
 def stream_units(p: Parts, next_unit, weights):
   """The async producer's streaming rollouts (rollout.streaming): yields (tag, rollout) per
   unit as generate_stream finishes them, each unit sampled with its step seed (round 0), as
@@ -277,13 +283,8 @@ def stream_units(p: Parts, next_unit, weights):
     tag, records = got  # tag: (unit index, its prompt records)
     return tag, [p.run.prompts.ids(x) for x in records], _seed(p, tag[0], 0)
 
-  yield from generate_stream(p.engine, opened, weights=weights, n=r.group_size, slots=r.slots,
-                             steps_per_call=r.steps_per_call, max_prompt_len=p.prompt_len,
-                             pad_id=p.tokenizer.pad_id, grow_cache=r.grow_cache,
-                             kv_cache=r.get("kv_cache", "dense"),
-                             kv_pages=r.get("kv_pages", 0) or None,
-                             page_size=r.get("page_size", 16),
-                             kv_admission=r.get("kv_admission", "optimistic"))
+  yield from generate_stream(p.engine, opened, weights=weights, n=r.group_size,
+                             max_prompt_len=p.prompt_len, options=_options(p))
 
 
 def sample(p: Parts, params_s, prompts: list[dict], step: int, round_: int, weights=None):
@@ -295,12 +296,8 @@ def sample(p: Parts, params_s, prompts: list[dict], step: int, round_: int, weig
   if p.env is not None:  # multi-turn: the environment's rewards (jaxrl.envs.rollout)
     return env_rollout(p, params_s, prompts, seed)
   ids = [p.run.prompts.ids(x) for x in prompts]  # chat-templated for instruct checkpoints
-  rollout = generate(p.engine, params_s, ids, n=r.group_size, seed=seed, slots=r.slots,
-                     steps_per_call=r.steps_per_call, max_prompt_len=p.prompt_len,
-                     grow_cache=r.grow_cache, pad_id=p.tokenizer.pad_id,
-                     kv_cache=r.get("kv_cache", "dense"), kv_pages=r.get("kv_pages", 0) or None,
-                     page_size=r.get("page_size", 16),
-                     kv_admission=r.get("kv_admission", "optimistic"), weights=weights)
+  rollout = generate(p.engine, params_s, ids, n=r.group_size, seed=seed,
+                     max_prompt_len=p.prompt_len, weights=weights, options=_options(p))
   rewards, reward_stats = score_rollout(p, rollout, prompts)
   return rollout, rewards, reward_stats
 
