@@ -326,8 +326,9 @@ def test_grpo_config_errors(repo_root, tmp_path, devices):
                           (["data.env=", "rewards=env", "rollout.max_turns=1"],
                            "this run has none"),
                           (["rollout.kv_cache=paged"], "set rollout.kv_cache=dense"),
-                          (["rollout.async_generation=True", "placement.mode=disaggregated"],
-                           "set rollout.async_generation=False")]:
+                          (["rollout.async_generation=True", "placement.mode=disaggregated",
+                            "rollout.partial_rollouts=True"],
+                           "turn rollout.partial_rollouts off")]:
     with pytest.raises(ConfigError, match=says):
       grpo.setup(config_lib.load_config(spec, overrides), str(tmp_path / "x"),
                  out=lambda *a: None)
@@ -357,19 +358,25 @@ def make_env():
 '''
 
 
-def test_grpo_pulse_with_a_users_environment(repo_root, tmp_path, devices):
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_grpo_pulse_with_a_users_environment(repo_root, tmp_path, devices, asynchronous):
   """Two GRPO steps over a user's env_module: three turns each, the env's rewards summed,
-  and the env metrics logged."""
+  and the env metrics logged; synchronous, and async (k = 2, disaggregated 4 + 4 devices:
+  the sampler's conversations overlap the learner's update)."""
   path = tmp_path / "countdown.py"
   path.write_text(USER_ENV)
   spec = os.path.join(repo_root, "configs/agentic_tiny.py:runlocal")
   config = config_lib.load_config(spec, ["data.env=", f"env_module={path}",
-                                         "rollout.max_new_tokens=4"])
+                                         "rollout.max_new_tokens=4"] + [
+      "placement.mode=disaggregated", "rollout.async_generation=True",
+      "rollout.max_staleness=2"] * asynchronous)
   workdir = str(tmp_path / "run")
   summary = grpo.run(config, workdir, out=lambda *a: None)
   assert summary["status"] == "completed"
   rows = [json.loads(x) for x in open(os.path.join(workdir, "metrics.jsonl"))][1:]
   assert [r["step"] for r in rows] == [1, 2]
+  if asynchronous:  # step n samples with version max(n - 2, 0)'s weights
+    assert [r["staleness/max"] for r in rows] == [0.0, 1.0]
   for row in rows:
     # A turn cut at 4 tokens is still a turn: every conversation runs the env's three turns.
     assert row["env/turns/mean"] == 3.0 and row["reward/mean"] == pytest.approx(1.2)

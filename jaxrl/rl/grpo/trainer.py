@@ -444,16 +444,14 @@ def _check(config) -> None:
     raise ConfigError(f"rollout.max_turns={r.max_turns} needs an environment to answer the "
                       "turns: set data.env (or env_module), or leave max_turns at 1.")
   if has_env and r.get("kv_cache", "dense") != "dense":
-    raise ConfigError("multi-turn rollouts (data.env / env_module) continue each "
-                      "conversation's dense KV cache: set rollout.kv_cache=dense.")
-  if has_env and r.async_generation:
-    raise ConfigError("multi-turn rollouts (data.env / env_module) run synchronously for now: "
-                      "set rollout.async_generation=False.")
-  if has_env and r.kv_cache == "paged":
     # Engine.extend appends a turn's observation to a slot's own dense cache.
     raise ConfigError("multi-turn rollouts (data.env / env_module) continue each "
                       "conversation's KV in a dense cache for now: set "
                       "rollout.kv_cache=dense.")
+  if has_env and r.get("partial_rollouts"):
+    raise ConfigError("multi-turn rollouts (data.env / env_module) finish each unit under "
+                      "one version of the weights for now (async generation, k >= 1): turn "
+                      "rollout.partial_rollouts off.")
   k = r.get("max_staleness", 1)
   if k != 1 and not r.async_generation:
     raise ConfigError(f"rollout.max_staleness={k} bounds async generation, which "
