@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
@@ -48,10 +49,9 @@ import numpy as np
 from jaxrl.envs import Timed
 from jaxrl.data.chat import ChatRenderer, assistant_turn
 from jaxrl.errors import ConfigError
-from jaxrl.parallel.distributed import to_host
-from jaxrl.sampler.engine import bucket, window, window_bucket
+from jaxrl.sampler.engine import bucket
 from jaxrl.sampler.rollout import Rollout
-from jaxrl.sampler.scheduler import count_decode
+from jaxrl.sampler.scheduler import Options, Scheduler, Unit
 
 _STAT_SUMS = ("prefill_s", "decode_s", "prefill_calls", "prefill_prompts", "prefill_tokens",
               "decode_steps", "slot_steps", "live_slot_steps")
@@ -178,156 +178,83 @@ def continued(engine, params, records: list[dict], *, env, renderer, n: int, see
               max_turns: int, budget: int, slots: int, steps_per_call: int,
               max_prompt_len: int, pad_id: int, decode: Callable[[list[int]], str],
               grow_cache: bool = True, env_workers: int = 8):
-  """The KV-continuing driver, continuously batched: (Rollout, [N] rewards, stats) as
-  `conversations` gives them. A record's G conversations take G free slots from one prefill
-  of its prompt; a slot whose turn ends is stepped by its environment in one of `env_workers`
-  threads (0: in this loop) while the other slots keep decoding, and goes on from its own KV
-  cache with the observation's tokens appended (Engine.extend) once its step is back, its
-  next turn keyed as sample turn * N + conversation. A conversation that is over frees its
-  slot for the next group. The threads' timing changes which slots are continued together,
-  not the keys: a token's key is its sample's and its index's, whatever the batch. Dense KV
-  cache only."""
+  """The KV-continuing driver, a source of the rollout scheduler (jaxrl.sampler.scheduler):
+  (Rollout, [N] rewards, stats) as `conversations` gives them. A record's G conversations
+  take G free slots from one prefill of its prompt (whole groups); a slot whose turn ends is
+  held while its environment steps in one of `env_workers` threads (0: in this loop) and the
+  other slots keep decoding, and goes on from its own KV cache with the observation's tokens
+  appended (Scheduler.extend) once its step is back, its next turn keyed as sample turn * N +
+  conversation. A conversation that is over frees its slot for the next group. The threads'
+  timing changes which slots are continued together, not the keys: a token's key is its
+  sample's and its index's, whatever the batch. Dense KV cache only."""
   t0 = time.perf_counter()
   convs, firsts = _start(records, env, renderer, n)
   N = len(convs)
   if slots < n:
     raise ConfigError(f"rollout.slots={slots} is fewer than rollout.group_size={n}: a "
                       "group's conversations share one prefill and need a slot each.")
-  sp = engine.sampling
-  stops = set(sp.stop_tokens)
+  stops = set(engine.sampling.stop_tokens)
   max_prompt_len = bucket(max_prompt_len or max(map(len, firsts)))
+  pool = ThreadPoolExecutor(env_workers) if env_workers > 0 else None
+  pending: dict[int, Future] = {}  # slot -> its environment step: the observation ids or None
+  turn_start = [0] * N  # where each conversation's current turn begins in its tokens
+
+  def ended(u, s, b) -> bool:
+    """The scheduler's on_done: hands the turn that just ended to its environment (a thread,
+    or here) and holds the slot."""
+    toks, lps = u.toks[s][turn_start[s]:], u.lps[s][turn_start[s]:]
+    cut = not toks or toks[-1] not in stops
+
+    def step(c=convs[s]):
+      return _after_turn(c, toks, lps, cut, renderer=renderer, decode=decode,
+                         max_turns=max_turns, budget=budget)
+
+    pending[b] = pool.submit(step) if pool is not None else Future()
+    if pool is None:
+      pending[b].set_result(step())
+    return True
+
   # An observation is right-padded to a bucket of its length for Engine.extend, and the
   # padding's positions must fit in the window too: room for one such bucket past the budget
   # (a window grows only as far as it is needed, so this costs nothing until then).
-  max_len = max_prompt_len + budget + 1 + bucket(budget, minimum=8)
-
-  def fit(need):
-    return min(max_len, window_bucket(need)) if grow_cache else max_len
-
-  key = jax.random.key(seed)
-  state = engine.init_decode_state(slots, max_len, length=fit(max_prompt_len + steps_per_call))
-  queue = list(range(len(records)))
-  slot_conv = [-1] * slots
-  turn_toks: dict[int, list] = {}  # conversation -> this turn's (tokens, log-probs)
-  stats = {k: 0 for k in _STAT_SUMS}
-  stats.update(live_peak=0, kv_positions_peak=0, turn_calls=0, extend_calls=0)
-
-  def take(b, tok, lp, done):
-    """Slot b sampled `tok`; returns the conversation when its turn just ended."""
-    i = slot_conv[b]
-    turn_toks.setdefault(i, ([], []))
-    turn_toks[i][0].append(int(tok))
-    turn_toks[i][1].append(float(lp))
-    return i if done else None
-
-  pool = ThreadPoolExecutor(env_workers) if env_workers > 0 else None
-  pending: dict[int, Future] = {}  # slot -> its environment step: the observation ids or None
-
-  def submit(ended):
-    """Hands the turns that just ended to their environments (a thread each, or here)."""
-    for b in ended:
-      i = slot_conv[b]
-      toks, lps = turn_toks.pop(i)
-      cut = not toks or toks[-1] not in stops
-
-      def step(c=convs[i], toks=toks, lps=lps, cut=cut):
-        return _after_turn(c, toks, lps, cut, renderer=renderer, decode=decode,
-                           max_turns=max_turns, budget=budget)
-
-      if pool is not None:
-        pending[b] = pool.submit(step)
-      else:
-        pending[b] = Future()
-        pending[b].set_result(step())
+  sched = Scheduler(engine, Options(slots=slots, steps_per_call=steps_per_call, pad_id=pad_id,
+                                    grow_cache=grow_cache),
+                    n=n, max_prompt_len=max_prompt_len, key=jax.random.key(seed),
+                    on_done=ended, whole_groups=True,
+                    max_len=max_prompt_len + budget + 1 + bucket(budget, minimum=8))
+  unit = Unit(None, firsts, sched.key, n)
+  queue = deque(sched.open(unit))
 
   def collect(block: bool):
-    """Continues the slots whose environment step is back (waiting for one when `block`),
-    frees those whose conversation is over, and hands on the turns that end at once."""
-    nonlocal state
+    """Continues the held slots whose environment step is back (waiting for one when
+    `block`) and frees those whose conversation is over."""
     if block and pending and not any(f.done() for f in pending.values()):
       wait(list(pending.values()), return_when=FIRST_COMPLETED)
     cont = []
     for b in sorted(b for b, f in pending.items() if f.done()):
       more = pending.pop(b).result()  # an environment's EnvError is raised here
       if more is None:
-        slot_conv[b] = -1
+        sched.release(b)
       else:
-        cont.append((b, slot_conv[b], more))
+        s = sched.occupant[b][1]
+        turn_start[s] = len(unit.toks[s]) + len(more)
+        cont.append((b, more, convs[s].turns * N + s))
     if cont:
-      t1 = time.perf_counter()
-      T = bucket(max(len(m) for _, _, m in cont), minimum=8)
-      E = min(bucket(len(cont), minimum=1), slots)
-      tokens = np.full((E, T), pad_id, np.int32)
-      lengths = np.zeros((E,), np.int32)
-      where = np.full((E,), slots, np.int32)  # padding entries: dropped
-      turn_of = np.zeros((E,), np.int32)
-      for e, (b, i, m) in enumerate(cont):
-        tokens[e, :len(m)], lengths[e], where[e] = m, len(m), b
-        turn_of[e] = convs[i].turns * N + i
-      pos = np.asarray(jax.device_get(state["pos"]))
-      state = engine.grow(state, fit(int(pos[[b for b, _, _ in cont]].max()) + 1 + T
-                                     + steps_per_call))
-      state, out = engine.extend(params, state, key, slots=where, tokens_et=tokens,
-                                 length_e=lengths, samples=turn_of)
-      out = to_host({k: v for k, v in out.items() if k != "logits"})
-      stats["extend_calls"] += 1
-      stats["prefill_tokens"] += int(lengths.sum())
-      stats["prefill_s"] += time.perf_counter() - t1
-      ended = [b for e, (b, _, _) in enumerate(cont)
-               if take(b, out["tokens"][e], out["logprobs"][e], out["done"][e]) is not None]
-      submit(ended)
+      sched.extend(cont, params)
 
   try:
-    while queue or any(x >= 0 for x in slot_conv):
+    while queue or sched.busy():
       collect(block=False)
-      free = [b for b in range(slots) if slot_conv[b] < 0]
-      groups = queue[:len(free) // n]
-      if groups:
-        t1 = time.perf_counter()
-        del queue[:len(groups)]
-        T = bucket(max(len(firsts[g]) for g in groups))
-        P = bucket(len(groups), minimum=1)
-        tokens = np.full((P, T), pad_id, np.int32)
-        lengths = np.ones((P,), np.int32)
-        for r, g in enumerate(groups):
-          tokens[r, :len(firsts[g])], lengths[r] = firsts[g], len(firsts[g])
-        prefix = engine.prefill(params, tokens, lengths, key)
-        stats["prefill_calls"] += 1
-        stats["prefill_prompts"] += len(groups)
-        stats["prefill_tokens"] += int(sum(len(firsts[g]) for g in groups))
-        state = engine.grow(state, fit(max(window(prefix), T + steps_per_call)))
-        rows = [r for r in range(len(groups)) for _ in range(n)]
-        convs_in = [g * n + j for g in groups for j in range(n)]
-        bs = free[:len(convs_in)]
-        state, first = engine.insert_many(prefix, state, rows=rows, slots=bs,
-                                          samples=convs_in)
-        first = to_host(first)
-        stats["prefill_s"] += time.perf_counter() - t1
-        ended = []
-        for b, i, tok, lp, done in zip(bs, convs_in, first["tokens"], first["logprobs"],
-                                       first["done"]):
-          slot_conv[b] = i
-          if take(b, tok, lp, done) is not None:
-            ended.append(b)
-        submit(ended)
-      live = np.asarray(jax.device_get(state["live"]))
-      if not live.any():  # every occupied slot waits on its environment
+      sched.admit(queue, params)
+      if not sched.live():  # every occupied slot waits on its environment
         collect(block=True)
         continue
-      t1 = time.perf_counter()
-      pos = np.asarray(jax.device_get(state["pos"]))
-      state = engine.grow(state, fit(int(pos[live].max()) + steps_per_call))
-      stats["live_peak"] = max(stats["live_peak"], int(live.sum()))
-      stats["kv_positions_peak"] = max(stats["kv_positions_peak"], slots * window(state))
-      state, out = engine.generate_steps(params, state, key, steps=steps_per_call)
-      out = to_host(out)
-      count_decode(stats, out, time.perf_counter() - t1)
-      submit([b for t in range(steps_per_call) for b in np.flatnonzero(out["valid"][t])
-              if take(b, out["tokens"][t, b], out["logprobs"][t, b], out["done"][t, b])
-              is not None])
+      sched.decode(params)
   finally:
     if pool is not None:
       pool.shutdown(wait=True, cancel_futures=True)
+  stats = {k: v for k, v in sched.stats().items() if k in _STAT_SUMS or k.endswith("_peak")}
+  stats["extend_calls"] = sched.counters.get("extend_calls", 0)
   stats["turn_calls"] = stats["extend_calls"] + stats["prefill_calls"]
   return _result(convs, firsts, n, pad_id, stats, t0)
 

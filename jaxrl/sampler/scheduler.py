@@ -1,9 +1,10 @@
 """The rollout scheduler: one owner of the decode slots, the admission policy, the page book
-and the token records, fed by the rollout drivers (jaxrl.sampler.rollout's `generate`, a fixed
-prompt set, and `generate_stream`, streamed units).
+and the token records, fed by the rollout drivers: jaxrl.sampler.rollout's `generate` (a fixed
+prompt set) and `generate_stream` (streamed units), and jaxrl.envs.rollout's `continued`
+(conversations, whose slots are held while an environment steps and then extended).
 
     sched = Scheduler(engine, options, n=G, max_prompt_len=P)
-    queue = deque(sched.open(Unit(tag, prompts, key)))   # every (unit, sample) to generate
+    queue = deque(sched.open(Unit(tag, prompts, key, G)))  # every (unit, sample) to generate
     while queue or sched.busy():
       sched.admit(queue, params)                          # prefill + insert into free slots
       sched.preempt(queue)                                # paged, optimistic: pool outgrown
@@ -103,18 +104,25 @@ class Scheduler:
   under newer weights, its KV cache as it was written); each token records its version.
   `key`: one key for every decode call (a single unit's, as `generate` has), or None, each
   slot drawing with its own unit's (Engine.generate_steps with key=None). narrow=True also
-  narrows the dense window when the longest live sequence has left (a stream of units)."""
+  narrows the dense window when the longest live sequence has left (a stream of units).
+
+  Multi-turn sources (jaxrl.envs.rollout.continued) pass `on_done(unit, sample, slot)`, called
+  when a sample's turn ends: True holds the slot (occupied, not decoding) until the source
+  `extend`s it with the environment's answer or `release`s it; `whole_groups` admits a
+  prompt's n samples together or not at all; `max_len` replaces prompt + max_new_tokens."""
 
   def __init__(self, engine: Engine, opts: Options, *, n: int, max_prompt_len: int,
-               key=None, narrow: bool = False):
+               key=None, narrow: bool = False, on_done: Callable | None = None,
+               whole_groups: bool = False, max_len: int | None = None):
     sp = engine.sampling
     self.engine, self.opts, self.n, self.key, self.narrow = engine, opts, n, key, narrow
+    self.on_done, self.whole_groups = on_done, whole_groups
     replicas = engine.mesh.shape["data"] * engine.mesh.shape["fsdp"]
     if opts.slots % replicas:
       raise ConfigError(f"slots={opts.slots} is not divisible by the replica count data x "
                         f"fsdp = {replicas}: choose a multiple of {replicas}.")
     self.max_prompt_len = max_prompt_len
-    self.max_len = max_prompt_len + sp.max_new_tokens
+    self.max_len = max_len or max_prompt_len + sp.max_new_tokens
     self.paged = _check_cache(opts.kv_cache, opts.kv_admission)
     self.kv_pages = (_check_pages(opts.kv_pages, opts.page_size, opts.slots, self.max_len)
                      if self.paged else None)
@@ -125,6 +133,7 @@ class Scheduler:
       self.state = engine.init_decode_state(
           opts.slots, self.max_len, length=self.fit(max_prompt_len + opts.steps_per_call))
     self.occupant: list = [None] * opts.slots  # slot -> (unit, sample)
+    self.held: set[int] = set()  # occupied slots whose turn ended (see on_done)
     self.prompts: dict[int, list[int]] = {}  # open units' prompts, by number
     self.toks: dict[int, list[int]] = {}  # their samples' token lists (the units' own lists)
     self.opened = 0  # prompts opened so far
@@ -150,6 +159,10 @@ class Scheduler:
 
   def busy(self) -> bool:
     return any(o is not None for o in self.occupant)
+
+  def live(self) -> list[int]:
+    """The slots that decode: occupied and not held."""
+    return [b for b, o in enumerate(self.occupant) if o is not None and b not in self.held]
 
   def free(self) -> list[int]:
     return [b for b, o in enumerate(self.occupant) if o is None]
@@ -190,10 +203,54 @@ class Scheduler:
     unit.lps[s].append(float(lp))
     unit.vers[s].append(version)
     if done:
+      if self.on_done is not None and self.on_done(unit, s, b):
+        self.held.add(b)
+        return
       unit.left -= 1
       self.occupant[b] = None
       if self.paged:
         self.book.leave(self._gid(unit, s))
+
+  def release(self, b: int) -> None:
+    """Frees held slot b: its sample is finished."""
+    u, _ = self.occupant[b]
+    self.held.discard(b)
+    self.occupant[b] = None
+    u.left -= 1
+
+  def extend(self, entries, params=None, weights=None) -> None:
+    """Continues held slots: entries are (slot, token ids to append, the next turn's sample
+    number). One Engine.extend call writes each slot's pending token and the appended ids
+    into its own KV (right-padded to a bucket of the longest) and draws the next turn's
+    first token. Dense cache only (Engine.extend)."""
+    opts, c = self.opts, self.counters
+    t0 = time.perf_counter()
+    T = bucket(max(len(m) for _, m, _ in entries), minimum=8)
+    E = min(bucket(len(entries), minimum=1), opts.slots)
+    tokens = np.full((E, T), opts.pad_id, np.int32)
+    lengths = np.zeros((E,), np.int32)
+    where = np.full((E,), opts.slots, np.int32)  # padding entries: dropped
+    samples = np.zeros((E,), np.int32)
+    for e, (b, m, k) in enumerate(entries):
+      tokens[e, :len(m)], lengths[e], where[e], samples[e] = m, len(m), b, k
+    # A slot's pending token sits at prompt + (its tokens so far) - 1.
+    pos = max(len(u.prompts[s // self.n]) + len(u.toks[s]) - 1
+              for u, s in (self.occupant[b] for b, _, _ in entries))
+    self.state = self.engine.grow(self.state, self.fit(pos + 1 + T + opts.steps_per_call))
+    params = self._params(params, weights)
+    self.state, out = self.engine.extend(params, self.state, self.key, slots=where,
+                                         tokens_et=tokens, length_e=lengths, samples=samples)
+    out = to_host({k: v for k, v in out.items() if k != "logits"})
+    c["extend_calls"] = c.get("extend_calls", 0) + 1
+    c["prefill_tokens"] += int(lengths.sum())
+    c["prefill_s"] += time.perf_counter() - t0
+    for e, (b, m, _) in enumerate(entries):
+      u, s = self.occupant[b]
+      self.held.discard(b)
+      u.toks[s] += list(m)
+      u.lps[s] += [0.0] * len(m)
+      u.vers[s] += [-1] * len(m)
+      self._record(u, s, b, out["tokens"][e], out["logprobs"][e], self.version, out["done"][e])
 
   def admit(self, queue: deque, params=None, weights=None) -> int:
     """Inserts the queue's first samples into free slots (as many as the admission policy
@@ -203,7 +260,7 @@ class Scheduler:
     free = self.free()
     count = 0
     if (opts.continuous or len(free) == opts.slots) and not self.stalled:
-      count = min(len(free), len(queue))
+      count = min(len(free) // self.n * self.n if self.whole_groups else len(free), len(queue))
     if self.paged and count:
       live = [self._gid(*o) for o in self.occupant if o is not None]
       count = self.book.admit([self._gid(u, s) for u, s in list(queue)[:count]], count, live)
@@ -299,18 +356,18 @@ class Scheduler:
     host sync per steps_per_call tokens). The window first grows (and with narrow=True
     narrows) to the longest live sequence's next scan."""
     self.stalled = False
-    if not self.busy():
+    live_now = self.live()
+    if not live_now:
       return
     opts, c = self.opts, self.counters
     t0 = time.perf_counter()
     # A live slot's last token sits at position prompt + generated - 1; the scan writes there
     # and at the next steps_per_call - 1 positions.
     need = max(len(u.prompts[s // self.n]) + len(u.toks[s]) - 1 + opts.steps_per_call
-               for u, s in filter(None, self.occupant))
+               for u, s in (self.occupant[b] for b in live_now))
     self.state = self.engine.grow(self.state, self.fit(need))
     if self.narrow:  # the longest live sequence may have left
       self.state = self.engine.narrow(self.state, self.fit(need))
-    live_now = [b for b, o in enumerate(self.occupant) if o is not None]
     c["live_peak"] = max(c["live_peak"], len(live_now))
     if not self.paged:
       c["kv_positions_peak"] = max(c["kv_positions_peak"], opts.slots * window(self.state))
