@@ -3,8 +3,8 @@ with environment steps, up to rollout.max_turns.
 
     ro, rewards_n, stats = continued(engine, params, records, env=(name, make_env),
                                      renderer=ChatRenderer(tok, data_cfg), n=G, seed=s,
-                                     max_turns=4, budget=256, slots=64, steps_per_call=8,
-                                     max_prompt_len=P, pad_id=0, decode=tok.decode)
+                                     max_turns=4, budget=256, max_prompt_len=P,
+                                     decode=tok.decode, options=Options(slots=64))
 
 `continued` is GRPO's driver. It batches continuously over decode slots: a record's G
 conversations take G free slots from one prefill of its prompt, and when a slot's turn ends
@@ -175,9 +175,9 @@ def conversations(gen: Callable[..., Rollout], records: list[dict], *, env, rend
 
 
 def continued(engine, params, records: list[dict], *, env, renderer, n: int, seed: int,
-              max_turns: int, budget: int, slots: int, steps_per_call: int,
-              max_prompt_len: int, pad_id: int, decode: Callable[[list[int]], str],
-              grow_cache: bool = True, env_workers: int = 8):
+              max_turns: int, budget: int, max_prompt_len: int,
+              decode: Callable[[list[int]], str], env_workers: int = 8,
+              options: Options | None = None, **settings):
   """The KV-continuing driver, a source of the rollout scheduler (jaxrl.sampler.scheduler):
   (Rollout, [N] rewards, stats) as `conversations` gives them. A record's G conversations
   take G free slots from one prefill of its prompt (whole groups); a slot whose turn ends is
@@ -186,12 +186,14 @@ def continued(engine, params, records: list[dict], *, env, renderer, n: int, see
   appended (Scheduler.extend) once its step is back, its next turn keyed as sample turn * N +
   conversation. A conversation that is over frees its slot for the next group. The threads'
   timing changes which slots are continued together, not the keys: a token's key is its
-  sample's and its index's, whatever the batch. Dense KV cache only."""
+  sample's and its index's, whatever the batch. `options` and `settings` (slots=,
+  steps_per_call=, pad_id=, grow_cache=) as jaxrl.sampler.generate's. Dense KV cache only."""
+  opts = dataclasses.replace(options or Options(), **settings)
   t0 = time.perf_counter()
   convs, firsts = _start(records, env, renderer, n)
   N = len(convs)
-  if slots < n:
-    raise ConfigError(f"rollout.slots={slots} is fewer than rollout.group_size={n}: a "
+  if opts.slots < n:
+    raise ConfigError(f"rollout.slots={opts.slots} is fewer than rollout.group_size={n}: a "
                       "group's conversations share one prefill and need a slot each.")
   stops = set(engine.sampling.stop_tokens)
   max_prompt_len = bucket(max_prompt_len or max(map(len, firsts)))
@@ -217,9 +219,7 @@ def continued(engine, params, records: list[dict], *, env, renderer, n: int, see
   # An observation is right-padded to a bucket of its length for Engine.extend, and the
   # padding's positions must fit in the window too: room for one such bucket past the budget
   # (a window grows only as far as it is needed, so this costs nothing until then).
-  sched = Scheduler(engine, Options(slots=slots, steps_per_call=steps_per_call, pad_id=pad_id,
-                                    grow_cache=grow_cache),
-                    n=n, max_prompt_len=max_prompt_len, key=jax.random.key(seed),
+  sched = Scheduler(engine, opts, n=n, max_prompt_len=max_prompt_len, key=jax.random.key(seed),
                     on_done=ended, whole_groups=True,
                     max_len=max_prompt_len + budget + 1 + bucket(budget, minimum=8))
   unit = Unit(None, firsts, sched.key, n)
@@ -256,7 +256,7 @@ def continued(engine, params, records: list[dict], *, env, renderer, n: int, see
   stats = {k: v for k, v in sched.stats().items() if k in _STAT_SUMS or k.endswith("_peak")}
   stats["extend_calls"] = sched.counters.get("extend_calls", 0)
   stats["turn_calls"] = stats["extend_calls"] + stats["prefill_calls"]
-  return _result(convs, firsts, n, pad_id, stats, t0)
+  return _result(convs, firsts, n, opts.pad_id, stats, t0)
 
 
 def _assemble(firsts, n, convs, pad_id, stats, wall, env_s) -> Rollout:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
+from itertools import islice
 from typing import Any, Callable
 
 import numpy as np
@@ -263,7 +264,8 @@ class Scheduler:
       count = min(len(free) // self.n * self.n if self.whole_groups else len(free), len(queue))
     if self.paged and count:
       live = [self._gid(*o) for o in self.occupant if o is not None]
-      count = self.book.admit([self._gid(u, s) for u, s in list(queue)[:count]], count, live)
+      count = self.book.admit([self._gid(u, s) for u, s in islice(queue, count)], count,
+                                 live)
       if not count and len(free) == opts.slots:
         u, s = queue[0]
         raise ConfigError(f"rollout.kv_pages={self.kv_pages} cannot hold the next prompt "

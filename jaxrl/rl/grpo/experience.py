@@ -311,10 +311,8 @@ def env_rollout(p: Parts, params_s, prompts: list[dict], seed: int):
   r = p.config.rollout
   rollout, rewards, extra = continued(
       p.engine, params_s, prompts, env=p.env, renderer=p.renderer, n=r.group_size, seed=seed,
-      max_turns=r.max_turns, budget=p.length - p.prompt_len, slots=r.slots,
-      steps_per_call=r.steps_per_call, max_prompt_len=p.prompt_len,
-      pad_id=p.tokenizer.pad_id, decode=p.tokenizer.decode, grow_cache=r.grow_cache,
-      env_workers=r.get("env_workers", 8))
+      max_turns=r.max_turns, budget=p.length - p.prompt_len, max_prompt_len=p.prompt_len,
+      decode=p.tokenizer.decode, env_workers=r.get("env_workers", 8), options=_options(p))
   stats = {"reward/env": float(rewards.mean()), "accuracy": extra["accuracy"],
            "reward/errors": 0.0, "timing_s/reward": 0.0}
   return rollout, rewards, stats
