@@ -325,7 +325,7 @@ def test_grpo_config_errors(repo_root, tmp_path, devices):
                            "needs an environment"),
                           (["data.env=", "rewards=env", "rollout.max_turns=1"],
                            "this run has none"),
-                          (["rollout.kv_cache=paged"], "set rollout.kv_cache=dense"),
+                          (["rollout.kv_cache=paged"], "set rollout.kv_admission=reserve"),
                           (["rollout.async_generation=True", "placement.mode=disaggregated",
                             "rollout.partial_rollouts=True"],
                            "turn rollout.partial_rollouts off")]:
@@ -362,14 +362,16 @@ def make_env():
 def test_grpo_pulse_with_a_users_environment(repo_root, tmp_path, devices, asynchronous):
   """Two GRPO steps over a user's env_module: three turns each, the env's rewards summed,
   and the env metrics logged; synchronous, and async (k = 2, disaggregated 4 + 4 devices:
-  the sampler's conversations overlap the learner's update)."""
+  the sampler's conversations overlap the learner's update) over the paged KV cache (reserve
+  admission: a held conversation keeps its pages)."""
   path = tmp_path / "countdown.py"
   path.write_text(USER_ENV)
   spec = os.path.join(repo_root, "configs/agentic_tiny.py:runlocal")
   config = config_lib.load_config(spec, ["data.env=", f"env_module={path}",
                                          "rollout.max_new_tokens=4"] + [
       "placement.mode=disaggregated", "rollout.async_generation=True",
-      "rollout.max_staleness=2"] * asynchronous)
+      "rollout.max_staleness=2", "rollout.kv_cache=paged", "rollout.kv_admission=reserve",
+      "rollout.page_size=4"] * asynchronous)
   workdir = str(tmp_path / "run")
   summary = grpo.run(config, workdir, out=lambda *a: None)
   assert summary["status"] == "completed"
@@ -377,6 +379,8 @@ def test_grpo_pulse_with_a_users_environment(repo_root, tmp_path, devices, async
   assert [r["step"] for r in rows] == [1, 2]
   if asynchronous:  # step n samples with version max(n - 2, 0)'s weights
     assert [r["staleness/max"] for r in rows] == [0.0, 1.0]
+    assert all(r["sampler/kv_pages_peak"] > 0 and r["sampler/kv_preemptions"] == 0
+               for r in rows)
   for row in rows:
     # A turn cut at 4 tokens is still a turn: every conversation runs the env's three turns.
     assert row["env/turns/mean"] == 3.0 and row["reward/mean"] == pytest.approx(1.2)
@@ -407,10 +411,13 @@ def model(devices):
   return mesh, cfg, graphdef, dict(params, embed=params["embed"] * 5.0)
 
 
-def test_kv_continuation_equals_reprefill(model):
+@pytest.mark.parametrize("cache", ["dense", "paged"])
+def test_kv_continuation_equals_reprefill(model, cache):
   """Engine.extend: two slots decode their first turns, then each appends an observation of
   its own length to its KV; the logits after it equal a fresh prefill of the whole
-  conversation (prompt, sampled tokens, observation), and the next token is drawn from them."""
+  conversation (prompt, sampled tokens, observation), and the next token is drawn from them.
+  Paged (pages of 4 positions): the appended positions cross pages, which the slots take from
+  the pool, and the padding's writes past them are dropped."""
   from jaxrl.sampler import Engine, SamplingParams
   mesh, cfg, graphdef, params = model
   engine = Engine(graphdef, cfg, mesh, sampling=SamplingParams(greedy=True, max_new_tokens=32,
@@ -421,9 +428,14 @@ def test_kv_continuation_equals_reprefill(model):
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p
   prefix = engine.prefill(params, tokens, [len(p) for p in prompts], key)
-  state = engine.init_decode_state(2, 64)
+  if cache == "paged":
+    state = engine.init_paged_state(2, 64, pages=32, page_size=4)
+  else:
+    state = engine.init_decode_state(2, 64)
   state, first = engine.insert_many(prefix, state, rows=[0, 1], slots=[0, 1], samples=[0, 1])
   state, out = engine.generate_steps(params, state, key, steps=3)
+  if cache == "paged":  # positions 0-7 and 0-5 written: two pages each
+    assert engine.pages_in_use(state) == 4
   said = [[int(first["tokens"][b])] + [int(t) for t in np.asarray(out["tokens"])[:, b]]
           for b in range(2)]
   obs = [[7, 8, 9, 10], [11, 12]]
@@ -432,6 +444,8 @@ def test_kv_continuation_equals_reprefill(model):
     obs_et[b, :len(o)] = o
   state, ext = engine.extend(params, state, key, slots=[0, 1], tokens_et=obs_et,
                              length_e=[len(o) for o in obs])
+  if cache == "paged":  # slot 0 writes positions 8-12 (two pages more), slot 1 6-8 (one)
+    assert engine.pages_in_use(state) == 7
   full = [p + s + o for p, s, o in zip(prompts, said, obs)]
   tokens = np.zeros((2, 32), np.int32)
   for i, f in enumerate(full):
@@ -452,12 +466,16 @@ def test_kv_continuation_equals_reprefill(model):
                                 np.asarray(ref2["logits"]).argmax(-1))
 
 
-def test_kv_continuing_driver_equals_the_reprefill_driver(model):
+@pytest.mark.parametrize("cache", ["dense", "paged"])
+def test_kv_continuing_driver_equals_the_reprefill_driver(model, cache):
   """Greedy, the continuously batched KV-continuing driver (envs.rollout.continued) and the
   re-prefill driver (each turn prompted with the whole conversation) give the same
   conversations, token for token, with the same masks and log-probs: 2 groups of 2 on 2
   slots (the second group waits for free slots), every turn cut at 4 tokens or ended on eos,
-  and the user's three-turn environment answering in between."""
+  and the user's three-turn environment answering in between. Paged (pages of 4 positions,
+  reserve admission): a group's conversations share their prompt's full pages, each held
+  conversation keeps its own while its environment steps, and a finished one frees them for
+  the next group."""
   from jaxrl.envs.rollout import continued
   from jaxrl.sampler import Engine, SamplingParams, generate
   mesh, cfg, graphdef, params = model
@@ -469,17 +487,21 @@ def test_kv_continuing_driver_equals_the_reprefill_driver(model):
   records = [{"prompt": p, "answer": ""} for p in ("12*34=", "5*6=")]
   kw = dict(env=("countdown", scope["make_env"]), renderer=ChatRenderer(tok, {"chat": False}),
             n=2, seed=3, max_turns=3, budget=48, pad_id=tok.pad_id, decode=tok.decode)
+  cache_kw = dict(kv_cache="paged", kv_admission="reserve", page_size=4) if cache == "paged" else {}
   ro, rewards, _ = continued(engine, params, records, slots=2, steps_per_call=4,
-                             max_prompt_len=16, **kw)
+                             max_prompt_len=16, **cache_kw, **kw)
   # Stepped in the loop instead of in threads: the same conversations.
   same, same_rewards, _ = continued(engine, params, records, slots=2, steps_per_call=4,
-                                    max_prompt_len=16, env_workers=0, **kw)
+                                    max_prompt_len=16, env_workers=0, **cache_kw, **kw)
   np.testing.assert_array_equal(same.completion_ids, ro.completion_ids)
   np.testing.assert_array_equal(same_rewards, rewards)
   ref, ref_rewards, _ = conversations(
       lambda ids, n, seed: generate(engine, params, ids, n=n, seed=seed, slots=2,
                                     steps_per_call=4, pad_id=tok.pad_id), records, **kw)
   assert ro.stats["env_turns"] == 3.0 and ro.stats["extend_calls"] >= 2
+  if cache == "paged":  # one group's pages at a time: a finished conversation's are freed
+    pages = -(-(ro.prompt_lengths + ro.lengths + 1) // 4)  # + 1: a pending token's position
+    assert 0 < ro.stats["kv_pages_peak"] <= max(pages[:2].sum(), pages[2:].sum())
   np.testing.assert_array_equal(rewards, ref_rewards)
   np.testing.assert_array_equal(ro.lengths, ref.lengths)
   np.testing.assert_array_equal(ro.completion_ids, ref.completion_ids)

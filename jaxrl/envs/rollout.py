@@ -187,7 +187,8 @@ def continued(engine, params, records: list[dict], *, env, renderer, n: int, see
   conversation. A conversation that is over frees its slot for the next group. The threads'
   timing changes which slots are continued together, not the keys: a token's key is its
   sample's and its index's, whatever the batch. `options` and `settings` (slots=,
-  steps_per_call=, pad_id=, grow_cache=) as jaxrl.sampler.generate's. Dense KV cache only."""
+  steps_per_call=, pad_id=, grow_cache=, kv_cache=...) as jaxrl.sampler.generate's; a paged
+  cache admits by reserve, a held conversation keeping its pages."""
   opts = dataclasses.replace(options or Options(), **settings)
   t0 = time.perf_counter()
   convs, firsts = _start(records, env, renderer, n)
@@ -253,7 +254,8 @@ def continued(engine, params, records: list[dict], *, env, renderer, n: int, see
   finally:
     if pool is not None:
       pool.shutdown(wait=True, cancel_futures=True)
-  stats = {k: v for k, v in sched.stats().items() if k in _STAT_SUMS or k.endswith("_peak")}
+  stats = {k: v for k, v in sched.stats().items()
+           if k in _STAT_SUMS or k.endswith("_peak") or k in ("kv_pages", "kv_preemptions")}
   stats["extend_calls"] = sched.counters.get("extend_calls", 0)
   stats["turn_calls"] = stats["extend_calls"] + stats["prefill_calls"]
   return _result(convs, firsts, n, opts.pad_id, stats, t0)

@@ -82,7 +82,8 @@ class Engine:
     self._prefill = jax.jit(self._prefill_fn)
     # The state (argument 0 of insert, 1 of the steps) is donated: the cache updates in place.
     self._insert = jax.jit(self._insert_fn, donate_argnums=0)
-    self._steps = jax.jit(self._steps_fn, donate_argnums=1, static_argnames="steps")
+    steps_static = ("steps", "keep_pages")
+    self._steps = jax.jit(self._steps_fn, donate_argnums=1, static_argnames=steps_static)
     # One slot per device on CPU: the decode step is a chain of matrix-vector products, which
     # XLA's own dot kernels run faster than its YNNPACK fusions (bench preset, batch 1: 0.86 vs
     # 1.01 ms per step). From two slots up the YNNPACK kernels win (batch 2: 1.24 vs 1.38 ms;
@@ -90,7 +91,7 @@ class Engine:
     self._steps_gemv = self._steps
     gemv_options = compiler_options(mesh.devices.flat, "decode_one_slot")
     if gemv_options is not None:
-      self._steps_gemv = jax.jit(self._steps_fn, donate_argnums=1, static_argnames="steps",
+      self._steps_gemv = jax.jit(self._steps_fn, donate_argnums=1, static_argnames=steps_static,
                                  compiler_options=gemv_options)
     # A decode step's q, k and v (and gate and up) from one product against their joined
     # weights on CPU, one per weight elsewhere (jaxrl.backends.joins_decode_weights: on TPU the
@@ -432,10 +433,9 @@ class Engine:
     max_new_tokens counts all its turns). samples[e]: a new turn keyed as sample samples[e]
     from token 0, max_new_tokens counting from it (a conversation's turns draw distinct
     keys). A slot index >= the slot count is padding: its entry is computed and dropped.
-    A dense state only, and its window must hold pos + 1 + T for every slot extended (grow it
-    first)."""
-    if is_paged(state):
-      raise ValueError("extend: a paged state is not supported yet; use a dense state")
+    The window must hold pos + 1 + T for every slot extended (grow a dense state first). In a
+    paged state the slot takes free pages for its new positions (the padding's writes that fall
+    past them are dropped); the pool must hold them (the scheduler's reserve admission does)."""
     slots = np.asarray(slots, np.int32)
     tokens_et = np.asarray(tokens_et, np.int32)
     length_e = np.asarray(length_e, np.int32)
@@ -463,8 +463,13 @@ class Engine:
     positions_et = start_e[:, None] + jnp.arange(seq_et.shape[1])[None, :]
     # The slots' own rows of the cache, continued with the multi-token cached forward (each
     # row written at its own offset; padding past length_e lands after the last real token,
-    # where the next decode step overwrites it before any query reads it).
-    rows = [(k[read_e], v[read_e]) for k, v in state["cache"]]
+    # where the next decode step overwrites it before any query reads it). A paged state's
+    # rows are gathered from its pages and the pages of the new positions written back.
+    if is_paged(state):
+      state, rows, put_rows = _paged_rows(state, slots_e, read_e, start_e, length_e,
+                                          seq_et.shape[1])
+    else:
+      rows = [(k[read_e], v[read_e]) for k, v in state["cache"]]
     h_etd, rows = model.hidden(seq_et, positions_et, cache=rows)
     h_last = jnp.take_along_axis(h_etd, length_e[:, None, None], axis=1)  # [E, 1, D]
     logits_ev = model.logits(h_last)[:, 0]
@@ -476,8 +481,11 @@ class Engine:
     pos_e = start_e + length_e + 1
     done_e = is_stop(token_e, sp) | (ngen_e + 1 >= sp.max_new_tokens) | (
         pos_e >= state["max_len"][read_e])
-    cache = [(k.at[slots_e].set(rk, mode="drop"), v.at[slots_e].set(rv, mode="drop"))
-             for (k, v), (rk, rv) in zip(state["cache"], rows)]
+    if is_paged(state):
+      cache = put_rows(rows)
+    else:
+      cache = [(k.at[slots_e].set(rk, mode="drop"), v.at[slots_e].set(rv, mode="drop"))
+               for (k, v), (rk, rv) in zip(state["cache"], rows)]
 
     def put(x, v):
       return x.at[slots_e].set(v.astype(x.dtype), mode="drop")
@@ -498,10 +506,13 @@ class Engine:
     state, out = self._decode(state)(params, state, key, steps=1)
     return state, {k: v[0] for k, v in out.items()}
 
-  def generate_steps(self, params, state: DecodeState, key=None, *, steps: int):
+  def generate_steps(self, params, state: DecodeState, key=None, *, steps: int,
+                     keep_pages: bool = False):
     """`steps` decode steps in one jitted lax.scan: out's arrays are [steps, B]. The host
-    needs no sync between the steps; a slot that finishes mid-scan idles until the end."""
-    return self._decode(state)(params, state, key, steps=steps)
+    needs no sync between the steps; a slot that finishes mid-scan idles until the end.
+    keep_pages=True (paged state): a slot that finishes keeps its pages, for a conversation's
+    next turn (extend), until evict frees them."""
+    return self._decode(state)(params, state, key, steps=steps, keep_pages=keep_pages)
 
   def _decode(self, state: DecodeState):
     """The jitted decode steps for this state: the GEMV-compiled ones when each device holds
@@ -510,7 +521,7 @@ class Engine:
     local_slots = live.sharding.shard_shape(live.shape)[0]
     return self._steps_gemv if local_slots == 1 else self._steps
 
-  def _steps_fn(self, params, state, key, *, steps):
+  def _steps_fn(self, params, state, key, *, steps, keep_pages=False):
     self.traces["generate"] += 1
     model = nnx.merge(self.graphdef, params)
     width = window(state)
@@ -518,7 +529,7 @@ class Engine:
     if is_paged(state):
       with attention.tracing(paged=self._paged_kernel(state), join_weights=join,
                              rope_matmul=self.mxu):
-        return self._scan_steps(model, state, key, steps, width)
+        return self._scan_steps(model, state, key, steps, width, keep_pages)
     with attention.tracing(decode=self._attention_kernel(state), join_weights=join,
                            rope_matmul=self.mxu):
       return self._scan_steps(model, state, key, steps, width)
@@ -540,7 +551,7 @@ class Engine:
     return attention.paged_decode_kernel(
         self.mesh, cache_sharding(self.mesh, self.cfg, slots, 1).spec)
 
-  def _scan_steps(self, model, state, key, steps, width):
+  def _scan_steps(self, model, state, key, steps, width, keep_pages=False):
     sp = self.sampling
 
     paged_cache = is_paged(state)
@@ -584,7 +595,9 @@ class Engine:
                  pos=pos_b, ngen=ngen_b, live=state["live"] & ~done_b)
       out = {"tokens": token_b, "logprobs": logprob_b, "done": done_b, "valid": active_b}
       if paged_cache:
-        refs, pages_bn = paged.release(new["refs"], new["pages"], done_b)
+        refs, pages_bn = new["refs"], new["pages"]
+        if not keep_pages:
+          refs, pages_bn = paged.release(refs, pages_bn, done_b)
         new = dict(new, cache=[(c.keys, c.values) for c in cache], refs=refs, pages=pages_bn)
         out["pages_used"] = paged.count_used(refs)
       return new, out
@@ -636,6 +649,46 @@ class Engine:
     rows = jnp.where(got_k, jnp.repeat(jnp.arange(B), span), B)
     pages_bn = pages_bn.at[rows, j_bs.reshape(-1)].set(page_k, mode="drop")
     return dict(state, pages=pages_bn, refs=paged.hold(state["refs"], page_k, 1))
+
+
+def _paged_rows(state, slots_e, read_e, start_e, length_e, width: int):
+  """Engine.extend over a paged state: (state with free pages taken for each entry's positions
+  start .. start + length (its pending token and appended tokens), the entries' dense cache
+  rows [E, K, n * P, H] gathered from their page tables, and put(rows) -> the page pools with
+  the rows' pages from start's on written back). Positions past start are the slot's own
+  pages (a group shares only its prompt's full pages), so nothing shared is written; a page
+  the padding alone reaches is not taken, and its writes are dropped."""
+  B, n = state["pages"].shape
+  K, N, P, H = state["cache"][0][0].shape
+  E = slots_e.shape[0]
+  span = -(-width // P) + 1  # the pages `width` positions from start can touch
+  j_es = start_e[:, None] // P + jnp.arange(span)[None, :]
+  held_es = jnp.take_along_axis(state["pages"][read_e], jnp.minimum(j_es, n - 1), axis=1)
+  want_es = ((slots_e < B)[:, None] & (j_es * P <= (start_e + length_e)[:, None]) &
+             (j_es < n) & (held_es < 0))
+  page_k, got_k = paged.allocate(state["refs"], want_es.reshape(-1))
+  rows_k = jnp.where(got_k, jnp.repeat(slots_e, span), B)
+  pages_bn = state["pages"].at[rows_k, j_es.reshape(-1)].set(page_k, mode="drop")
+  state = dict(state, pages=pages_bn, refs=paged.hold(state["refs"], page_k, 1))
+  table_en = pages_bn[read_e]
+  # Where each entry's pages j_es go: their page ids, N (dropped) past the table, for padding
+  # entries, and for pages neither held nor taken.
+  dest_es = jnp.take_along_axis(table_en, jnp.minimum(j_es, n - 1), axis=1)
+  dest_es = jnp.where((slots_e < B)[:, None] & (j_es < n) & (dest_es >= 0), dest_es, N)
+
+  def gather(pool_knph):  # unheld pages read page 0: positions no query reaches
+    x = pool_knph[:, jnp.maximum(table_en, 0)]  # [K, E, n, P, H]
+    return x.transpose(1, 0, 2, 3, 4).reshape(E, K, n * P, H)
+
+  def put(rows):
+    def scatter(pool_knph, row_ekth):
+      pages_esk = row_ekth.reshape(E, K, n, P, H)[
+          jnp.arange(E)[:, None], :, jnp.minimum(j_es, n - 1)]  # [E, span, K, P, H]
+      x = pages_esk.reshape(E * span, K, P, H).transpose(1, 0, 2, 3)
+      return pool_knph.at[:, dest_es.reshape(-1)].set(x.astype(pool_knph.dtype), mode="drop")
+    return [(scatter(k, rk), scatter(v, rv)) for (k, v), (rk, rv) in zip(state["cache"], rows)]
+
+  return state, [(gather(k), gather(v)) for k, v in state["cache"]], put
 
 
 def _empty_keys(slots: int):

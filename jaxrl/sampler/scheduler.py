@@ -110,7 +110,10 @@ class Scheduler:
   Multi-turn sources (jaxrl.envs.rollout.continued) pass `on_done(unit, sample, slot)`, called
   when a sample's turn ends: True holds the slot (occupied, not decoding) until the source
   `extend`s it with the environment's answer or `release`s it; `whole_groups` admits a
-  prompt's n samples together or not at all; `max_len` replaces prompt + max_new_tokens."""
+  prompt's n samples together or not at all; `max_len` replaces prompt + max_new_tokens. With
+  a paged cache a held slot keeps its pages (it is freed when its sample finishes), and
+  admission must be "reserve", each sample's worst case counted to max_len: preempting a
+  conversation would replay its environment."""
 
   def __init__(self, engine: Engine, opts: Options, *, n: int, max_prompt_len: int,
                key=None, narrow: bool = False, on_done: Callable | None = None,
@@ -125,6 +128,12 @@ class Scheduler:
     self.max_prompt_len = max_prompt_len
     self.max_len = max_len or max_prompt_len + sp.max_new_tokens
     self.paged = _check_cache(opts.kv_cache, opts.kv_admission)
+    self.keep_pages = self.paged and on_done is not None  # held slots keep their KV
+    if self.keep_pages and opts.kv_admission != "reserve":
+      raise ConfigError("multi-turn rollouts over a paged KV cache admit by reserve (a "
+                        "preempted conversation cannot replay its environment): set "
+                        "rollout.kv_admission=reserve.")
+    self.finished: list[int] = []  # keep_pages: finished slots whose pages are still held
     self.kv_pages = (_check_pages(opts.kv_pages, opts.page_size, opts.slots, self.max_len)
                      if self.paged else None)
     if self.paged:
@@ -151,7 +160,8 @@ class Scheduler:
       self.counters.update(kv_positions_peak=0)
     self.book = _PageBook(self.prompts, self.toks, n=n, share_prefix=opts.share_prefix,
                           page_size=opts.page_size, num_pages=self.kv_pages or 0,
-                          max_new=sp.max_new_tokens, max_len=self.max_len,
+                          max_new=self.max_len if self.keep_pages else sp.max_new_tokens,
+                          max_len=self.max_len,
                           steps=opts.steps_per_call, reserve=opts.kv_admission == "reserve")
 
   def fit(self, need: int) -> int:
@@ -207,24 +217,36 @@ class Scheduler:
       if self.on_done is not None and self.on_done(unit, s, b):
         self.held.add(b)
         return
-      unit.left -= 1
-      self.occupant[b] = None
-      if self.paged:
-        self.book.leave(self._gid(unit, s))
+      self._finish(b)
+
+  def _finish(self, b: int) -> None:
+    """Slot b's sample is finished: the slot is free (its pages, held by keep_pages, are freed
+    before the next device call)."""
+    u, s = self.occupant[b]
+    u.left -= 1
+    self.occupant[b] = None
+    if self.paged:
+      self.book.leave(self._gid(u, s))
+    if self.keep_pages:
+      self.finished.append(b)
+
+  def _free_finished(self) -> None:
+    if self.finished:
+      self.state = self.engine.evict(self.state, self.finished)
+      self.finished = []
 
   def release(self, b: int) -> None:
     """Frees held slot b: its sample is finished."""
-    u, _ = self.occupant[b]
     self.held.discard(b)
-    self.occupant[b] = None
-    u.left -= 1
+    self._finish(b)
 
   def extend(self, entries, params=None, weights=None) -> None:
     """Continues held slots: entries are (slot, token ids to append, the next turn's sample
     number). One Engine.extend call writes each slot's pending token and the appended ids
     into its own KV (right-padded to a bucket of the longest) and draws the next turn's
-    first token. Dense cache only (Engine.extend)."""
+    first token (Engine.extend)."""
     opts, c = self.opts, self.counters
+    self._free_finished()
     t0 = time.perf_counter()
     T = bucket(max(len(m) for _, m, _ in entries), minimum=8)
     E = min(bucket(len(entries), minimum=1), opts.slots)
@@ -258,6 +280,7 @@ class Scheduler:
     takes): one prefill per prompt not already held, bucketed by length, then one insert
     per prefix batch. Returns how many were admitted."""
     opts, engine = self.opts, self.engine
+    self._free_finished()
     free = self.free()
     count = 0
     if (opts.continuous or len(free) == opts.slots) and not self.stalled:
@@ -374,8 +397,10 @@ class Scheduler:
     if not self.paged:
       c["kv_positions_peak"] = max(c["kv_positions_peak"], opts.slots * window(self.state))
     params = self._params(params, weights)
+    self._free_finished()
     self.state, out = self.engine.generate_steps(params, self.state, self.key,
-                                                 steps=opts.steps_per_call)
+                                                 steps=opts.steps_per_call,
+                                                 keep_pages=self.keep_pages)
     out = to_host(out)
     if self.paged:
       self.stalled = self.book.after_call(out, live_now, c)

@@ -443,11 +443,12 @@ def _check(config) -> None:
   if r.get("max_turns", 1) > 1 and not has_env:
     raise ConfigError(f"rollout.max_turns={r.max_turns} needs an environment to answer the "
                       "turns: set data.env (or env_module), or leave max_turns at 1.")
-  if has_env and r.get("kv_cache", "dense") != "dense":
-    # Engine.extend appends a turn's observation to a slot's own dense cache.
-    raise ConfigError("multi-turn rollouts (data.env / env_module) continue each "
-                      "conversation's KV in a dense cache for now: set "
-                      "rollout.kv_cache=dense.")
+  if (has_env and r.get("kv_cache", "dense") == "paged"
+      and r.get("kv_admission", "optimistic") != "reserve"):
+    # Optimistic admission preempts by recompute, which would replay an environment's steps.
+    raise ConfigError("multi-turn rollouts (data.env / env_module) over rollout.kv_cache=paged "
+                      "admit by reserve (a preempted conversation cannot replay its "
+                      "environment): set rollout.kv_admission=reserve.")
   if has_env and r.get("partial_rollouts"):
     raise ConfigError("multi-turn rollouts (data.env / env_module) finish each unit under "
                       "one version of the weights for now (async generation, k >= 1): turn "
