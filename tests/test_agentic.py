@@ -327,8 +327,8 @@ def test_grpo_config_errors(repo_root, tmp_path, devices):
                            "this run has none"),
                           (["rollout.kv_cache=paged"], "set rollout.kv_admission=reserve"),
                           (["rollout.async_generation=True", "placement.mode=disaggregated",
-                            "rollout.partial_rollouts=True"],
-                           "turn rollout.partial_rollouts off")]:
+                            "rollout.partial_rollouts=True", "rollout.streaming=True"],
+                           "turn rollout.streaming off")]:
     with pytest.raises(ConfigError, match=says):
       grpo.setup(config_lib.load_config(spec, overrides), str(tmp_path / "x"),
                  out=lambda *a: None)
@@ -362,7 +362,8 @@ def make_env():
 def test_grpo_pulse_with_a_users_environment(repo_root, tmp_path, devices, asynchronous):
   """Two GRPO steps over a user's env_module: three turns each, the env's rewards summed,
   and the env metrics logged; synchronous, and async (k = 2, disaggregated 4 + 4 devices:
-  the sampler's conversations overlap the learner's update) over the paged KV cache (reserve
+  the sampler's conversations overlap the learner's update), with partial rollouts (a
+  conversation in flight goes on under newer weights) over the paged KV cache (reserve
   admission: a held conversation keeps its pages)."""
   path = tmp_path / "countdown.py"
   path.write_text(USER_ENV)
@@ -370,8 +371,8 @@ def test_grpo_pulse_with_a_users_environment(repo_root, tmp_path, devices, async
   config = config_lib.load_config(spec, ["data.env=", f"env_module={path}",
                                          "rollout.max_new_tokens=4"] + [
       "placement.mode=disaggregated", "rollout.async_generation=True",
-      "rollout.max_staleness=2", "rollout.kv_cache=paged", "rollout.kv_admission=reserve",
-      "rollout.page_size=4"] * asynchronous)
+      "rollout.max_staleness=2", "rollout.partial_rollouts=True", "rollout.kv_cache=paged",
+      "rollout.kv_admission=reserve", "rollout.page_size=4"] * asynchronous)
   workdir = str(tmp_path / "run")
   summary = grpo.run(config, workdir, out=lambda *a: None)
   assert summary["status"] == "completed"
@@ -495,6 +496,17 @@ def test_kv_continuing_driver_equals_the_reprefill_driver(model, cache):
                                     max_prompt_len=16, env_workers=0, **cache_kw, **kw)
   np.testing.assert_array_equal(same.completion_ids, ro.completion_ids)
   np.testing.assert_array_equal(same_rewards, rewards)
+  # Partial rollouts: a new version before every device call (the same weights, so the same
+  # conversations); each model token records the version that drew it, tool tokens -1.
+  calls = iter(range(1000))
+  part, _, _ = continued(engine, params, records, slots=2, steps_per_call=4, max_prompt_len=16,
+                         weights=lambda: (next(calls), params), **cache_kw, **kw)
+  np.testing.assert_array_equal(part.completion_ids, ro.completion_ids)
+  inside = np.arange(ro.completion_ids.shape[1])[None, :] < ro.lengths[:, None]
+  model_tok = inside & (ro.completion_mask == 1)
+  assert (part.versions[model_tok] >= 0).all() and (part.versions[~model_tok] == -1).all()
+  assert all(len(set(v[m].tolist())) > 2 for v, m in zip(part.versions, model_tok))
+  assert all((np.diff(v[m]) >= 0).all() for v, m in zip(part.versions, model_tok))
   ref, ref_rewards, _ = conversations(
       lambda ids, n, seed: generate(engine, params, ids, n=n, seed=seed, slots=2,
                                     steps_per_call=4, pad_id=tok.pad_id), records, **kw)

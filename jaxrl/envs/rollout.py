@@ -50,7 +50,7 @@ from jaxrl.envs import Timed
 from jaxrl.data.chat import ChatRenderer, assistant_turn
 from jaxrl.errors import ConfigError
 from jaxrl.sampler.engine import bucket
-from jaxrl.sampler.rollout import Rollout
+from jaxrl.sampler.rollout import Rollout, with_versions
 from jaxrl.sampler.scheduler import Options, Scheduler, Unit
 
 _STAT_SUMS = ("prefill_s", "decode_s", "prefill_calls", "prefill_prompts", "prefill_tokens",
@@ -64,6 +64,7 @@ class Conversation:
   tokens: list[int] = dataclasses.field(default_factory=list)   # after the prompt
   model: list[int] = dataclasses.field(default_factory=list)    # 1: a model token
   logprobs: list[float] = dataclasses.field(default_factory=list)
+  versions: list[int] = dataclasses.field(default_factory=list)  # per token; -1: not sampled
   reward: float = 0.0
   turns: int = 0
   tool_calls: int = 0
@@ -100,16 +101,17 @@ def _start(records, env, renderer, n):
 
 
 def _after_turn(c: Conversation, toks, lps, cut: bool, *, renderer, decode, max_turns: int,
-                budget: int) -> list[int] | None:
-  """Takes a finished model turn (its tokens, log-probs, and whether max_new_tokens cut it)
-  into the conversation and steps its environment: the observation's token ids to continue
-  with, or None when the conversation is over."""
+                budget: int, vers=None) -> list[int] | None:
+  """Takes a finished model turn (its tokens, log-probs, and whether max_new_tokens cut it;
+  `vers`, each token's weight version) into the conversation and steps its environment: the
+  observation's token ids to continue with, or None when the conversation is over."""
   room = budget - len(c.tokens)
   full = len(toks) >= room
   toks, lps = list(toks[:room]), list(lps[:room])
   c.tokens += toks
   c.model += [1] * len(toks)
   c.logprobs += lps
+  c.versions += [-1] * len(toks) if vers is None else list(vers[:room])
   c.turns += 1
   said = assistant_turn(decode(toks), renderer.format)
   obs, reward, done, info = c.env.step(c.messages, said)
@@ -129,6 +131,7 @@ def _after_turn(c: Conversation, toks, lps, cut: bool, *, renderer, decode, max_
   c.tokens += more
   c.model += [0] * len(more)
   c.logprobs += [0.0] * len(more)
+  c.versions += [-1] * len(more)
   c.messages = c.messages + list(obs)
   c.finish = "stop"
   return more
@@ -177,7 +180,7 @@ def conversations(gen: Callable[..., Rollout], records: list[dict], *, env, rend
 def continued(engine, params, records: list[dict], *, env, renderer, n: int, seed: int,
               max_turns: int, budget: int, max_prompt_len: int,
               decode: Callable[[list[int]], str], env_workers: int = 8,
-              options: Options | None = None, **settings):
+              options: Options | None = None, weights=None, **settings):
   """The KV-continuing driver, a source of the rollout scheduler (jaxrl.sampler.scheduler):
   (Rollout, [N] rewards, stats) as `conversations` gives them. A record's G conversations
   take G free slots from one prefill of its prompt (whole groups); a slot whose turn ends is
@@ -186,7 +189,9 @@ def continued(engine, params, records: list[dict], *, env, renderer, n: int, see
   appended (Scheduler.extend) once its step is back, its next turn keyed as sample turn * N +
   conversation. A conversation that is over frees its slot for the next group. The threads'
   timing changes which slots are continued together, not the keys: a token's key is its
-  sample's and its index's, whatever the batch. `options` and `settings` (slots=,
+  sample's and its index's, whatever the batch. `weights` (partial rollouts, as generate's):
+  newer (version, params) before each prefill, extend and decode call, each model token's
+  version in Rollout.versions. `options` and `settings` (slots=,
   steps_per_call=, pad_id=, grow_cache=, kv_cache=...) as jaxrl.sampler.generate's; a paged
   cache admits by reserve, a held conversation keeping its pages."""
   opts = dataclasses.replace(options or Options(), **settings)
@@ -206,11 +211,12 @@ def continued(engine, params, records: list[dict], *, env, renderer, n: int, see
     """The scheduler's on_done: hands the turn that just ended to its environment (a thread,
     or here) and holds the slot."""
     toks, lps = u.toks[s][turn_start[s]:], u.lps[s][turn_start[s]:]
+    vers = u.vers[s][turn_start[s]:]
     cut = not toks or toks[-1] not in stops
 
     def step(c=convs[s]):
       return _after_turn(c, toks, lps, cut, renderer=renderer, decode=decode,
-                         max_turns=max_turns, budget=budget)
+                         max_turns=max_turns, budget=budget, vers=vers)
 
     pending[b] = pool.submit(step) if pool is not None else Future()
     if pool is None:
@@ -241,16 +247,16 @@ def continued(engine, params, records: list[dict], *, env, renderer, n: int, see
         turn_start[s] = len(unit.toks[s]) + len(more)
         cont.append((b, more, convs[s].turns * N + s))
     if cont:
-      sched.extend(cont, params)
+      sched.extend(cont, params, weights)
 
   try:
     while queue or sched.busy():
       collect(block=False)
-      sched.admit(queue, params)
+      sched.admit(queue, params, weights)
       if not sched.live():  # every occupied slot waits on its environment
         collect(block=True)
         continue
-      sched.decode(params)
+      sched.decode(params, weights)
   finally:
     if pool is not None:
       pool.shutdown(wait=True, cancel_futures=True)
@@ -258,7 +264,10 @@ def continued(engine, params, records: list[dict], *, env, renderer, n: int, see
            if k in _STAT_SUMS or k.endswith("_peak") or k in ("kv_pages", "kv_preemptions")}
   stats["extend_calls"] = sched.counters.get("extend_calls", 0)
   stats["turn_calls"] = stats["extend_calls"] + stats["prefill_calls"]
-  return _result(convs, firsts, n, opts.pad_id, stats, t0)
+  rollout, rewards, extra = _result(convs, firsts, n, opts.pad_id, stats, t0)
+  if weights is not None:
+    rollout = with_versions(rollout, [c.versions for c in convs])
+  return rollout, rewards, extra
 
 
 def _assemble(firsts, n, convs, pad_id, stats, wall, env_s) -> Rollout:

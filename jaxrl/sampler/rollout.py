@@ -98,10 +98,10 @@ def generate(engine: Engine, params, prompts, *, n: int = 1, seed: int = 0,
   bar.close()
   rollout = _assemble(prompts, n, unit.toks, unit.lps, engine.sampling, opts.pad_id,
                       sched.stats(), time.perf_counter() - t_start)
-  return _with_versions(rollout, unit.vers) if weights is not None else rollout
+  return with_versions(rollout, unit.vers) if weights is not None else rollout
 
 
-def _with_versions(rollout: Rollout, vers: list[list[int]]) -> Rollout:
+def with_versions(rollout: Rollout, vers: list[list[int]]) -> Rollout:
   """The rollout with each completion token's policy version (-1 past its end)."""
   versions = np.full(rollout.completion_ids.shape, -1, np.int32)
   for s, v in enumerate(vers):
@@ -217,4 +217,4 @@ def generate_stream(engine: Engine, next_unit: Callable, *, weights: Callable[[]
       since = dict(c)
       rollout = _assemble(u.prompts, n, u.toks, u.lps, engine.sampling, opts.pad_id, stats,
                           time.perf_counter() - u.t0)
-      yield u.tag, _with_versions(rollout, u.vers)
+      yield u.tag, with_versions(rollout, u.vers)

@@ -294,7 +294,7 @@ def sample(p: Parts, params_s, prompts: list[dict], step: int, round_: int, weig
   seed = _seed(p, step, round_)
 
   if p.env is not None:  # multi-turn: the environment's rewards (jaxrl.envs.rollout)
-    return env_rollout(p, params_s, prompts, seed)
+    return env_rollout(p, params_s, prompts, seed, weights)
   ids = [p.run.prompts.ids(x) for x in prompts]  # chat-templated for instruct checkpoints
   rollout = generate(p.engine, params_s, ids, n=r.group_size, seed=seed,
                      max_prompt_len=p.prompt_len, weights=weights, options=_options(p))
@@ -302,7 +302,7 @@ def sample(p: Parts, params_s, prompts: list[dict], step: int, round_: int, weig
   return rollout, rewards, reward_stats
 
 
-def env_rollout(p: Parts, params_s, prompts: list[dict], seed: int):
+def env_rollout(p: Parts, params_s, prompts: list[dict], seed: int, weights=None):
   """(rollout, [N] rewards, reward stats) of G conversations per prompt with the configured
   environment, each continuing its own KV cache between turns (jaxrl.envs.rollout.continued):
   rewards are its summed step rewards (reward/env), accuracy the share of conversations it
@@ -312,7 +312,8 @@ def env_rollout(p: Parts, params_s, prompts: list[dict], seed: int):
   rollout, rewards, extra = continued(
       p.engine, params_s, prompts, env=p.env, renderer=p.renderer, n=r.group_size, seed=seed,
       max_turns=r.max_turns, budget=p.length - p.prompt_len, max_prompt_len=p.prompt_len,
-      decode=p.tokenizer.decode, env_workers=r.get("env_workers", 8), options=_options(p))
+      decode=p.tokenizer.decode, env_workers=r.get("env_workers", 8), options=_options(p),
+      weights=weights)
   stats = {"reward/env": float(rewards.mean()), "accuracy": extra["accuracy"],
            "reward/errors": 0.0, "timing_s/reward": 0.0}
   return rollout, rewards, stats

@@ -449,10 +449,9 @@ def _check(config) -> None:
     raise ConfigError("multi-turn rollouts (data.env / env_module) over rollout.kv_cache=paged "
                       "admit by reserve (a preempted conversation cannot replay its "
                       "environment): set rollout.kv_admission=reserve.")
-  if has_env and r.get("partial_rollouts"):
-    raise ConfigError("multi-turn rollouts (data.env / env_module) finish each unit under "
-                      "one version of the weights for now (async generation, k >= 1): turn "
-                      "rollout.partial_rollouts off.")
+  if has_env and r.get("streaming"):
+    raise ConfigError("multi-turn rollouts (data.env / env_module) take whole units, not a "
+                      "stream of them, for now: turn rollout.streaming off.")
   k = r.get("max_staleness", 1)
   if k != 1 and not r.async_generation:
     raise ConfigError(f"rollout.max_staleness={k} bounds async generation, which "
