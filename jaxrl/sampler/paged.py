@@ -118,3 +118,43 @@ def to_pages(kv_pkth, page_size: int):
 def count_used(refs_n) -> jax.Array:
   """Pages in use (held by at least one slot)."""
   return (refs_n > 0).sum()
+
+
+def extend_rows(state, slots_e, read_e, start_e, length_e, width: int):
+  """Engine.extend over a paged decode state: (the state with free pages taken for each
+  entry's positions start .. start + length (its pending token and appended tokens), the
+  entries' dense cache rows [E, K, n * P, H] gathered from their page tables, and put(rows) ->
+  the page pools with the rows' pages from start's on written back). Positions past start are the slot's own
+  pages (a group shares only its prompt's full pages), so nothing shared is written; a page
+  the padding alone reaches is not taken, and its writes are dropped."""
+  B, n = state["pages"].shape
+  K, N, P, H = state["cache"][0][0].shape
+  E = slots_e.shape[0]
+  span = -(-width // P) + 1  # the pages `width` positions from start can touch
+  j_es = start_e[:, None] // P + jnp.arange(span)[None, :]
+  held_es = jnp.take_along_axis(state["pages"][read_e], jnp.minimum(j_es, n - 1), axis=1)
+  want_es = ((slots_e < B)[:, None] & (j_es * P <= (start_e + length_e)[:, None]) &
+             (j_es < n) & (held_es < 0))
+  page_k, got_k = allocate(state["refs"], want_es.reshape(-1))
+  rows_k = jnp.where(got_k, jnp.repeat(slots_e, span), B)
+  pages_bn = state["pages"].at[rows_k, j_es.reshape(-1)].set(page_k, mode="drop")
+  state = dict(state, pages=pages_bn, refs=hold(state["refs"], page_k, 1))
+  table_en = pages_bn[read_e]
+  # Where each entry's pages j_es go: their page ids, N (dropped) past the table, for padding
+  # entries, and for pages neither held nor taken.
+  dest_es = jnp.take_along_axis(table_en, jnp.minimum(j_es, n - 1), axis=1)
+  dest_es = jnp.where((slots_e < B)[:, None] & (j_es < n) & (dest_es >= 0), dest_es, N)
+
+  def gather(pool_knph):  # unheld pages read page 0: positions no query reaches
+    x = pool_knph[:, jnp.maximum(table_en, 0)]  # [K, E, n, P, H]
+    return x.transpose(1, 0, 2, 3, 4).reshape(E, K, n * P, H)
+
+  def put(rows):
+    def scatter(pool_knph, row_ekth):
+      pages_esk = row_ekth.reshape(E, K, n, P, H)[
+          jnp.arange(E)[:, None], :, jnp.minimum(j_es, n - 1)]  # [E, span, K, P, H]
+      x = pages_esk.reshape(E * span, K, P, H).transpose(1, 0, 2, 3)
+      return pool_knph.at[:, dest_es.reshape(-1)].set(x.astype(pool_knph.dtype), mode="drop")
+    return [(scatter(k, rk), scatter(v, rv)) for (k, v), (rk, rv) in zip(state["cache"], rows)]
+
+  return state, [(gather(k), gather(v)) for k, v in state["cache"]], put
