@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import JAXRL
+from conftest import JAXRL, ROOT
 from jaxrl import cli
 
 
@@ -40,7 +40,9 @@ LIBTPU_NOISE = ("host bounds", "InitGoogle", "TPU_WORKER")
 def test_the_console_script_on_a_cpu_machine_does_not_print_libtpus_errors():
   """Without a TPU, jax loaded libtpu (installed for --compile) to find no chip, and it printed
   "Failed to find host bounds...", "Logging before InitGoogle()" and an E0000 TPU_WORKER line
-  before every command's output; the console script now asks for the CPU first."""
+  before every command's output; the console script now asks for the CPU first. `jaxrl plan`
+  of a slice's config still loads libtpu, for abstract TPU chips: it names a slice for
+  libtpu's start-up, which then looks for none (backends.quiet_libtpu_off_tpu)."""
   from jaxrl.backends.tpu import accelerator_here
   if accelerator_here():
     pytest.skip("this machine has an accelerator: jax should look for it")
@@ -51,6 +53,10 @@ def test_the_console_script_on_a_cpu_machine_does_not_print_libtpus_errors():
     pytest.skip("jax alone prints no libtpu errors here (libtpu not installed)")
   res = subprocess.run([JAXRL, "info"], env=env, capture_output=True, text=True)
   assert res.returncode == 0 and "backend            cpu" in res.stdout, res.stderr
+  assert not [x for x in LIBTPU_NOISE if x in res.stdout + res.stderr], res.stderr
+  res = subprocess.run([JAXRL, "plan", "--config", "configs/qwen3.py:0.6b,grpo,v5e"], env=env,
+                       cwd=ROOT, capture_output=True, text=True)
+  assert res.returncode == 0 and "8 abstract TPU chips" in res.stdout, res.stderr
   assert not [x for x in LIBTPU_NOISE if x in res.stdout + res.stderr], res.stderr
 
 

@@ -19,6 +19,8 @@ chose, and every run records it (jaxrl.train.rundir).
 
 from __future__ import annotations
 
+import os
+
 import jax
 
 from jaxrl.backends import cpu, gpu, tpu
@@ -124,6 +126,17 @@ def compiler_options(devices, program: str = "learner") -> dict | None:
   if all(d.platform == "tpu" for d in devices):
     return tpu.compiler_options(program)
   return None
+
+
+def quiet_libtpu_off_tpu() -> None:
+  """Before libtpu starts a compile-only client (abstract TPU devices for `jaxrl plan` and
+  --compile) on a machine with no TPU: off a TPU VM its start-up looks for this host's slice
+  in the cloud metadata and printed three lines of errors before every plan; naming one quiets
+  it. Any valid type does: the devices are the topology's (v5p:4x4x4, v5e:16x16 and two
+  v5e:4x4 slices give the same chips with or without these)."""
+  if not tpu.tpu_here():
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-8")
 
 
 def describe() -> dict:

@@ -30,6 +30,7 @@ import time
 
 import jax
 
+from jaxrl import backends
 from jaxrl.errors import ConfigError
 
 GIB = 1 << 30
@@ -74,6 +75,7 @@ def topology_devices(topology: str) -> list:
   # libtpu takes a lock file per process; a compile-only client needs no chip, so let several
   # processes (pytest's workers, two `jaxrl plan --compile`) load it at once.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  backends.quiet_libtpu_off_tpu()
   try:
     desc = topologies.get_topology_desc(platform="tpu", topology_name=topology)
   except Exception as e:  # libtpu's error for a bad shape is a long RuntimeError
