@@ -227,3 +227,37 @@ def test_the_run_skeleton_takes_the_placement_only_when_the_trainer_samples(devi
   assert r.placement is None and r.mesh.devices.size == len(devices)
   g = Run(c, str(tmp_path / "grpo"), out=quiet, choices=sft.CHOICES, placement=True)
   assert g.placement is not None and g.mesh.devices.size == len(devices) // 2
+
+
+def test_a_whole_checkpoint_replaces_the_random_init_and_its_program(repo_root, devices):
+  """starting_state from an init.checkpoint that replaces every parameter (no LoRA, no hf_path)
+  reads it in place of the random init: the state equals the init-then-restore path's to the
+  bit (params, optimizer state, step, key; values, dtypes and shardings), and the init's
+  program (its every leaf's random draws) is never lowered, let alone compiled."""
+  import jax.monitoring
+  from jaxrl import config as config_lib
+  from jaxrl.train.run import starting_state
+  from jaxrl.train.state import start_from_checkpoint
+  ckpt = os.path.join(repo_root, "tests", "fixtures", "calculator_sft")
+  config = config_lib.load_config(os.path.join(repo_root, "configs", "agentic_tiny.py"),
+                                  [f"init.checkpoint={ckpt}"])
+  cfg, mesh, tx = model_config(config), make_mesh(), optax.adamw(1e-3)
+  compiled = []
+
+  def listen(event, _, **kw):
+    if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":  # before any cache
+      compiled.append(kw.get("fun_name"))
+
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    _, new, _ = starting_state(config, cfg, mesh, tx, layout="learner")
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  assert "jit(init)" not in compiled
+  _, old, _ = init_train_state(cfg, mesh, tx, seed=config.seed)
+  old = start_from_checkpoint(cfg, old, ckpt)
+  new_leaves, old_leaves = jax.tree.leaves(new), jax.tree.leaves(old)
+  assert len(new_leaves) == len(old_leaves) > 10
+  for a, b in zip(new_leaves, old_leaves):
+    assert a.dtype == b.dtype and a.sharding == b.sharding
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -24,6 +24,7 @@ from jaxrl import config as config_lib
 from jaxrl.data.hf_tokenizer import tokenizer_for
 from jaxrl.data.prompts import Prompts
 from jaxrl.errors import ConfigError
+from jaxrl.io.params import restore_params
 from jaxrl.parallel import mesh_from_config
 from jaxrl.parallel import plan as plan_lib
 from jaxrl.parallel.sync import make_placement
@@ -45,12 +46,18 @@ def starting_state(config, cfg, mesh, tx, *, layout: str, model=None, into: str 
   """(graphdef, state, shardings): the starting policy, born sharded. The preset's init, then
   model.hf_path's weights when given, then init.checkpoint's params (a run dir, e.g. an SFT
   run) over them when the config has that section. `into` names the sub-tree both load into (a
-  reward model's "backbone"; its head keeps the init). The optimizer state is fresh."""
-  graphdef, state, shardings = init_train_state(cfg, mesh, tx, seed=config.seed,
-                                                layout=layout, model=model)
-  state = start_from_hf(config, state, mesh, layout, into=into)
+  reward model's "backbone"; its head keeps the init). The optimizer state is fresh. A
+  checkpoint that replaces every parameter (no LoRA, no `into`, no hf_path) is read in place of
+  the random init, which then never runs: the same state, without compiling the init's program
+  or holding two copies of the params at start-up."""
   path = config.init.checkpoint if "init" in config else ""
-  if path:  # (with LoRA: into the frozen base, a LoRA checkpoint's adapters merged)
+  whole = bool(path) and into is None and not cfg.lora_rank and not (
+      config.model.get("hf_path") or "")
+  graphdef, state, shardings = init_train_state(
+      cfg, mesh, tx, seed=config.seed, layout=layout, model=model,
+      params_from=(lambda abstract: restore_params(path, abstract)) if whole else None)
+  state = start_from_hf(config, state, mesh, layout, into=into)
+  if path and not whole:  # (with LoRA: into the frozen base, a LoRA checkpoint's adapters merged)
     state = start_from_checkpoint(cfg, state, path, into=into, layout=layout)
   return graphdef, state, shardings
 

@@ -97,12 +97,15 @@ def new_state(params, tx, rng, train_only: tuple[str, ...] | None) -> TrainState
 
 
 def init_train_state(cfg: ModelConfig, mesh: Mesh, tx, *, seed: int, layout: str = "learner",
-                     model=None):
+                     model=None, params_from: Callable | None = None):
   """(graphdef, state, shardings): the state is born sharded (eval_shape, then a jitted init
   with out_shardings), so no device ever holds a full unsharded copy. `model` is the module
   class to train, built as model(cfg, rngs=...): the Transformer (a policy) by default, whose
   parameters then equal jaxrl.parallel.init_params(cfg, mesh, seed=seed); RewardModel for a
-  reward model."""
+  reward model. params_from(abstract params) -> params: a source of every parameter (a
+  checkpoint), used instead of the random init, whose program then never compiles or runs;
+  the rest of the state is the same to the bit (the optimizer's state follows the params'
+  shapes, not their values)."""
   build = Transformer if model is None else model
   graphdef, shapes, axes = abstract_model(cfg, build)
   param_shd = tree_shardings(shapes, axes, mesh, layout)
@@ -116,8 +119,16 @@ def init_train_state(cfg: ModelConfig, mesh: Mesh, tx, *, seed: int, layout: str
   key = jax.random.key(seed)
   abstract = jax.eval_shape(init, key)
   shardings = state_shardings(abstract, param_shd, tx, mesh)
-  state = jax.jit(init, out_shardings=shardings)(key)
-  return graphdef, state, shardings
+  if params_from is None:
+    return graphdef, jax.jit(init, out_shardings=shardings)(key), shardings
+  params = params_from(jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract.params,
+      param_shd))
+
+  def rest(params, key):  # init's, but for the params
+    return new_state(params, tx, jax.random.key_data(jax.random.fold_in(key, 1)), train_only)
+
+  return graphdef, jax.jit(rest, out_shardings=shardings)(params, key), shardings
 
 
 def make_train_step(loss_fn: Callable, tx, schedule, shardings: TrainState, batch_shardings, *,
