@@ -124,9 +124,9 @@ def extend_rows(state, slots_e, read_e, start_e, length_e, width: int):
   """Engine.extend over a paged decode state: (the state with free pages taken for each
   entry's positions start .. start + length (its pending token and appended tokens), the
   entries' dense cache rows [E, K, n * P, H] gathered from their page tables, and put(rows) ->
-  the page pools with the rows' pages from start's on written back). Positions past start are the slot's own
-  pages (a group shares only its prompt's full pages), so nothing shared is written; a page
-  the padding alone reaches is not taken, and its writes are dropped."""
+  the page pools with the rows' pages from start's on written back). Positions past start
+  are the slot's own pages (a group shares only its prompt's full pages), so nothing shared
+  is written; a page the padding alone reaches is not taken, and its writes are dropped."""
   B, n = state["pages"].shape
   K, N, P, H = state["cache"][0][0].shape
   E = slots_e.shape[0]

@@ -129,10 +129,8 @@ class Scheduler:
     self.max_len = max_len or max_prompt_len + sp.max_new_tokens
     self.paged = _check_cache(opts.kv_cache, opts.kv_admission)
     self.keep_pages = self.paged and on_done is not None  # held slots keep their KV
-    if self.keep_pages and opts.kv_admission != "reserve":
-      raise ConfigError("multi-turn rollouts over a paged KV cache admit by reserve (a "
-                        "preempted conversation cannot replay its environment): set "
-                        "rollout.kv_admission=reserve.")
+    if on_done is not None:
+      check_multi_turn(opts.kv_cache, opts.kv_admission)
     self.finished: list[int] = []  # keep_pages: finished slots whose pages are still held
     self.kv_pages = (_check_pages(opts.kv_pages, opts.page_size, opts.slots, self.max_len)
                      if self.paged else None)
@@ -430,6 +428,15 @@ def _check_cache(kv_cache: str, kv_admission: str) -> bool:
     raise ConfigError(f"rollout.kv_admission={kv_admission!r} is not valid: use "
                       f"'optimistic' or 'reserve'.")
   return kv_cache == "paged"
+
+
+def check_multi_turn(kv_cache: str, kv_admission: str) -> None:
+  """Multi-turn rollouts over a paged cache admit by reserve: optimistic admission preempts
+  by recompute, which would replay a conversation's environment steps."""
+  if kv_cache == "paged" and kv_admission != "reserve":
+    raise ConfigError("multi-turn rollouts (data.env / env_module) over rollout.kv_cache=paged "
+                      "admit by reserve (a preempted conversation cannot replay its "
+                      "environment): set rollout.kv_admission=reserve.")
 
 
 def _check_pages(kv_pages: int | None, page_size: int, slots: int, max_len: int) -> int:

@@ -111,10 +111,11 @@ def init_train_state(cfg: ModelConfig, mesh: Mesh, tx, *, seed: int, layout: str
   param_shd = tree_shardings(shapes, axes, mesh, layout)
   train_only = train_only_of(cfg, shapes)
 
+  def around(params, key):  # the state of these params: the key's stream apart from the init's
+    return new_state(params, tx, jax.random.key_data(jax.random.fold_in(key, 1)), train_only)
+
   def init(key):
-    params = nnx.to_pure_dict(nnx.state(build(cfg, rngs=nnx.Rngs(params=key))))
-    rng = jax.random.key_data(jax.random.fold_in(key, 1))  # a stream apart from the init's
-    return new_state(params, tx, rng, train_only)
+    return around(nnx.to_pure_dict(nnx.state(build(cfg, rngs=nnx.Rngs(params=key)))), key)
 
   key = jax.random.key(seed)
   abstract = jax.eval_shape(init, key)
@@ -124,11 +125,9 @@ def init_train_state(cfg: ModelConfig, mesh: Mesh, tx, *, seed: int, layout: str
   params = params_from(jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract.params,
       param_shd))
-
-  def rest(params, key):  # init's, but for the params
-    return new_state(params, tx, jax.random.key_data(jax.random.fold_in(key, 1)), train_only)
-
-  return graphdef, jax.jit(rest, out_shardings=shardings)(params, key), shardings
+  # Donated: the restored params become the state's, never two copies of them.
+  return graphdef, jax.jit(around, out_shardings=shardings, donate_argnums=0)(params, key), \
+      shardings
 
 
 def make_train_step(loss_fn: Callable, tx, schedule, shardings: TrainState, batch_shardings, *,

@@ -73,6 +73,7 @@ from jaxrl.rl.grpo.rewards import reward_specs
 from jaxrl.rl.grpo.update import (grpo_loss, logprob_micro_batches, make_batch_logprobs_fn,
                                   old_logp_from_update, update)
 from jaxrl.sampler import Engine, SamplingParams
+from jaxrl.sampler.scheduler import check_multi_turn
 from jaxrl.train.data import load_task, records
 from jaxrl.train.optim import make_optimizer
 from jaxrl.train.run import Run
@@ -443,12 +444,8 @@ def _check(config) -> None:
   if r.get("max_turns", 1) > 1 and not has_env:
     raise ConfigError(f"rollout.max_turns={r.max_turns} needs an environment to answer the "
                       "turns: set data.env (or env_module), or leave max_turns at 1.")
-  if (has_env and r.get("kv_cache", "dense") == "paged"
-      and r.get("kv_admission", "optimistic") != "reserve"):
-    # Optimistic admission preempts by recompute, which would replay an environment's steps.
-    raise ConfigError("multi-turn rollouts (data.env / env_module) over rollout.kv_cache=paged "
-                      "admit by reserve (a preempted conversation cannot replay its "
-                      "environment): set rollout.kv_admission=reserve.")
+  if has_env:  # at start-up, not at the first rollout
+    check_multi_turn(r.get("kv_cache", "dense"), r.get("kv_admission", "optimistic"))
   if has_env and r.get("streaming"):
     raise ConfigError("multi-turn rollouts (data.env / env_module) take whole units, not a "
                       "stream of them, for now: turn rollout.streaming off.")
