@@ -17,6 +17,10 @@ bash block's exports reach the page's later blocks, as in one shell. `make setup
 of a block (CI's `make test` has just run it). A command's failure, a traceback, or an
 expected text missing fails the page's test, naming the page, the block's line and the tail
 of its output.
+
+The commands compile at XLA's optimisation level 0 (conftest.FAST_COMPILE, also added to any
+XLA_FLAGS a block sets): the pages' pulses are compile-bound, and what they print does not
+depend on it.
 """
 
 import glob
@@ -27,7 +31,7 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT, USER_XLA_FLAGS
+from conftest import FAST_COMPILE, ROOT, USER_XLA_FLAGS
 
 MARK = re.compile(r"<!--\s*ci:\s*(run(?:;\s*write\s+(?P<write>\S+))?"
                   r"(?:;\s*expect\s+(?P<expect>.*?))?|not run:\s*(?P<why>.+?))\s*-->")
@@ -85,13 +89,13 @@ def scratch_dir(tmp) -> str:
 def run_block(block: dict, cwd: str, timeout: float = BLOCK_TIMEOUT_S) -> tuple[bool, str]:
   """(passed, output) of one block run in `cwd` as the page writes it (scratch paths moved)."""
   code = block["code"].replace("/tmp/", f"{cwd}/tmp/").replace("make setup && ", "")
+  code = re.sub(r"XLA_FLAGS=(\S+)", rf'XLA_FLAGS="\1 {FAST_COMPILE}"', code)
   env = {k: v for k, v in os.environ.items()
          if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "PYTEST_CURRENT_TEST")}
   # TMPDIR too: a config that defaults to a scratch path (gsm8k_qwen3's /tmp/gsm8k) finds it.
   env.update(PATH=f"{ROOT}/.venv/bin:{env.get('PATH', '')}", TMPDIR=f"{cwd}/tmp",
              MPLBACKEND="Agg")
-  if USER_XLA_FLAGS:
-    env["XLA_FLAGS"] = USER_XLA_FLAGS
+  env["XLA_FLAGS"] = f"{USER_XLA_FLAGS} {FAST_COMPILE}".strip()
   if block["write"]:
     with open(os.path.join(cwd, block["write"]), "w", encoding="utf-8") as f:
       f.write(code + "\n")
