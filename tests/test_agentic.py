@@ -22,7 +22,7 @@ from jaxrl.envs.games import GuessNumberEnv
 from jaxrl.envs.rollout import conversations
 from jaxrl.errors import ConfigError
 from jaxrl.rl import grpo
-from jaxrl.rl.grpo.experience import grouped_learner_batch, learner_batch
+from jaxrl.rl.grpo.batch import grouped_learner_batch, learner_batch
 from jaxrl.sampler import Rollout
 from jaxrl.sampler import metrics as rollout_metrics
 

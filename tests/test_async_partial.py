@@ -10,7 +10,7 @@ import pytest
 
 from jaxrl.models import get_preset
 from jaxrl.parallel import init_params, make_mesh
-from jaxrl.rl.grpo.experience import PromptStream
+from jaxrl.data.prompts import PromptStream
 from jaxrl.rl.grpo.producer import RolloutQueue
 from jaxrl.sampler import Engine, SamplingParams, generate
 

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxrl.rl.grpo.experience import PromptStream
+from jaxrl.data.prompts import PromptStream
 from jaxrl.rl.grpo.producer import RolloutQueue
 
 G = 4

@@ -11,7 +11,7 @@ from jaxrl.models import get_preset
 from jaxrl.parallel import batch_sharding, make_mesh
 from jaxrl.rl import grpo
 from jaxrl.rl.grpo.config import grouped_forward
-from jaxrl.rl.grpo.packing import pack_completions
+from jaxrl.rl.grpo.batch import pack_completions
 from jaxrl.sampler import Rollout
 from jaxrl.train.optim import make_optimizer, optim_section
 from jaxrl.train.rundir import read_metrics
@@ -145,7 +145,7 @@ def test_a_packed_run_matches_the_padded_run(tmp_path, devices, trainer, spec, e
   from jaxrl.rl import ppo
   module = {"grpo": grpo, "ppo": ppo}[trainer]
   choices = {"ppo": ppo.CHOICES}.get(trainer)
-  from jaxrl.rl.grpo import packing
+  from jaxrl.rl.grpo import batch as packing
   calls = []  # (rows, completions) of each batch the programs took packed
 
   def counted(batch, **kw):

@@ -26,7 +26,10 @@ keys take the defaults, so any command's config works.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
+
+import numpy as np
 
 from jaxrl.data.records import context_text, where
 from jaxrl.errors import ConfigError
@@ -165,3 +168,99 @@ class Prompts:
 
   def text(self, record: Mapping) -> str:
     return render_prompt_text(record, self.tokenizer, self.data_cfg)
+
+
+# ----------------------------------------------------------------------------- the RL prompt stream
+
+
+# What a checkpoint of async generation adds to the stream's state (producer.py's resume rule).
+RESUME_KEYS = ("unit", "skip", "unit_step", "nominal", "round")
+
+
+class PromptStream:
+  """B prompt records per step from a list, reshuffled each epoch from (seed, epoch); its
+  position is checkpointed beside the train state, so a resumed run sees the same prompts."""
+
+  def __init__(self, records: list[dict], batch: int, seed: int, extras: dict | None = None,
+               learner_state: dict | None = None):
+    if not records:
+      raise ConfigError("the RL prompt set is empty: set data.task or data.train_file.")
+    self.records, self.batch, self.seed = records, batch, seed
+    self.epoch, self.pos = 0, 0
+    # Host-side state that must resume with the prompts: objects with get_state()/set_state(),
+    # checkpointed under their names. `extras` are what scoring updates (the reward models'
+    # running normaliser), which async generation does in the background: saved as of the last
+    # mark(). `learner_state` is what only the learner's own step changes (the KL coefficient,
+    # the alarms' history): saved as it is when the checkpoint is written.
+    self.extras = dict(extras or {})
+    self.learner_state = dict(learner_state or {})
+    self._marked: dict | None = None  # the extras' state at the last mark()
+    # Async generation (producer.py): where the producer starts (the position this stream was
+    # created or restored at, and the queue's unit/skip from a checkpoint), and the queue's
+    # resume point, which get_state() then saves instead of this stream's own position.
+    self.origin = (0, 0)
+    self.resume_queue: dict = {}
+    self.queue_state: dict | None = None
+
+  def _order(self):
+    return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.records))
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> list[dict]:
+    out = []
+    while len(out) < self.batch:
+      order = self._order()
+      take = order[self.pos:self.pos + self.batch - len(out)]
+      out += [self.records[i] for i in take]
+      self.pos += len(take)
+      if self.pos >= len(self.records):
+        self.epoch, self.pos = self.epoch + 1, 0
+    return out
+
+  def peek(self) -> list[dict]:
+    """The batch the next `next()` returns, without advancing (async generation starts on it
+    one step early). Only the position is rewound; the extras are not touched."""
+    epoch, pos = self.epoch, self.pos
+    try:
+      return next(self)
+    finally:
+      self.epoch, self.pos = epoch, pos
+
+  def mark(self) -> None:
+    """Records the extras' state now (a copy); get_state() returns it until the next mark, so
+    a checkpoint holds what steps <= k put in (e.g. the RM normaliser after step k's scoring),
+    and a save never reads a half-updated state. (Async generation checkpoints the rollout
+    queue's own resume point instead: queue_state, producer.py.)"""
+    self._marked = self.snapshot()
+
+  def clone(self) -> "PromptStream":
+    """A stream of the same records and order at the position this one started or resumed
+    at (the producer's own cursor), without the host state."""
+    other = PromptStream(self.records, self.batch, self.seed)
+    other.epoch, other.pos = self.origin
+    return other
+
+  def snapshot(self) -> dict:
+    """The extras' state now, copied (what scoring changes: a resume restores it)."""
+    return {k: copy.deepcopy(v.get_state()) for k, v in self.extras.items()}
+
+  def get_state(self) -> dict:
+    if self.queue_state:
+      return {**self.queue_state,
+              **{k: v.get_state() for k, v in self.learner_state.items()}}
+    extras = (self._marked if self._marked is not None
+              else {k: v.get_state() for k, v in self.extras.items()})
+    return {"epoch": self.epoch, "pos": self.pos, **extras,
+            **{k: v.get_state() for k, v in self.learner_state.items()}}
+
+  def set_state(self, state: dict) -> None:
+    self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+    self.origin = (self.epoch, self.pos)
+    self.resume_queue = {k: int(state[k]) for k in RESUME_KEYS if k in state}
+    # A key missing from an older checkpoint leaves that state as configured.
+    for k, v in {**self.extras, **self.learner_state}.items():
+      if k in state:
+        v.set_state(state[k])
+    self.mark()

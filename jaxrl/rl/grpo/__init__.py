@@ -2,12 +2,15 @@
 paper); `from jaxrl.rl import grpo` gives the names a run, a test or a notebook needs."""
 
 from jaxrl.rl.grpo.config import CHOICES, algo_section, default_config
-from jaxrl.rl.grpo.experience import (Experience, PromptStream, _refill, completion_width,
-                                      grouped_learner_batch, learner_batch, make_experience)
+from jaxrl.data.prompts import PromptStream
+from jaxrl.rl.grpo.batch import (Experience, completion_width, grouped_learner_batch,
+                                 learner_batch)
+from jaxrl.rl.grpo.experience import _refill, make_experience
 from jaxrl.rl.grpo.monitors import Alarms, KLCoefficient
 from jaxrl.rl.grpo.programs import programs
 from jaxrl.rl.grpo.rewards import reward_specs, task_reward
-from jaxrl.rl.grpo.trainer import Parts, evaluate, run, setup, step, step_metrics
+from jaxrl.rl.grpo.parts import Parts
+from jaxrl.rl.grpo.trainer import evaluate, run, setup, step, step_metrics
 from jaxrl.rl.grpo.update import (batch_logprobs, grpo_loss, make_batch_logprobs_fn,
                                   make_logprobs_fn, old_logp_from_update, update)
 

@@ -1,10 +1,9 @@
 """GRPO's experience (steps 1-5 of a step): sync the policy's weights into the sampler,
 generate and score the rollouts, the learner's log-probs of the sampled tokens (reference and
-old), and the advantages; and the prompts and batch layouts they come in."""
+old), and the advantages. What they make, Experience and its batch layouts, is in batch.py."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import time
@@ -14,41 +13,21 @@ import jax
 import numpy as np
 
 from jaxrl.backends import on_cpu
-from jaxrl.errors import ConfigError
 from jaxrl.models.flops import rollout_flops
 from jaxrl.parallel.distributed import to_host
 from jaxrl.objectives import advantages as adv_lib
 from jaxrl.objectives import losses
 from jaxrl.rl.grpo.rewards import score_rollout
-from jaxrl.rl.grpo.packing import device_batch
+from jaxrl.rl.grpo.batch import (Experience, completion_width, device_batch,
+                                 grouped_learner_batch, learner_batch)
 from jaxrl.rl.grpo.update import logprob_micro_batches, old_policy_sums, sampler_log_ratio
-from jaxrl.sampler import Rollout, bucket, generate
+from jaxrl.sampler import Rollout, generate
 from jaxrl.sampler import metrics as rollout_metrics
 from jaxrl.sampler.rollout import generate_stream
 from jaxrl.sampler.scheduler import Options
 
 if TYPE_CHECKING:
-  from jaxrl.rl.grpo.trainer import Parts
-
-
-@dataclasses.dataclass
-class Experience:
-  """One step's scored rollouts, as the update consumes them. Host arrays, the same on every
-  process; N = prompts x G rows, rows p*G .. p*G+G-1 answering prompt p."""
-  step: int
-  version: int            # the oldest version that sampled it: step, or up to
-                          # rollout.max_staleness less when async
-  rollout: Rollout
-  rewards_bg: np.ndarray  # [B, G] the rewards, before any KL shaping
-  # The learner batch: the model inputs in either layout (learner_batch or
-  # grouped_learner_batch), mask, sampler_logp, ref_logp, adv, beta, and old_logp when a
-  # separate forward gave them.
-  batch: dict[str, np.ndarray]
-  old_sums: dict | None   # that forward's old_policy_sums; None: the update's forward gives them
-  reward_stats: dict
-  gen_stats: dict
-  frac_zero: float        # of the first round's groups, whose G rewards were all equal
-  times: dict             # seconds: gen, gen_wait (what the learner waited), old, ref
+  from jaxrl.rl.grpo.parts import Parts
 
 
 def make_experience(p: Parts, state, prompts: list[dict], step: int) -> Experience:
@@ -359,174 +338,3 @@ def _concat_groups(parts, G: int):
       finish_reasons=[ro.finish_reasons[s] for ro, s in rows],
       prompt_index=np.arange(len(rows)) // G,
       versions=stack("versions", lc, fill=-1) if first.versions is not None else None)
-
-
-# ----------------------------------------------------------------------------- prompts
-
-
-# What a checkpoint of async generation adds to the stream's state (producer.py's resume rule).
-RESUME_KEYS = ("unit", "skip", "unit_step", "nominal", "round")
-
-
-class PromptStream:
-  """B prompt records per step from a list, reshuffled each epoch from (seed, epoch); its
-  position is checkpointed beside the train state, so a resumed run sees the same prompts."""
-
-  def __init__(self, records: list[dict], batch: int, seed: int, extras: dict | None = None,
-               learner_state: dict | None = None):
-    if not records:
-      raise ConfigError("the RL prompt set is empty: set data.task or data.train_file.")
-    self.records, self.batch, self.seed = records, batch, seed
-    self.epoch, self.pos = 0, 0
-    # Host-side state that must resume with the prompts: objects with get_state()/set_state(),
-    # checkpointed under their names. `extras` are what scoring updates (the reward models'
-    # running normaliser), which async generation does in the background: saved as of the last
-    # mark(). `learner_state` is what only the learner's own step changes (the KL coefficient,
-    # the alarms' history): saved as it is when the checkpoint is written.
-    self.extras = dict(extras or {})
-    self.learner_state = dict(learner_state or {})
-    self._marked: dict | None = None  # the extras' state at the last mark()
-    # Async generation (producer.py): where the producer starts (the position this stream was
-    # created or restored at, and the queue's unit/skip from a checkpoint), and the queue's
-    # resume point, which get_state() then saves instead of this stream's own position.
-    self.origin = (0, 0)
-    self.resume_queue: dict = {}
-    self.queue_state: dict | None = None
-
-  def _order(self):
-    return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.records))
-
-  def __iter__(self):
-    return self
-
-  def __next__(self) -> list[dict]:
-    out = []
-    while len(out) < self.batch:
-      order = self._order()
-      take = order[self.pos:self.pos + self.batch - len(out)]
-      out += [self.records[i] for i in take]
-      self.pos += len(take)
-      if self.pos >= len(self.records):
-        self.epoch, self.pos = self.epoch + 1, 0
-    return out
-
-  def peek(self) -> list[dict]:
-    """The batch the next `next()` returns, without advancing (async generation starts on it
-    one step early). Only the position is rewound; the extras are not touched."""
-    epoch, pos = self.epoch, self.pos
-    try:
-      return next(self)
-    finally:
-      self.epoch, self.pos = epoch, pos
-
-  def mark(self) -> None:
-    """Records the extras' state now (a copy); get_state() returns it until the next mark, so
-    a checkpoint holds what steps <= k put in (e.g. the RM normaliser after step k's scoring),
-    and a save never reads a half-updated state. (Async generation checkpoints the rollout
-    queue's own resume point instead: queue_state, producer.py.)"""
-    self._marked = self.snapshot()
-
-  def clone(self) -> "PromptStream":
-    """A stream of the same records and order at the position this one started or resumed
-    at (the producer's own cursor), without the host state."""
-    other = PromptStream(self.records, self.batch, self.seed)
-    other.epoch, other.pos = self.origin
-    return other
-
-  def snapshot(self) -> dict:
-    """The extras' state now, copied (what scoring changes: a resume restores it)."""
-    return {k: copy.deepcopy(v.get_state()) for k, v in self.extras.items()}
-
-  def get_state(self) -> dict:
-    if self.queue_state:
-      return {**self.queue_state,
-              **{k: v.get_state() for k, v in self.learner_state.items()}}
-    extras = (self._marked if self._marked is not None
-              else {k: v.get_state() for k, v in self.extras.items()})
-    return {"epoch": self.epoch, "pos": self.pos, **extras,
-            **{k: v.get_state() for k, v in self.learner_state.items()}}
-
-  def set_state(self, state: dict) -> None:
-    self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
-    self.origin = (self.epoch, self.pos)
-    self.resume_queue = {k: int(state[k]) for k in RESUME_KEYS if k in state}
-    # A key missing from an older checkpoint leaves that state as configured.
-    for k, v in {**self.extras, **self.learner_state}.items():
-      if k in state:
-        v.set_state(state[k])
-    self.mark()
-
-
-
-# ----------------------------------------------------------------------------- the batch
-
-
-def learner_batch(rollout, *, length: int, pad_id: int) -> dict[str, np.ndarray]:
-  """Rollout -> next-token arrays over prompt + completion, right-padded to `length` + 1.
-
-  Row s is prompt s's tokens then its completion's. Target index t predicts token t+1, so the
-  completion's first token is the target at index len(prompt) - 1. `mask` marks completion
-  targets the model sampled (completion_mask: a multi-turn rollout's template and tool tokens
-  are inputs, not targets); `sampler_logp` is the sampler's log-prob of each such target.
-  """
-  N = rollout.completion_ids.shape[0]
-  seq = np.full((N, length + 1), pad_id, np.int32)
-  mask = np.zeros((N, length), np.float32)
-  sampler_logp = np.zeros((N, length), np.float32)
-  for s in range(N):
-    p = int(rollout.prompt_lengths[s])
-    c = int(rollout.lengths[s])
-    seq[s, :p] = rollout.prompt_ids[s, :p]
-    seq[s, p:p + c] = rollout.completion_ids[s, :c]
-    mask[s, p - 1:p - 1 + c] = rollout.completion_mask[s, :c]
-    sampler_logp[s, p - 1:p - 1 + c] = rollout.logprobs[s, :c]
-  positions = np.broadcast_to(np.arange(length, dtype=np.int32), (N, length))
-  return {"inputs": seq[:, :-1], "targets": seq[:, 1:], "positions": np.array(positions),
-          "mask": mask, "sampler_logp": sampler_logp}
-
-
-def grouped_learner_batch(rollout, *, prompt_len: int, group: int, pad_id: int,
-                          width: int | None = None) -> dict[str, np.ndarray]:
-  """Rollout -> the shared-prompt form: each group's prompt once, its G completions after it.
-
-  prompt [P, prompt_len] right-padded, prompt_len [P, 1], completion [N, Tc] (the targets:
-  index t holds completion token t), and mask / sampler_logp [N, Tc] on the completion's own
-  index (see Transformer.grouped_hidden). Rows p*G .. p*G+G-1 must share prompt p. Tc is
-  `width` (completions right-padded to it, masked out; see completion_width), or the
-  rollout's longest completion.
-  """
-  N, Tc = rollout.completion_ids.shape
-  if width is not None:
-    if width < Tc:
-      raise ValueError(f"grouped_learner_batch: width={width} is shorter than the rollout's "
-                       f"longest completion ({Tc} tokens)")
-    pad = ((0, 0), (0, width - Tc))
-    rollout = dataclasses.replace(
-        rollout, completion_ids=np.pad(rollout.completion_ids, pad, constant_values=pad_id),
-        logprobs=np.pad(rollout.logprobs, pad),
-        completion_mask=np.pad(rollout.completion_mask, pad))
-    Tc = width
-  P = N // group
-  first = np.arange(P) * group
-  if not all((rollout.prompt_index[first[p]:first[p] + group] ==
-              rollout.prompt_index[first[p]]).all() for p in range(P)):
-    raise ValueError("grouped_learner_batch: each group's rows must share one prompt")
-  prompt = np.full((P, prompt_len), pad_id, np.int32)
-  lengths = rollout.prompt_lengths[first].astype(np.int32)
-  for p in range(P):
-    prompt[p, :lengths[p]] = rollout.prompt_ids[first[p], :lengths[p]]
-  inside = np.arange(Tc)[None, :] < rollout.lengths[:, None]
-  completion = np.where(inside, rollout.completion_ids, pad_id).astype(np.int32)
-  # The model's own tokens (a multi-turn rollout's template and tool tokens are not trained).
-  mask = (inside & (rollout.completion_mask > 0)).astype(np.float32)
-  return {"prompt": prompt, "prompt_len": lengths[:, None], "completion": completion,
-          "mask": mask, "sampler_logp": (rollout.logprobs * mask).astype(np.float32)}
-
-
-def completion_width(longest: int, max_new_tokens: int) -> int:
-  """The completion width of a shared-prompt learner batch: the power of two >= the rollout's
-  longest completion (at least 16), capped at rollout.max_new_tokens. The learner's jits
-  compile once per width, so a run compiles them at most log2(max_new_tokens / 16) + 1 times
-  instead of once per new longest length (each ~10 s for the demo's reference forward and
-  update on 8 CPU devices), at the cost of computing up to twice the completion positions."""
-  return max(min(bucket(longest, minimum=16), max_new_tokens), longest)

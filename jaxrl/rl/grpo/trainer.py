@@ -40,7 +40,6 @@ logged as is_ratio/mean and can correct the loss by truncated importance samplin
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -49,8 +48,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import NamedSharding
 
 from jaxrl.data import prefs
 from jaxrl.data.hf_tokenizer import eos_ids
@@ -60,13 +57,14 @@ from jaxrl.evals.evaluator import EnvEvaluator, Evaluator, checker_for
 from jaxrl.models import ModelConfig, abstract_model, lora
 from jaxrl.models.flops import rollout_flops
 from jaxrl.parallel import batch_sharding
-from jaxrl.parallel.distributed import global_array
 from jaxrl.parallel.sync import SamplerCopy, WeightSync, cast_floats
-from jaxrl.rewards import RewardSpec
 from jaxrl.rewards import model as rm_lib
 from jaxrl.rl.grpo.config import (CHOICES, conversation_tokens, default_config,
                                   grouped_forward, prompt_length, ref_dtype)
-from jaxrl.rl.grpo.experience import Experience, PromptStream, make_experience
+from jaxrl.data.prompts import PromptStream
+from jaxrl.rl.grpo.batch import Experience
+from jaxrl.rl.grpo.experience import make_experience
+from jaxrl.rl.grpo.parts import Parts
 from jaxrl.rl.grpo.monitors import Alarms, KLCoefficient
 from jaxrl.rl.grpo.programs import programs
 from jaxrl.rl.grpo.rewards import reward_specs
@@ -164,62 +162,6 @@ def evaluate(p: Parts, params, step: int) -> dict:
       for row in p.evaluator.samples(keep):
         f.write(json.dumps({"step": step, **row}) + "\n")
   return m
-
-
-# ----------------------------------------------------------------------------- the parts
-
-
-@dataclasses.dataclass
-class Parts:
-  """A run's fixed parts, built once by setup(): what make_experience, update, step_metrics and
-  evaluate read. Only the host state (the stream, beta, the alarms, the reward models'
-  normaliser, async generation's rollout queue) changes between steps."""
-  run: Run                    # the run dir, learner mesh, placement, checkpointer
-  task: Any                   # the built-in task (its checker), or None
-  shardings: Any              # the train state's
-  shd: NamedSharding          # the learner batch's rows
-  updates_per_step: int       # num_iterations x minibatches
-  # Generation and scoring (steps 1-3).
-  engine: Engine
-  weight_sync: WeightSync
-  sampler_copy: SamplerCopy
-  queue: Any                  # async generation's RolloutQueue (producer.py), made on its
-                              # first step; None until then and when synchronous
-  stream: PromptStream
-  specs: list[RewardSpec]
-  rms: rm_lib.RewardModels | None
-  rm_norm: rm_lib.RunningNorm | None
-  prompt_len: int             # prompts are right-padded to it
-  length: int                 # prompt_len + max_new_tokens: the joined rows' length
-  # The learner (steps 4-6).
-  grouped: bool               # the shared-prompt layout (grouped_learner_batch)
-  old_from_update: bool       # update.old_logp_from_update
-  logprobs_fn: Any            # jitted (params, batch) -> (log-probs, entropy or None)
-  train_step: Any             # jitted (state, batch) -> (state, metrics)
-  reference: Any              # the frozen reference's params
-  beta: KLCoefficient
-  alarms: Alarms
-  # The held-out eval (multi-turn with an environment); None: no held-out records or checker.
-  evaluator: Evaluator | EnvEvaluator | None
-  # Multi-turn rollouts (jaxrl.envs): (name, make_env) and the chat renderer; None: single-turn.
-  env: Any = None
-  renderer: Any = None
-
-  # The run's: the config, the ModelConfig, the tokenizer and the learner's mesh.
-  config = property(lambda self: self.run.config)
-  cfg = property(lambda self: self.run.cfg)
-  tokenizer = property(lambda self: self.run.tokenizer)
-  mesh = property(lambda self: self.run.mesh)
-
-  def put(self, rows: dict, sharding=None) -> dict:
-    """Host rows -> global arrays (the learner batch's sharding unless given). Every process
-    holds the whole batch (the rollout and its scores are the same on all of them, see
-    to_host); each takes its own shards of it."""
-    return {k: global_array(np.asarray(v), sharding or self.shd) for k, v in rows.items()}
-
-  def close(self) -> None:
-    """Waits for the rollout under way and the checkpoint being written; closes the run dir."""
-    self.run.close()
 
 
 def reference_copy(params, dtype: str):

@@ -46,8 +46,8 @@ from jaxrl.objectives import gae as gae_lib
 from jaxrl.objectives import losses
 from jaxrl.parallel.distributed import to_host
 from jaxrl.rl.grpo import trainer as grpo
-from jaxrl.rl.grpo.experience import Experience, learner_forwards
-from jaxrl.rl.grpo.packing import device_batch
+from jaxrl.rl.grpo.batch import Experience, device_batch
+from jaxrl.rl.grpo.experience import learner_forwards
 from jaxrl.rl.grpo.update import logprob_micro_batches, minibatches, old_policy_means
 from jaxrl.rl.ppo.config import CHOICES, default_config
 from jaxrl.rl.ppo.critic import (critic_config, critic_optimizer, critic_source, init_critic,
