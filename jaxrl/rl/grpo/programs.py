@@ -168,43 +168,69 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
       attention_bytes=scores(N // (replicas * micro), Tc if grouped else Tp + Tc, Tp + Tc))
 
   progs = [train, fwd]
-  # The reward models' forward (rm_lib.RewardModels.score, as setup() loads it): every RM over
-  # the step's N rows of prompt + completion in one jit, after generation (colocated: the
-  # sampler's weights are still on the chips; they are released before the update).
+  rm = _reward_forward(config, cfg, mesh, state, shd, N=N, L=Tp + Tc, replicas=replicas,
+                       ref_bytes=ref_bytes, knobs=knobs, scores=scores)
+  if rm is not None:
+    progs.append(rm)
+  sync, prefill, decode, held = _sampler_programs(config, cfg, placement, state, resident,
+                                                  Tp=Tp, Tc=Tc)
+  if placement.mode == "colocated":
+    if rm is not None:  # the sampler copy is released after scoring, before the update
+      rm.resident.update({"sampler weights": held["sampler weights"], **held["base"]})
+    if placement.keep_sampler_copy:
+      train.resident.update({"sampler weights": held["sampler weights"],
+                             "kv cache": held["kv cache"]})
+    train.resident.update(held["base"])  # LoRA: the sampler's base copy stays over the update
+  work = Workload(rows=max(1, n_mb // (replicas * config.optim.accum_steps)), seq_len=width,
+                  reference=True, slots=r.slots, max_len=Tp + Tc, **knobs)
+  return work, [*progs, prefill, decode, sync]
+
+
+def _reward_forward(config, cfg, mesh, state, shd, *, N: int, L: int, replicas: int,
+                    ref_bytes: int, knobs: dict, scores) -> Program | None:
+  """The reward models' forward (rm_lib.RewardModels.score, as setup() loads it): every RM over
+  the step's N rows of L tokens (prompt + completion) in one jit, after generation; None
+  without reward models."""
   roles = rm_lib.plan_roles(config)
-  if roles:
-    rm_graphdefs, rm_plain, rm_params, layers, vocab = [], [], [], 0, 0
-    for _, rm_cfg, feature in roles:
-      model = functools.partial(RewardModel, logprob_feature=feature)
-      abstract = abstract_model(rm_cfg, model)
-      rm_graphdefs.append(abstract[0])
-      rm_plain.append(pg.plain_graphdef(rm_cfg, model))
-      rm_params.append(pg.params_of(abstract, mesh, "learner"))
-      layers += rm_cfg.num_layers
-      vocab = max(vocab, rm_cfg.vocab_size if feature else 0)  # the log-prob feature's head
-    depths = {rm_cfg.num_layers for _, rm_cfg, _ in roles}  # one: two blocks traced
-    rms = rm_lib.RewardModels(rm_graphdefs, rm_params, [label for label, *_ in roles], mesh)
-    L = Tp + Tc
-    rm_batch = {"tokens": pg.spec((N, L), "int32", shd), "positions": pg.spec((N, L), "int32", shd),
-                "last": pg.spec((N,), "int32", batch_sharding(mesh, 1, "learner")),
-                "logp_mask": pg.spec((N, L), "float32", shd)}
+  if not roles:
+    return None
+  rm_graphdefs, rm_plain, rm_params, layers, vocab = [], [], [], 0, 0
+  for _, rm_cfg, feature in roles:
+    model = functools.partial(RewardModel, logprob_feature=feature)
+    abstract = abstract_model(rm_cfg, model)
+    rm_graphdefs.append(abstract[0])
+    rm_plain.append(pg.plain_graphdef(rm_cfg, model))
+    rm_params.append(pg.params_of(abstract, mesh, "learner"))
+    layers += rm_cfg.num_layers
+    vocab = max(vocab, rm_cfg.vocab_size if feature else 0)  # the log-prob feature's head
+  depths = {rm_cfg.num_layers for _, rm_cfg, _ in roles}  # one: two blocks traced
+  rms = rm_lib.RewardModels(rm_graphdefs, rm_params, [label for label, *_ in roles], mesh)
+  rm_batch = {"tokens": pg.spec((N, L), "int32", shd), "positions": pg.spec((N, L), "int32", shd),
+              "last": pg.spec((N,), "int32", batch_sharding(mesh, 1, "learner")),
+              "logp_mask": pg.spec((N, L), "float32", shd)}
 
-    def plain_score(params_m, b):  # without remat: one block's activations
-      return jnp.stack([reward_apply(g, q, b["tokens"], b["positions"], b["last"],
-                                     logp_mask_bt=b["logp_mask"])
-                        for g, q in zip(rm_plain, params_m)])
-    progs.append(Program(
-        "reward forward", rms._score, (rm_params, *rm_batch.values()), "forward",
-        resident={"actor params + optimizer state": abstract_bytes(state),
-                  "reference params": ref_bytes},
-        flops=len(roles) * forward_flops(cfg, tokens=N * L, pairs=N * L * (L + 1) / 2),
-        tokens=N * L, rows=N // replicas, seq_len=L, vocab=vocab,
-        logits_chunk=knobs["logits_chunk"],
-        layer_bytes=pg.layer_bytes(plain_score, rm_params, rm_batch, layers=layers, mesh=mesh,
-                                   depth=min(depths) if len(depths) == 1 else 0),
-        attention_bytes=scores(N // replicas, L, L)))
+  def plain_score(params_m, b):  # without remat: one block's activations
+    return jnp.stack([reward_apply(g, q, b["tokens"], b["positions"], b["last"],
+                                   logp_mask_bt=b["logp_mask"])
+                      for g, q in zip(rm_plain, params_m)])
+  return Program(
+      "reward forward", rms._score, (rm_params, *rm_batch.values()), "forward",
+      resident={"actor params + optimizer state": abstract_bytes(state),
+                "reference params": ref_bytes},
+      flops=len(roles) * forward_flops(cfg, tokens=N * L, pairs=N * L * (L + 1) / 2),
+      tokens=N * L, rows=N // replicas, seq_len=L, vocab=vocab,
+      logits_chunk=knobs["logits_chunk"],
+      layer_bytes=pg.layer_bytes(plain_score, rm_params, rm_batch, layers=layers, mesh=mesh,
+                                 depth=min(depths) if len(depths) == 1 else 0),
+      attention_bytes=scores(N // replicas, L, L))
 
-  # The sampler: weights in its layout (cast by the sync), prefill, decode steps.
+
+def _sampler_programs(config, cfg, placement, state, resident: dict, *, Tp: int, Tc: int):
+  """(weight sync, prefill, decode steps, held): the sampler's programs, its weights in its
+  layout (cast by the sync), and `held`, the bytes it keeps on its chips ("sampler weights",
+  "kv cache", and "base": the LoRA base copy's, {} without LoRA)."""
+  r, G = config.rollout, config.rollout.group_size
+  mesh, smesh = placement.learner.mesh, placement.sampler.mesh
   sync_dtype = config.placement.sync_dtype or None
 
   def sampler_params(c):
@@ -260,7 +286,6 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
   key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
                              sharding=NamedSharding(smesh, P()))
   n_prefill = bucket(max(1, min(r.prompts_per_step, -(-r.slots // G))), minimum=1)
-  vec = batch_sharding(smesh, 1, "sampler")
   rep = NamedSharding(smesh, P())
   prefill = pg.forward_program(
       "prefill", engine._prefill,
@@ -282,13 +307,6 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
       flops=steps * forward_flops(cfg, tokens=r.slots, pairs=r.slots * max_len),
       tokens=steps * r.slots, rows=slots_dev, seq_len=1, vocab=cfg.vocab_size)
   prefill.resident["kv cache"] = abstract_bytes(dstate)  # allocated before the first prefill
-  if colocated and roles:  # the sampler copy is released after scoring, before the update
-    progs[-1].resident.update({"sampler weights": abstract_bytes(sparams), **sbase})
-  if colocated and placement.keep_sampler_copy:
-    train.resident.update({"sampler weights": abstract_bytes(sparams),
-                           "kv cache": abstract_bytes(dstate)})
-  if colocated:
-    train.resident.update(sbase)  # LoRA: the sampler's base copy stays over the update
-  work = Workload(rows=max(1, n_mb // (replicas * config.optim.accum_steps)), seq_len=width,
-                  reference=True, slots=r.slots, max_len=max_len, **knobs)
-  return work, [*progs, prefill, decode, sync]
+  held = {"sampler weights": abstract_bytes(sparams), "kv cache": abstract_bytes(dstate),
+          "base": sbase}
+  return sync, prefill, decode, held
