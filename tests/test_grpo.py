@@ -536,7 +536,7 @@ def test_a_step_by_hand_is_the_runs_step(repo_root, tmp_path, devices):
   p, state = grpo.setup(config_lib.load_config(spec, overrides), str(tmp_path / "hand"),
                         out=lambda *a: None)
   try:
-    experience = grpo.make_experience(p, state, next(p.stream), step=0)
+    experience = grpo.make_experience(p, state, next(p.rollouts.stream), step=0)
     # One update per step: the update's own forward gives the old log-probs.
     assert grpo.old_logp_from_update(p.config.algo)
     assert experience.old_sums is None and "old_logp" not in experience.batch

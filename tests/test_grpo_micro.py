@@ -89,10 +89,10 @@ def test_the_trainer_runs_its_logprob_forward_in_the_updates_micro_batches(
   p, state = setup(config, str(tmp_path / "run"), out=lambda *a, **k: None)
   try:
     rollout = _rollout(np.random.default_rng(1), 4, 4, 8)
-    b = grpo.learner_batch(rollout, length=p.length, pad_id=0)
+    b = grpo.learner_batch(rollout, length=p.rollouts.length, pad_id=0)
     dev = p.put({k: b[k] for k in ("inputs", "targets", "positions")})
-    hlo = p.logprobs_fn.lower(state.params, dev).as_text()
+    hlo = p.learner.logprobs_fn.lower(state.params, dev).as_text()
     assert ("stablehlo.while" in hlo) == (accum > 1)
-    assert np.isfinite(np.asarray(p.logprobs_fn(state.params, dev)[0])).all()
+    assert np.isfinite(np.asarray(p.learner.logprobs_fn(state.params, dev)[0])).all()
   finally:
     p.close()

@@ -295,10 +295,10 @@ def test_grpo_rollout_prompts_are_chat_templated(tmp_path, repo_root, devices, m
       "rewards=exact_match"])
   p, state = trainer.setup(config, str(tmp_path / "grpo"), out=lambda *a: None)
   try:
-    assert p.engine.sampling.stop_tokens == (p.tokenizer.eos_id,)
+    assert p.rollouts.engine.sampling.stop_tokens == (p.tokenizer.eos_id,)
     assert p.evaluator.ids == [chat["ids"]] * 4  # the held-out eval prompts the same way
-    prompts = next(p.stream)
-    params_s = p.sampler_copy.refresh(state.params)
+    prompts = next(p.rollouts.stream)
+    params_s = p.rollouts.sampler_copy.refresh(state.params)
     rollout, rewards, _ = experience.sample(p, params_s, prompts, 0, 0)
     for i in range(len(rollout.lengths)):
       assert rollout.prompt_ids[i, :rollout.prompt_lengths[i]].tolist() == chat["ids"]

@@ -116,7 +116,7 @@ def _assert_reference_is_the_base_with_adapters_off(p, state):
   """PPO's reference is the actor's own frozen base (the same arrays: no copy) with zero
   adapters, and with trained (random) adapters it still computes the base model's logits."""
   base, _ = lora.split_lora(state.actor.params)
-  ref_base, ref_adapters = lora.split_lora(p.reference)
+  ref_base, ref_adapters = lora.split_lora(p.learner.reference)
   assert all(x is y for x, y in zip(jax.tree.leaves(base), jax.tree.leaves(ref_base),
                                     strict=True))
   assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree.leaves(ref_adapters))

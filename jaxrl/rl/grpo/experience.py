@@ -42,7 +42,7 @@ def make_experience(p: Parts, state, prompts: list[dict], step: int) -> Experien
                                           estimator=a.kl_estimator,
                                           clamp=a.kl_clamp or None))
     seq_rewards = np.asarray(losses.kl_in_reward(rewards_b=seq_rewards, kl_bt=kl_tok,
-                                                 mask_bt=mask, beta=p.beta.value))
+                                                 mask_bt=mask, beta=p.learner.beta.value))
   adv = np.asarray(adv_lib.compute(a.advantage, rewards_bg=seq_rewards.reshape(
       -1, r.group_size), clip=a.adv_clip or None)).reshape(-1)
   return f.experience(p, {"adv": np.broadcast_to(adv[:, None], mask.shape).astype(np.float32)})
@@ -69,7 +69,7 @@ class Forwards:
     """The Experience of this rollout with `extra` (the advantages, and whatever else the
     update reads) added to the learner batch, and beta."""
     mask = self.batch["mask"]
-    batch = {**self.batch, **extra, "beta": np.full(mask.shape, p.beta.value, np.float32)}
+    batch = {**self.batch, **extra, "beta": np.full(mask.shape, p.learner.beta.value, np.float32)}
     s = self.scored
     return Experience(
         step=self.step, version=self.version, rollout=s.rollout, rewards_bg=s.rewards_bg,
@@ -84,20 +84,21 @@ def learner_forwards(p: Parts, state, prompts: list[dict], step: int) -> Forward
   a, r = p.config.algo, p.config.rollout
   version, scored, t_wait = scored_rollouts(p, state, prompts, step)  # 1-3
   rollout = scored.rollout
-  if p.grouped:  # each group's prompt once, its G completions after it
+  if p.learner.grouped:  # each group's prompt once, its G completions after it
     # Packed, the forward's positions do not grow with the width (the rows are what runs), so
     # it is the longest a completion can be: one shape fewer to compile per row count.
-    width = (p.length - p.prompt_len if a.pack_completions else
-             completion_width(rollout.completion_ids.shape[1], p.length - p.prompt_len))
+    longest = p.rollouts.length - p.rollouts.prompt_len
+    width = (longest if a.pack_completions else
+             completion_width(rollout.completion_ids.shape[1], longest))
     batch = grouped_learner_batch(
-        rollout, prompt_len=p.prompt_len, group=r.group_size, pad_id=p.tokenizer.pad_id,
+        rollout, prompt_len=p.rollouts.prompt_len, group=r.group_size, pad_id=p.tokenizer.pad_id,
         width=width)
     inputs = ("prompt", "prompt_len", "completion")
     if a.pack_completions:  # the programs' batches are packed (packing.device_batch)
       batch["completion_len"] = rollout.lengths.astype(np.int32)
       inputs += ("completion_len",)
   else:
-    batch = learner_batch(rollout, length=p.length, pad_id=p.tokenizer.pad_id)
+    batch = learner_batch(rollout, length=p.rollouts.length, pad_id=p.tokenizer.pad_id)
     inputs = ("inputs", "targets", "positions")
   mask = batch["mask"]
   if a.mask_truncated:
@@ -107,9 +108,9 @@ def learner_forwards(p: Parts, state, prompts: list[dict], step: int) -> Forward
   # 4. The learner's log-probs of the sampled tokens: the old policy's, unless the update's
   # own forward gives them (update.old_logp_from_update), and the frozen reference's.
   old, old_np, old_sums, t_old = {}, None, None, 0.0
-  if not p.old_from_update:
+  if not p.learner.old_from_update:
     t0 = time.perf_counter()
-    old_logp, entropy = jax.block_until_ready(p.logprobs_fn(state.params, dev))
+    old_logp, entropy = jax.block_until_ready(p.learner.logprobs_fn(state.params, dev))
     t_old = time.perf_counter() - t0
     old_np, entropy = to_host((old_logp, entropy))
     old = {"old_logp": old_np.astype(np.float32)}
@@ -117,7 +118,7 @@ def learner_forwards(p: Parts, state, prompts: list[dict], step: int) -> Forward
                                   mask=mask)
     old_sums = old_policy_sums(log_ratio=log_ratio, entropy=entropy, mask=mask)
   t0 = time.perf_counter()
-  ref_logp, _ = jax.block_until_ready(p.logprobs_fn(p.reference, dev))
+  ref_logp, _ = jax.block_until_ready(p.learner.logprobs_fn(p.learner.reference, dev))
   t_ref = time.perf_counter() - t0
   ref_np = to_host(ref_logp)
   batch = {**{k: batch[k] for k in inputs + ("mask", "sampler_logp")}, **old,
@@ -148,10 +149,10 @@ def scored_rollouts(p: Parts, state, prompts: list[dict], step: int):
   versions behind: this step publishes its weights to it and takes B groups."""
   if p.config.rollout.async_generation:
     return queued_rollouts(p, state, step)
-  params_s = p.sampler_copy.refresh(state.params)  # 1
+  params_s = p.rollouts.sampler_copy.refresh(state.params)  # 1
   scored = sample_and_score(p, params_s, prompts, step)  # 2-3
-  p.stream.mark()
-  p.sampler_copy.before_update()  # colocated: its memory goes to the update
+  p.rollouts.stream.mark()
+  p.rollouts.sampler_copy.before_update()  # colocated: its memory goes to the update
   return step, scored, scored.t_gen
 
 
@@ -162,16 +163,16 @@ def queued_rollouts(p: Parts, state, step: int):
   from jaxrl.parallel.distributed import process_zero_value
   from jaxrl.rl.grpo.producer import RolloutQueue
   r, a = p.config.rollout, p.config.algo
-  if p.queue is None:  # the first step of this run, fresh or resumed
-    stream = p.stream
-    p.queue = RolloutQueue(
+  if p.rollouts.queue is None:  # the first step of this run, fresh or resumed
+    stream = p.rollouts.stream
+    p.rollouts.queue = RolloutQueue(
         sample=lambda params, prompts, unit, **kw: sample(p, params, prompts, unit, 0, **kw),
         stream=stream.clone(), batch=r.prompts_per_step, group=r.group_size,
         max_staleness=r.get("max_staleness", 1), filter_zero_std=a.filter_zero_std,
         max_refill_rounds=a.max_refill_rounds, start_step=step,
         partial=bool(r.get("partial_rollouts", False)),
         end_step=p.config.train.steps, resume=stream.resume_queue,
-        snapshot=stream.snapshot, release=p.weight_sync.release,
+        snapshot=stream.snapshot, release=p.rollouts.weight_sync.release,
         # Partial rollouts across processes: every process switches at process 0's choice.
         agree=(process_zero_value("rollout_version")
                if r.get("partial_rollouts") and jax.process_count() > 1 else None),
@@ -185,13 +186,13 @@ def queued_rollouts(p: Parts, state, step: int):
   # decoding beside the sync either way, and version `step` gates the unit for step + k (and,
   # with partial rollouts, is the newest a decode call can switch to): published before the
   # learner waits for its groups, it is there while the learner waits, not after.
-  early = step == p.queue.floor or p.queue.k > 1
+  early = step == p.rollouts.queue.floor or p.rollouts.queue.k > 1
   if early:
-    p.queue.publish(step, p.weight_sync(state.params))
-  taken = p.queue.take(step)  # 2-3, done in the background
+    p.rollouts.queue.publish(step, p.rollouts.weight_sync(state.params))
+  taken = p.rollouts.queue.take(step)  # 2-3, done in the background
   if not early:
-    p.queue.publish(step, p.weight_sync(state.params))
-  p.stream.queue_state = p.queue.checkpoint_state()
+    p.rollouts.queue.publish(step, p.rollouts.weight_sync(state.params))
+  p.rollouts.stream.queue_state = p.rollouts.queue.checkpoint_state()
   groups, G = taken.groups, r.group_size
   first = taken.units[groups[0].unit]
   if all(g.unit == first.index for g in groups) and [g.index for g in groups] == list(
@@ -231,7 +232,7 @@ def sample_and_score(p: Parts, params_s, prompts: list[dict], step: int) -> Scor
   frac_zero = float(zero.mean())
   gen_stats = rollout_metrics(rollout)
   if a.filter_zero_std and zero.any():
-    rollout, rewards_bg = _refill(rollout, rewards_bg, zero, sample_counted, p.stream,
+    rollout, rewards_bg = _refill(rollout, rewards_bg, zero, sample_counted, p.rollouts.stream,
                                   a.max_refill_rounds, G)
   t_gen = time.perf_counter() - t0 - reward_stats["timing_s/reward"]
   gen_stats["perf/tflops/gen"] = sum(flops) / max(t_gen, 1e-9) / 1e12
@@ -262,8 +263,8 @@ def stream_units(p: Parts, next_unit, weights):
     tag, records = got  # tag: (unit index, its prompt records)
     return tag, [p.run.prompts.ids(x) for x in records], _seed(p, tag[0], 0)
 
-  yield from generate_stream(p.engine, opened, weights=weights, n=r.group_size,
-                             max_prompt_len=p.prompt_len, options=_options(p))
+  yield from generate_stream(p.rollouts.engine, opened, weights=weights, n=r.group_size,
+                             max_prompt_len=p.rollouts.prompt_len, options=_options(p))
 
 
 def sample(p: Parts, params_s, prompts: list[dict], step: int, round_: int, weights=None):
@@ -272,11 +273,11 @@ def sample(p: Parts, params_s, prompts: list[dict], step: int, round_: int, weig
   r = p.config.rollout
   seed = _seed(p, step, round_)
 
-  if p.env is not None:  # multi-turn: the environment's rewards (jaxrl.envs.rollout)
+  if p.rollouts.env is not None:  # multi-turn: the environment's rewards (jaxrl.envs.rollout)
     return env_rollout(p, params_s, prompts, seed, weights)
   ids = [p.run.prompts.ids(x) for x in prompts]  # chat-templated for instruct checkpoints
-  rollout = generate(p.engine, params_s, ids, n=r.group_size, seed=seed,
-                     max_prompt_len=p.prompt_len, weights=weights, options=_options(p))
+  rollout = generate(p.rollouts.engine, params_s, ids, n=r.group_size, seed=seed,
+                     max_prompt_len=p.rollouts.prompt_len, weights=weights, options=_options(p))
   rewards, reward_stats = score_rollout(p, rollout, prompts)
   return rollout, rewards, reward_stats
 
@@ -287,10 +288,10 @@ def env_rollout(p: Parts, params_s, prompts: list[dict], seed: int, weights=None
   rewards are its summed step rewards (reward/env), accuracy the share of conversations it
   marked correct, and its seconds are the rollout's (timing_s/env)."""
   from jaxrl.envs.rollout import continued
-  r = p.config.rollout
+  r, ro = p.config.rollout, p.rollouts
   rollout, rewards, extra = continued(
-      p.engine, params_s, prompts, env=p.env, renderer=p.renderer, n=r.group_size, seed=seed,
-      max_turns=r.max_turns, budget=p.length - p.prompt_len, max_prompt_len=p.prompt_len,
+      ro.engine, params_s, prompts, env=ro.env, renderer=ro.renderer, n=r.group_size, seed=seed,
+      max_turns=r.max_turns, budget=ro.length - ro.prompt_len, max_prompt_len=ro.prompt_len,
       decode=p.tokenizer.decode, env_workers=r.get("env_workers", 8), options=_options(p),
       weights=weights)
   stats = {"reward/env": float(rewards.mean()), "accuracy": extra["accuracy"],

@@ -30,12 +30,12 @@ def score_rollout(p: Parts, rollout, prompts: list[dict]) -> tuple[np.ndarray, d
             for k in prompts[0]}
   fields["completion_length"] = [int(n) for n in rollout.lengths]
   t0 = time.perf_counter()
-  rewards, reward_stats = score(p.specs, texts, fields, normalize=p.config.normalize_rewards)
+  rewards, reward_stats = score(p.scorer.specs, texts, fields, normalize=p.config.normalize_rewards)
   if p.task is not None and f"reward/task_{p.task.name}" not in reward_stats:
     # The task's checker is not a reward here, but train accuracy is still worth logging.
     reward_stats["accuracy"] = float(np.mean([p.task.check(c, a) for c, a in
                                               zip(texts, fields["answer"])]))
-  if p.rms is not None:
+  if p.scorer.rms is not None:
     t1 = time.perf_counter()
     rm_values, rm_stats = rm_rewards(p, rollout)
     rewards = rewards + rm_values
@@ -50,15 +50,15 @@ def rm_rewards(p: Parts, rollout) -> tuple[np.ndarray, dict]:
   watches."""
   rm_cfg = p.config.reward_model
   tokens, positions, last, logp_mask = rm_lib.completion_inputs(
-      rollout, length=p.length, pad_id=p.tokenizer.pad_id, eos_id=p.tokenizer.eos_id)
+      rollout, length=p.rollouts.length, pad_id=p.tokenizer.pad_id, eos_id=p.tokenizer.eos_id)
   dev = p.put({"tokens": tokens, "positions": positions, "logp_mask": logp_mask})
-  scores_mn = p.rms.score(dev["tokens"], dev["positions"],
+  scores_mn = p.scorer.rms.score(dev["tokens"], dev["positions"],
                           p.put({"last": last}, batch_sharding(p.mesh, 1, "learner"))["last"],
                           dev["logp_mask"])
   scores_mn = to_host(scores_mn)  # every process scores every row (see to_host)
   raw = np.asarray(rm_lib.ensemble(scores_mn, mode=rm_cfg.ensemble, k=rm_cfg.k))
-  value = raw if p.rm_norm is None else np.asarray(rm_lib.ensemble(
-      p.rm_norm.normalize(scores_mn), mode=rm_cfg.ensemble, k=rm_cfg.k))
+  value = raw if p.scorer.rm_norm is None else np.asarray(rm_lib.ensemble(
+      p.scorer.rm_norm.normalize(scores_mn), mode=rm_cfg.ensemble, k=rm_cfg.k))
   stats = {"reward/rm_mean": float(raw.mean()), "reward/rm_std": float(raw.std())}
   if len(scores_mn) > 1:
     stats.update({f"reward/rm_{i}": float(x.mean()) for i, x in enumerate(scores_mn)})

@@ -64,7 +64,7 @@ from jaxrl.rl.grpo.config import (CHOICES, conversation_tokens, default_config,
 from jaxrl.data.prompts import PromptStream
 from jaxrl.rl.grpo.batch import Experience
 from jaxrl.rl.grpo.experience import make_experience
-from jaxrl.rl.grpo.parts import Parts
+from jaxrl.rl.grpo.parts import Learner, Parts, Rollouts, Scorer
 from jaxrl.rl.grpo.monitors import Alarms, KLCoefficient
 from jaxrl.rl.grpo.programs import programs
 from jaxrl.rl.grpo.rewards import reward_specs
@@ -82,26 +82,27 @@ def run(config, workdir: str, *, out=print) -> dict:
   """Trains (or resumes) the GRPO run in `workdir`; returns the summary."""
   p, state = setup(config, workdir, out=out)
   r = config.rollout
-  state = p.run.resume(state, p.shardings, p.stream, updates_per_step=p.updates_per_step)
+  state = p.run.resume(state, p.learner.shardings, p.rollouts.stream,
+                       updates_per_step=p.learner.updates_per_step)
   if p.cfg.lora_rank:  # share the resumed base, or the starting one would stay live beside it
-    p.reference = lora.adapters_off(state.params)
+    p.learner.reference = lora.adapters_off(state.params)
   return p.run.train(
-      state, functools.partial(step, p), p.stream, put=lambda b: b,
-      eval_fn=functools.partial(evaluate, p), updates_per_step=p.updates_per_step,
+      state, functools.partial(step, p), p.rollouts.stream, put=lambda b: b,
+      eval_fn=functools.partial(evaluate, p), updates_per_step=p.learner.updates_per_step,
       summary_extra=lambda: {"alarms": dict(p.alarms.raised), "kl/max": p.alarms.kl_max,
                              "reward_hacking_alarm": p.alarms.watching or "off"},
       banner=f"grpo: {p.cfg.num_params:,} parameters{lora.describe(p.cfg)}, "
-             f"{len(p.stream.records)} prompts, {r.prompts_per_step} x {r.group_size} samples "
-             f"per step, {config.train.steps} steps; placement {p.run.placement.mode}")
+             f"{len(p.rollouts.stream.records)} prompts, {r.prompts_per_step} x {r.group_size} "
+             f"samples per step, {config.train.steps} steps; placement {p.run.placement.mode}")
 
 
 def step(p: Parts, state, prompts: list[dict]):
   """One GRPO step: (state, metrics) after this step's prompts."""
   t_step = time.perf_counter()
-  n = int(jax.device_get(state.step)) // p.updates_per_step  # GRPO steps done
+  n = int(jax.device_get(state.step)) // p.learner.updates_per_step  # GRPO steps done
   experience = make_experience(p, state, prompts, n)  # 1-5
   state, upd = update(p, state, experience)  # 6
-  p.beta.after_step(p.config.algo, kl=upd["kl"], n_steps=len(experience.batch["mask"]))
+  p.learner.beta.after_step(p.config.algo, kl=upd["kl"], n_steps=len(experience.batch["mask"]))
   metrics = step_metrics(p, experience, upd)
   step_s = time.perf_counter() - t_step
   metrics["timing_s/step_wall"] = step_s
@@ -115,7 +116,7 @@ def step_metrics(p: Parts, e: Experience, upd: dict) -> dict:
   a, task, t = p.config.algo, p.task, e.times
   # Model FLOPs of one learner forward over this batch (jaxrl.models.flops); a backward
   # costs two forwards.
-  fwd_flops = rollout_flops(p.cfg, e.rollout, share_prompt=p.grouped)
+  fwd_flops = rollout_flops(p.cfg, e.rollout, share_prompt=p.learner.grouped)
   return {
       # (PPO's critic warm-up steps make no policy update: its metrics are absent then.)
       **{k: upd[k] for k in ("loss", "grad_norm", "lr", "kl", "entropy", "clipfrac/low",
@@ -131,17 +132,17 @@ def step_metrics(p: Parts, e: Experience, upd: dict) -> dict:
       "frac_zero_std_groups": e.frac_zero,
       **{k: upd[k] for k in ("is_ratio/mean",) if k in upd},
       "staleness/mean": float(e.step - e.version),
-      "kl/beta": p.beta.value,
+      "kl/beta": p.learner.beta.value,
       # gen: the rollout's own wall time; gen_wait: what the learner waited for it (less
       # than gen when generation overlapped the previous update).
       "timing_s/gen": t["gen"], "timing_s/gen_wait": t["gen_wait"],
       "timing_s/score": t["old"] + e.reward_stats["timing_s/reward"],
       "timing_s/ref": t["ref"], "timing_s/update": upd["timing_s/update"],
-      "timing_s/sync": p.weight_sync.last.ms / 1e3,
+      "timing_s/sync": p.rollouts.weight_sync.last.ms / 1e3,
       "perf/tflops/ref": fwd_flops / max(t["ref"], 1e-9) / 1e12,
       "perf/tflops/update": (3 * a.num_iterations * fwd_flops
                              / max(upd["timing_s/update"], 1e-9) / 1e12),
-      **p.weight_sync.last.metrics(), **e.gen_stats, **e.reward_stats,
+      **p.rollouts.weight_sync.last.metrics(), **e.gen_stats, **e.reward_stats,
   }
 
 
@@ -278,14 +279,19 @@ def setup(config, workdir: str, *, out=print, command: str = "grpo", choices=Non
   else:
     evaluator = _evaluator(run, graphdef, held_out, task, weight_sync, alarms)
   parts = Parts(
-      run=run, task=task, shardings=shardings, shd=shd, updates_per_step=updates_per_step,
-      engine=engine, weight_sync=weight_sync, sampler_copy=sampler_copy,
-      queue=None, stream=stream, specs=specs, rms=rms, rm_norm=rm_norm,
-      prompt_len=prompt_len, length=prompt_len + completion,  # fixed: jits compile once
-      grouped=grouped, old_from_update=old_from_update, logprobs_fn=logprobs_fn,
-      train_step=train_step, reference=reference, beta=beta, alarms=alarms,
-      evaluator=evaluator, env=env, renderer=renderer)
-  run.closers.append(lambda: parts.queue is not None and parts.queue.close())
+      run=run, task=task,
+      rollouts=Rollouts(engine=engine, weight_sync=weight_sync, sampler_copy=sampler_copy,
+                        stream=stream, prompt_len=prompt_len,
+                        length=prompt_len + completion,  # fixed: jits compile once
+                        env=env, renderer=renderer),
+      scorer=Scorer(specs=specs, rms=rms, rm_norm=rm_norm),
+      learner=Learner(shardings=shardings, shd=shd, updates_per_step=updates_per_step,
+                      grouped=grouped, old_from_update=old_from_update,
+                      logprobs_fn=logprobs_fn, train_step=train_step, reference=reference,
+                      beta=beta),
+      alarms=alarms, evaluator=evaluator)
+  run.closers.append(
+      lambda: parts.rollouts.queue is not None and parts.rollouts.queue.close())
   return parts, state
 
 

@@ -34,7 +34,7 @@ def update(p: Parts, state, experience: Experience):
   t0 = time.perf_counter()
   upd = []
   for mb in minibatches(p, experience):
-    state, m = p.train_step(state, p.put(device_batch(p, mb, p.config.optim.accum_steps)))
+    state, m = p.learner.train_step(state, p.put(device_batch(p, mb, p.config.optim.accum_steps)))
     upd.append(m)
   upd = to_host(upd)
   t_update = time.perf_counter() - t0
@@ -60,7 +60,7 @@ def minibatches(p: Parts, experience: Experience):
   N = full["mask"].shape[0]
   rng = np.random.default_rng([p.config.seed, experience.step])
   for _ in range(a.num_iterations):
-    if p.grouped:
+    if p.learner.grouped:
       for groups in np.array_split(rng.permutation(N // G), a.minibatches):
         rows = (groups[:, None] * G + np.arange(G)).reshape(-1)
         yield {k: v[groups] if k in ("prompt", "prompt_len") else v[rows]

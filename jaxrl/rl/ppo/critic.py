@@ -9,6 +9,9 @@ TrainState of its own in the learner layout (sharded as the policy is), with its
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -27,6 +30,16 @@ from jaxrl.train import rundir
 from jaxrl.train.optim import make_optimizer
 from jaxrl.train.run import starting_state
 from jaxrl.train.state import start_from_checkpoint
+
+
+@dataclasses.dataclass
+class Critic:
+  """PPO's critic role, beside GRPO's three (jaxrl.rl.grpo.parts): its graphdef and
+  ModelConfig (critic.lora), its value forward and its train step."""
+  graphdef: Any
+  cfg: ModelConfig
+  values_fn: Any              # jitted (critic params, batch) -> V [N, T]
+  step: Any                   # jitted (critic state, batch) -> (state, metrics)
 
 
 def critic_optimizer(config, total_updates: int):

@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any
 
 import flax.struct
 import jax
@@ -48,10 +47,11 @@ from jaxrl.parallel.distributed import to_host
 from jaxrl.rl.grpo import trainer as grpo
 from jaxrl.rl.grpo.batch import Experience, device_batch
 from jaxrl.rl.grpo.experience import learner_forwards
+from jaxrl.rl.grpo.parts import Parts
 from jaxrl.rl.grpo.update import logprob_micro_batches, minibatches, old_policy_means
 from jaxrl.rl.ppo.config import CHOICES, default_config
-from jaxrl.rl.ppo.critic import (critic_config, critic_optimizer, critic_source, init_critic,
-                                 make_values_fn, value_loss)
+from jaxrl.rl.ppo.critic import (Critic, critic_config, critic_optimizer, critic_source,
+                                 init_critic, make_values_fn, value_loss)
 from jaxrl.rl.ppo.programs import programs
 from jaxrl.train.state import TrainState, make_train_step
 
@@ -77,32 +77,33 @@ def run(config, workdir: str, *, out=print) -> dict:
   """Trains (or resumes) the PPO run in `workdir`; returns the summary."""
   p, state = setup(config, workdir, out=out)
   r = config.rollout
-  state = p.run.resume(state, p.shardings, p.stream, updates_per_step=p.updates_per_step)
+  state = p.run.resume(state, p.learner.shardings, p.rollouts.stream,
+                       updates_per_step=p.learner.updates_per_step)
   if p.cfg.lora_rank:  # share the resumed base, or the starting one would stay live beside it
-    p.reference = lora.adapters_off(state.params)
+    p.learner.reference = lora.adapters_off(state.params)
   c = config.critic
   return p.run.train(
-      state, functools.partial(step, p), p.stream, put=lambda b: b,
-      eval_fn=functools.partial(grpo.evaluate, p), updates_per_step=p.updates_per_step,
+      state, functools.partial(step, p), p.rollouts.stream, put=lambda b: b,
+      eval_fn=functools.partial(grpo.evaluate, p), updates_per_step=p.learner.updates_per_step,
       summary_extra=lambda: {"alarms": dict(p.alarms.raised), "kl/max": p.alarms.kl_max,
                              "reward_hacking_alarm": p.alarms.watching or "off"},
       banner=f"ppo: actor {p.cfg.num_params:,} parameters{lora.describe(p.cfg)}, critic from "
-             f"{c.init}{lora.describe(p.critic_cfg)} (lr {c.lr}, warm-up {c.warmup_steps} "
-             f"step{'' if c.warmup_steps == 1 else 's'}), {len(p.stream.records)} prompts, "
-             f"{r.prompts_per_step} x {r.group_size} samples per step, {config.train.steps} "
-             f"steps; placement {p.run.placement.mode}")
+             f"{c.init}{lora.describe(p.critic.cfg)} (lr {c.lr}, warm-up {c.warmup_steps} "
+             f"step{'' if c.warmup_steps == 1 else 's'}), {len(p.rollouts.stream.records)} "
+             f"prompts, {r.prompts_per_step} x {r.group_size} samples per step, "
+             f"{config.train.steps} steps; placement {p.run.placement.mode}")
 
 
 def step(p: Parts, state: PPOState, prompts: list[dict]):
   """One PPO step: (state, metrics) after this step's prompts."""
   t_step = time.perf_counter()
-  n = int(jax.device_get(state.step)) // p.updates_per_step  # PPO steps done
+  n = int(jax.device_get(state.step)) // p.learner.updates_per_step  # PPO steps done
   experience, stats = make_experience(p, state, prompts, n)  # 1-6
   state, upd = update(p, state, experience,
                       warmup=n < int(p.config.critic.warmup_steps))  # 7
   kl = upd.get("kl", stats.get("kl"))
   if kl is not None:
-    p.beta.after_step(p.config.algo, kl=kl, n_steps=len(experience.batch["mask"]))
+    p.learner.beta.after_step(p.config.algo, kl=kl, n_steps=len(experience.batch["mask"]))
   metrics = step_metrics(p, experience, upd, stats)
   step_s = time.perf_counter() - t_step
   metrics["timing_s/step_wall"] = step_s
@@ -121,7 +122,7 @@ def make_experience(p: Parts, state: PPOState, prompts: list[dict], step: int):
   mask = f.batch["mask"]
   # 5. The critic's values of every completion token.
   t0 = time.perf_counter()
-  values = to_host(jax.block_until_ready(p.values_fn(state.critic.params, f.dev)))
+  values = to_host(jax.block_until_ready(p.critic.values_fn(state.critic.params, f.dev)))
   values = np.asarray(values, np.float32)
   t_values = time.perf_counter() - t0
   # 6. Per-token rewards (the outcome on the last token, the KL penalty on every one), GAE.
@@ -131,7 +132,7 @@ def make_experience(p: Parts, state: PPOState, prompts: list[dict], step: int):
     kl_bt = np.asarray(losses.kl_penalty(logp=f.old_np, ref_logp=f.ref_np,
                                          estimator=a.kl_estimator, clamp=a.kl_clamp or None))
     stats["kl"] = float(gae_lib.masked_mean(kl_bt, mask))
-  beta = p.beta.value if a.kl_in == "reward" else 0.0
+  beta = p.learner.beta.value if a.kl_in == "reward" else 0.0
   rewards_bt = gae_lib.token_rewards(score_b=f.scored.rewards_bg.reshape(-1).astype(np.float32),
                                      kl_bt=kl_bt, mask_bt=mask, beta=beta)
   adv, returns = gae_lib.gae(rewards_bt=rewards_bt, values_bt=values, mask_bt=mask,
@@ -172,7 +173,7 @@ def update(p: Parts, state: PPOState, experience: Experience, *, warmup: bool = 
   if not warmup:
     upd = []
     for mb in mbs:
-      actor, m = p.train_step(actor, p.put(device_batch(
+      actor, m = p.learner.train_step(actor, p.put(device_batch(
           p, {k: v for k, v in mb.items() if k not in CRITIC_ONLY}, p.config.optim.accum_steps)))
       upd.append(m)
     upd = to_host(upd)
@@ -185,7 +186,7 @@ def update(p: Parts, state: PPOState, experience: Experience, *, warmup: bool = 
   t1 = time.perf_counter()
   cupd = []
   for mb in mbs:
-    critic, m = p.critic_step(critic, p.put({k: mb[k] for k in (
+    critic, m = p.critic.step(critic, p.put({k: mb[k] for k in (
         *inputs, "mask", *CRITIC_ONLY)}))
     cupd.append(m)
   cupd = to_host(cupd)
@@ -224,32 +225,22 @@ def step_metrics(p: Parts, e: Experience, upd: dict, stats: dict) -> dict:
 # ----------------------------------------------------------------------------- the parts
 
 
-@dataclasses.dataclass
-class Parts(grpo.Parts):
-  """GRPO's parts and the critic's: its graphdef, its value forward and its train step.
-  `shardings` is the PPOState's."""
-  critic_graphdef: Any = None
-  critic_cfg: Any = None      # the critic's ModelConfig (critic.lora)
-  values_fn: Any = None       # jitted (critic params, batch) -> V [N, T]
-  critic_step: Any = None     # jitted (critic state, batch) -> (state, metrics)
-
-
 def setup(config, workdir: str, *, out=print) -> tuple[Parts, PPOState]:
   """(the run's parts, the starting PPOState: the actor as GRPO starts its policy, the critic
   from critic.init with a fresh optimizer). Checks the config first."""
   _check(config)
   gp, actor = grpo.setup(config, workdir, out=out, command="ppo", choices=CHOICES,
                          sections=default_config().keys(), plan=programs)
-  tx, schedule = critic_optimizer(config, config.train.steps * gp.updates_per_step)
+  tx, schedule = critic_optimizer(config, config.train.steps * gp.learner.updates_per_step)
   graphdef, critic, shardings = init_critic(gp.run, config, tx)
   values_fn = make_values_fn(graphdef, mesh=gp.mesh, micro_batches=logprob_micro_batches(config))
   critic_step = make_train_step(value_loss(graphdef, value_clip=config.critic.value_clip), tx,
-                                schedule, shardings, gp.shd, mesh=gp.mesh,
+                                schedule, shardings, gp.learner.shd, mesh=gp.mesh,
                                 accum_steps=config.optim.accum_steps)
-  p = Parts(**{f.name: getattr(gp, f.name) for f in dataclasses.fields(gp)},
-            critic_graphdef=graphdef, critic_cfg=critic_config(config, gp.cfg),
-            values_fn=values_fn, critic_step=critic_step)
-  p.shardings = PPOState(actor=gp.shardings, critic=shardings)
+  # GRPO's roles, and the critic's; the learner's shardings are the PPOState's.
+  p = dataclasses.replace(gp, critic=Critic(graphdef, critic_config(config, gp.cfg), values_fn,
+                                            critic_step))
+  p.learner.shardings = PPOState(actor=gp.learner.shardings, critic=shardings)
   return p, PPOState(actor=actor, critic=critic)
 
 
