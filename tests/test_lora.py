@@ -443,7 +443,7 @@ def test_lora_grpo_from_a_lora_sft_run(repo_root, tmp_path, devices, monkeypatch
   real_train, seen = Run.train, []
 
   def train(self, state, step_fn, *a, **kw):
-    ref = step_fn.args[0].reference
+    ref = step_fn.args[0].learner.reference
     seen.append({"start": self.start, "params": jax.device_get(state.params),
                  "shared": ref["layers"][1]["mlp"]["down"] is state.params["layers"][1][
                      "mlp"]["down"],

@@ -211,7 +211,8 @@ def test_grpo_scoring_logs_reward_errors():
   p = types.SimpleNamespace(
       config=types.SimpleNamespace(rollout=types.SimpleNamespace(group_size=2),
                                    normalize_rewards=False),
-      tokenizer=tok, specs=parse_specs("gsm8k"), task=None, rms=None)
+      tokenizer=tok, task=None,
+      scorer=types.SimpleNamespace(specs=parse_specs("gsm8k"), rms=None, rm_norm=None))
   prompts = [{"prompt": "1+2=", "answer": "1 + 2 = 3\n#### 3"}, {"prompt": "?", "answer": "?"}]
   rewards, stats = score_rollout(p, rollout, prompts)
   np.testing.assert_allclose(rewards, [1.0, 0.0, 0.0, 0.0])
