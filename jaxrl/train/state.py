@@ -122,9 +122,7 @@ def init_train_state(cfg: ModelConfig, mesh: Mesh, tx, *, seed: int, layout: str
   shardings = state_shardings(abstract, param_shd, tx, mesh)
   if params_from is None:
     return graphdef, jax.jit(init, out_shardings=shardings)(key), shardings
-  params = params_from(jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract.params,
-      param_shd))
+  params = params_from(_laid_out(shapes, param_shd))
   # Donated: the restored params become the state's, never two copies of them.
   return graphdef, jax.jit(around, out_shardings=shardings, donate_argnums=0)(params, key), \
       shardings
@@ -252,9 +250,15 @@ def start_from_hf(config, state: TrainState, mesh: Mesh, layout: str = "learner"
   return state.replace(params=params if into is None else {**state.params, into: params})
 
 
+def _laid_out(shapes, shardings):
+  """Abstract params (ShapeDtypeStructs) of `shapes` in `shardings`: what restore_params reads
+  a checkpoint into."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
+                      shardings)
+
+
 def _abstract(tree):
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                      tree)
+  return _laid_out(tree, jax.tree.map(lambda x: x.sharding, tree))
 
 
 def _saved_model_config(path: str) -> ModelConfig | None:
@@ -289,9 +293,7 @@ def start_from_checkpoint(cfg: ModelConfig, state: TrainState, path: str, *,
 
     def laid_out(c):  # the abstract params of a model of c, in this run's layout
       _, shapes, axes = abstract_model(c)
-      shd = tree_shardings(shapes, axes, mesh, layout)
-      return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                          shapes, shd)
+      return _laid_out(shapes, tree_shardings(shapes, axes, mesh, layout))
     # A quantised base (model.lora.quantize, here or in the saved run) has other leaves than
     # the plain one: the checkpoint is read in its own structure, merged, then quantised.
     quantised = cfg.lora_quantize or (saved_cfg is not None and saved_cfg.lora_quantize)
