@@ -527,8 +527,9 @@ def test_async_generation_is_one_step_stale_and_otherwise_the_same(repo_root, tm
 
 
 def test_a_step_by_hand_is_the_runs_step(repo_root, tmp_path, devices):
-  """A notebook's GRPO step: setup(), then make_experience -> update -> step_metrics by hand,
-  is run()'s first step to the bit (the same prompts, seeds, params and programs)."""
+  """A notebook's GRPO step: setup(), then the roles' calls (scored_rollouts ->
+  learner_forwards -> group_advantages -> update) and step_metrics by hand, is run()'s first
+  step to the bit (the same prompts, seeds, params and programs)."""
   spec = os.path.join(repo_root, "configs/grpo_tiny.py:runlocal")
   overrides = ["train.steps=1", "eval.every=0"]
   grpo.run(config_lib.load_config(spec, overrides), str(tmp_path / "run"), out=lambda *a: None)
@@ -536,7 +537,9 @@ def test_a_step_by_hand_is_the_runs_step(repo_root, tmp_path, devices):
   p, state = grpo.setup(config_lib.load_config(spec, overrides), str(tmp_path / "hand"),
                         out=lambda *a: None)
   try:
-    experience = grpo.make_experience(p, state, next(p.rollouts.stream), step=0)
+    scored = grpo.scored_rollouts(p, state, next(p.rollouts.stream), 0)
+    f = grpo.learner_forwards(p, state, scored)
+    experience = f.experience(p, grpo.group_advantages(p, f))
     # One update per step: the update's own forward gives the old log-probs.
     assert grpo.old_logp_from_update(p.config.algo)
     assert experience.old_sums is None and "old_logp" not in experience.batch

@@ -5,7 +5,8 @@ from jaxrl.rl.grpo.config import CHOICES, algo_section, default_config
 from jaxrl.data.prompts import PromptStream
 from jaxrl.rl.grpo.batch import (Experience, completion_width, grouped_learner_batch,
                                  learner_batch)
-from jaxrl.rl.grpo.experience import _refill, make_experience
+from jaxrl.rl.grpo.experience import (_refill, group_advantages, learner_forwards,
+                                      scored_rollouts)
 from jaxrl.rl.grpo.monitors import Alarms, KLCoefficient
 from jaxrl.rl.grpo.programs import programs
 from jaxrl.rl.grpo.rewards import reward_specs, task_reward
@@ -15,9 +16,10 @@ from jaxrl.rl.grpo.update import (batch_logprobs, grpo_loss, make_batch_logprobs
                                   make_logprobs_fn, old_logp_from_update, update)
 
 __all__ = [
-    "CHOICES", "Alarms", "Experience", "KLCoefficient", "Parts", "PromptStream", "_refill", "algo_section",
-    "batch_logprobs", "completion_width", "default_config", "evaluate", "grouped_learner_batch",
-    "grpo_loss", "learner_batch", "make_batch_logprobs_fn", "make_experience",
-    "make_logprobs_fn", "old_logp_from_update", "programs", "reward_specs", "run", "setup", "step",
-    "step_metrics", "task_reward", "update",
+    "CHOICES", "Alarms", "Experience", "KLCoefficient", "Parts", "PromptStream", "_refill",
+    "algo_section", "batch_logprobs", "completion_width", "default_config", "evaluate",
+    "group_advantages", "grouped_learner_batch", "grpo_loss", "learner_batch",
+    "learner_forwards", "make_batch_logprobs_fn", "make_logprobs_fn", "old_logp_from_update",
+    "programs", "reward_specs", "run", "scored_rollouts", "setup", "step", "step_metrics",
+    "task_reward", "update",
 ]

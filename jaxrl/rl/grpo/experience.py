@@ -1,6 +1,7 @@
-"""GRPO's experience (steps 1-5 of a step): sync the policy's weights into the sampler,
-generate and score the rollouts, the learner's log-probs of the sampled tokens (reference and
-old), and the advantages. What they make, Experience and its batch layouts, is in batch.py."""
+"""GRPO's experience (steps 1-5 of a step), one function per role: the rollouts and their
+scores (scored_rollouts: sync the policy's weights into the sampler, generate, score), the
+learner's log-probs of the sampled tokens (learner_forwards: reference and old) and the
+advantages (group_advantages). What they make, Experience and its batch layouts, is in batch.py."""
 
 from __future__ import annotations
 
@@ -30,12 +31,12 @@ if TYPE_CHECKING:
   from jaxrl.rl.grpo.parts import Parts
 
 
-def make_experience(p: Parts, state, prompts: list[dict], step: int) -> Experience:
-  """Steps 1-5 for this step's prompts (step counts GRPO steps, from 0)."""
+def group_advantages(p: Parts, f: Forwards) -> dict[str, np.ndarray]:
+  """Step 5: the advantages of the named estimator over each group of G (KL in the reward
+  shapes the rewards first when kl_in="reward"), one per completion, broadcast over its tokens:
+  {"adv": [N, T]}."""
   a, r = p.config.algo, p.config.rollout
-  f = learner_forwards(p, state, prompts, step)  # 1-4
   mask = f.batch["mask"]
-  # 5. Advantages with the named estimator (KL in the reward shapes them when kl_in="reward").
   seq_rewards = f.scored.rewards_bg.reshape(-1)
   if a.kl_in == "reward":
     kl_tok = np.asarray(losses.kl_penalty(logp=f.old_np, ref_logp=f.ref_np,
@@ -45,7 +46,7 @@ def make_experience(p: Parts, state, prompts: list[dict], step: int) -> Experien
                                                  mask_bt=mask, beta=p.learner.beta.value))
   adv = np.asarray(adv_lib.compute(a.advantage, rewards_bg=seq_rewards.reshape(
       -1, r.group_size), clip=a.adv_clip or None)).reshape(-1)
-  return f.experience(p, {"adv": np.broadcast_to(adv[:, None], mask.shape).astype(np.float32)})
+  return {"adv": np.broadcast_to(adv[:, None], mask.shape).astype(np.float32)}
 
 
 @dataclasses.dataclass
@@ -54,8 +55,6 @@ class Forwards:
   arrays: the model inputs, mask, sampler_logp, old_logp when a separate forward gave them,
   ref_logp), the inputs on the devices (`dev`) and the old policy's and reference's log-probs.
   GRPO's step 5 adds group-relative advantages; PPO's, a critic's values and GAE."""
-  step: int
-  version: int
   scored: "Scored"
   inputs: tuple[str, ...]   # the model inputs' keys of `batch` (either layout)
   batch: dict[str, np.ndarray]
@@ -72,17 +71,16 @@ class Forwards:
     batch = {**self.batch, **extra, "beta": np.full(mask.shape, p.learner.beta.value, np.float32)}
     s = self.scored
     return Experience(
-        step=self.step, version=self.version, rollout=s.rollout, rewards_bg=s.rewards_bg,
+        step=s.step, version=s.version, rollout=s.rollout, rewards_bg=s.rewards_bg,
         batch=batch, old_sums=self.old_sums, reward_stats=s.reward_stats,
         gen_stats=s.gen_stats, frac_zero=s.frac_zero, times=self.times)
 
 
-def learner_forwards(p: Parts, state, prompts: list[dict], step: int) -> Forwards:
-  """Steps 1-4: the scored rollout (scored_rollouts), its learner batch, and the learner's
-  log-probs of the sampled tokens (the old policy's unless the update's own forward gives
-  them, and the frozen reference's)."""
+def learner_forwards(p: Parts, state, scored: Scored) -> Forwards:
+  """Step 4: the scored rollout's learner batch, and the learner's log-probs of its sampled
+  tokens (the old policy's unless the update's own forward gives them, and the frozen
+  reference's)."""
   a, r = p.config.algo, p.config.rollout
-  version, scored, t_wait = scored_rollouts(p, state, prompts, step)  # 1-3
   rollout = scored.rollout
   if p.learner.grouped:  # each group's prompt once, its G completions after it
     # Packed, the forward's positions do not grow with the width (the rows are what runs), so
@@ -123,9 +121,10 @@ def learner_forwards(p: Parts, state, prompts: list[dict], step: int) -> Forward
   ref_np = to_host(ref_logp)
   batch = {**{k: batch[k] for k in inputs + ("mask", "sampler_logp")}, **old,
            "ref_logp": ref_np.astype(np.float32)}
-  return Forwards(step=step, version=version, scored=scored, inputs=inputs, batch=batch,
-                  dev=dev, old_np=old_np, ref_np=ref_np, old_sums=old_sums,
-                  times={"gen": scored.t_gen, "gen_wait": t_wait, "old": t_old, "ref": t_ref})
+  return Forwards(scored=scored, inputs=inputs, batch=batch, dev=dev, old_np=old_np,
+                  ref_np=ref_np, old_sums=old_sums,
+                  times={"gen": scored.t_gen, "gen_wait": scored.waited, "old": t_old,
+                         "ref": t_ref})
 
 
 # ----------------------------------------------------------------------------- rollouts
@@ -133,17 +132,21 @@ def learner_forwards(p: Parts, state, prompts: list[dict], step: int) -> Forward
 
 @dataclasses.dataclass
 class Scored:
-  """Steps 2-3's output: a rollout of B prompts x G, its rewards and stats."""
+  """Steps 1-3's output: a rollout of B prompts x G, its rewards and stats, the GRPO step it is
+  for and the oldest weight version that sampled it (older than the step when async)."""
+  step: int
+  version: int
   rollout: Rollout
   rewards_bg: np.ndarray  # [B, G]
   reward_stats: dict
   gen_stats: dict
   frac_zero: float
   t_gen: float            # the rollout's own wall time, scoring excluded
+  waited: float           # what the learner waited for it (less than t_gen when async)
 
 
-def scored_rollouts(p: Parts, state, prompts: list[dict], step: int):
-  """Steps 1-3: (version, Scored, seconds waited). Synchronous: sync the weights, then
+def scored_rollouts(p: Parts, state, prompts: list[dict], step: int) -> Scored:
+  """Steps 1-3 (the rollouts and the scorer). Synchronous: sync the weights, then
   generate and score. With rollout.async_generation, the rollout producer (producer.py) has
   been generating into its queue on the sampler's own devices, up to rollout.max_staleness
   versions behind: this step publishes its weights to it and takes B groups."""
@@ -153,7 +156,7 @@ def scored_rollouts(p: Parts, state, prompts: list[dict], step: int):
   scored = sample_and_score(p, params_s, prompts, step)  # 2-3
   p.rollouts.stream.mark()
   p.rollouts.sampler_copy.before_update()  # colocated: its memory goes to the update
-  return step, scored, scored.t_gen
+  return scored
 
 
 def queued_rollouts(p: Parts, state, step: int):
@@ -209,8 +212,8 @@ def queued_rollouts(p: Parts, state, step: int):
   gen_stats = {**rollout_metrics(first.rollout), **taken.metrics,
                "perf/tflops/gen": sum(rollout_flops(p.cfg, u.rollout) for u in taken.new)
                / max(t_gen, 1e-9) / 1e12}
-  scored = Scored(rollout, rewards_bg, first.reward_stats, gen_stats, float(zero.mean()), t_gen)
-  return min(g.version for g in groups), scored, taken.metrics["timing_s/gen_wait"]
+  return Scored(step, min(g.version for g in groups), rollout, rewards_bg, first.reward_stats,
+                gen_stats, float(zero.mean()), t_gen, taken.metrics["timing_s/gen_wait"])
 
 
 def sample_and_score(p: Parts, params_s, prompts: list[dict], step: int) -> Scored:
@@ -236,7 +239,8 @@ def sample_and_score(p: Parts, params_s, prompts: list[dict], step: int) -> Scor
                                   a.max_refill_rounds, G)
   t_gen = time.perf_counter() - t0 - reward_stats["timing_s/reward"]
   gen_stats["perf/tflops/gen"] = sum(flops) / max(t_gen, 1e-9) / 1e12
-  return Scored(rollout, rewards_bg, reward_stats, gen_stats, frac_zero, t_gen)
+  return Scored(step, step, rollout, rewards_bg, reward_stats, gen_stats, frac_zero, t_gen,
+                t_gen)
 
 
 def _seed(p: Parts, step: int, round_: int) -> int:

@@ -2,10 +2,12 @@
 
     jaxrl grpo --config configs/grpo_tiny.py --workdir DIR
 
-Reads top to bottom: step() is the algorithm, each part a function a notebook can call on the
-parts setup() builds:
-  experience = make_experience(parts, state, prompts, step)   # experience.py: steps 1-5
-  state, upd = update(parts, state, experience)               # update.py: step 6
+Reads top to bottom: step() is the algorithm, one call per role (parts.py), each a function a
+notebook can call on the parts setup() builds:
+  scored = scored_rollouts(parts, state, prompts, n)          # rollouts, scorer: steps 1-3
+  f = learner_forwards(parts, state, scored)                  # learner: step 4
+  experience = f.experience(parts, group_advantages(parts, f))  # step 5 (experience.py)
+  state, upd = update(parts, state, experience)               # learner: step 6 (update.py)
   metrics = step_metrics(parts, experience, upd)              # and the monitors (monitors.py)
 Each step:
   1. sync the policy's weights into the sampler layout (timed: sync/ms);
@@ -63,7 +65,7 @@ from jaxrl.rl.grpo.config import (CHOICES, conversation_tokens, default_config,
                                   grouped_forward, prompt_length, ref_dtype)
 from jaxrl.data.prompts import PromptStream
 from jaxrl.rl.grpo.batch import Experience
-from jaxrl.rl.grpo.experience import make_experience
+from jaxrl.rl.grpo.experience import group_advantages, learner_forwards, scored_rollouts
 from jaxrl.rl.grpo.parts import Learner, Parts, Rollouts, Scorer
 from jaxrl.rl.grpo.monitors import Alarms, KLCoefficient
 from jaxrl.rl.grpo.programs import programs
@@ -100,7 +102,9 @@ def step(p: Parts, state, prompts: list[dict]):
   """One GRPO step: (state, metrics) after this step's prompts."""
   t_step = time.perf_counter()
   n = int(jax.device_get(state.step)) // p.learner.updates_per_step  # GRPO steps done
-  experience = make_experience(p, state, prompts, n)  # 1-5
+  scored = scored_rollouts(p, state, prompts, n)  # 1-3: rollouts, scorer
+  f = learner_forwards(p, state, scored)  # 4: the learner's log-probs
+  experience = f.experience(p, group_advantages(p, f))  # 5
   state, upd = update(p, state, experience)  # 6
   p.learner.beta.after_step(p.config.algo, kl=upd["kl"], n_steps=len(experience.batch["mask"]))
   metrics = step_metrics(p, experience, upd)

@@ -4,11 +4,11 @@ jaxrl.rl import ppo` gives the names a run, a test or a notebook needs."""
 from jaxrl.rl.ppo.config import CHOICES, algo_section, critic_section, default_config
 from jaxrl.rl.ppo.critic import (critic_values, init_critic, make_values_fn, value_loss)
 from jaxrl.rl.ppo.programs import programs
-from jaxrl.rl.ppo.trainer import (PPOState, Parts, make_experience, run, setup, step,
+from jaxrl.rl.ppo.trainer import (PPOState, Parts, critic_advantages, run, setup, step,
                                   step_metrics, update)
 
 __all__ = [
-    "CHOICES", "PPOState", "Parts", "algo_section", "critic_section", "critic_values",
-    "default_config", "init_critic", "make_experience", "make_values_fn", "programs", "run",
+    "CHOICES", "PPOState", "Parts", "algo_section", "critic_advantages", "critic_section",
+    "critic_values", "default_config", "init_critic", "make_values_fn", "programs", "run",
     "setup", "step", "step_metrics", "update", "value_loss",
 ]

@@ -2,10 +2,13 @@
 
     jaxrl ppo --config configs/ppo_tiny.py --workdir DIR
 
-Reads top to bottom as GRPO's trainer does; each part is a function a notebook can call:
-  experience, stats = make_experience(parts, state, prompts, step)  # GRPO's steps 1-4, then
-                                                                    # critic values, rewards, GAE
-  state, upd = update(parts, state, experience, warmup=...)         # actor and critic
+Reads top to bottom as GRPO's trainer does, GRPO's roles and then the critic's; each part is a
+function a notebook can call:
+  scored = scored_rollouts(parts, state, prompts, n)        # GRPO's rollouts, scorer: 1-3
+  f = learner_forwards(parts, state, scored)                # GRPO's learner: 4
+  extra, stats = critic_advantages(parts, state, f)         # the critic: values, rewards, GAE
+  experience = f.experience(parts, extra)
+  state, upd = update(parts, state, experience, warmup=...)  # actor and critic
   metrics = step_metrics(parts, experience, upd, stats)
 Each step:
   1-4. as GRPO (jaxrl/rl/grpo/trainer.py): sync the actor into the sampler, sample B prompts x G
@@ -46,7 +49,7 @@ from jaxrl.objectives import losses
 from jaxrl.parallel.distributed import to_host
 from jaxrl.rl.grpo import trainer as grpo
 from jaxrl.rl.grpo.batch import Experience, device_batch
-from jaxrl.rl.grpo.experience import learner_forwards
+from jaxrl.rl.grpo.experience import Forwards, learner_forwards, scored_rollouts
 from jaxrl.rl.grpo.parts import Parts
 from jaxrl.rl.grpo.update import logprob_micro_batches, minibatches, old_policy_means
 from jaxrl.rl.ppo.config import CHOICES, default_config
@@ -98,7 +101,10 @@ def step(p: Parts, state: PPOState, prompts: list[dict]):
   """One PPO step: (state, metrics) after this step's prompts."""
   t_step = time.perf_counter()
   n = int(jax.device_get(state.step)) // p.learner.updates_per_step  # PPO steps done
-  experience, stats = make_experience(p, state, prompts, n)  # 1-6
+  scored = scored_rollouts(p, state, prompts, n)  # 1-3: GRPO's rollouts and scorer
+  f = learner_forwards(p, state, scored)  # 4: GRPO's learner
+  extra, stats = critic_advantages(p, state, f)  # 5-6: the critic
+  experience = f.experience(p, extra)
   state, upd = update(p, state, experience,
                       warmup=n < int(p.config.critic.warmup_steps))  # 7
   kl = upd.get("kl", stats.get("kl"))
@@ -112,13 +118,12 @@ def step(p: Parts, state: PPOState, prompts: list[dict]):
   return state, metrics
 
 
-def make_experience(p: Parts, state: PPOState, prompts: list[dict], step: int):
-  """Steps 1-6: (Experience whose batch carries adv, returns and old_values [N, T], and the
-  step's critic-side stats: returns/mean, adv/mean (before whitening),
+def critic_advantages(p: Parts, state: PPOState, f: Forwards):
+  """Steps 5-6 on GRPO's forwards: ({adv, returns, old_values} [N, T], the batch's additions,
+  and the step's critic-side stats: returns/mean, adv/mean (before whitening),
   critic/explained_variance of the values against the returns, and the old policy's KL to
   the reference when it was measured)."""
   a = p.config.algo
-  f = learner_forwards(p, state, prompts, step)  # 1-4
   mask = f.batch["mask"]
   # 5. The critic's values of every completion token.
   t0 = time.perf_counter()
@@ -148,10 +153,8 @@ def make_experience(p: Parts, state: PPOState, prompts: list[dict], step: int):
     adv = gae_lib.whiten(adv, mask)
   if a.adv_clip:
     adv = np.clip(adv, -a.adv_clip, a.adv_clip)
-  experience = f.experience(p, {"adv": np.asarray(adv, np.float32),
-                                "returns": np.asarray(returns, np.float32),
-                                "old_values": values})
-  return experience, stats
+  return {"adv": np.asarray(adv, np.float32), "returns": np.asarray(returns, np.float32),
+          "old_values": values}, stats
 
 
 CRITIC_ONLY = ("returns", "old_values")
