@@ -186,7 +186,7 @@ def setup(config, workdir: str, *, out=print, command: str = "grpo", choices=Non
             placement=True, command=command,
             sections=default_config().keys() if sections is None else sections,
             programs=programs if plan is None else plan)
-  mesh, cfg, tokenizer = run.mesh, run.cfg, run.tokenizer
+  cfg, tokenizer = run.cfg, run.tokenizer
   a, r = config.algo, config.rollout
   task = load_task(config)
   _check(config)
@@ -195,6 +195,90 @@ def setup(config, workdir: str, *, out=print, command: str = "grpo", choices=Non
       what="{prompt, answer}")
   run.record_data(prefs.fingerprint(train_records))
   env = env_factory(config)
+  specs, rm_paths = _rewards(config, task, env)
+
+  # Models: the policy (trained) and its frozen reference, both in the learner layout.
+  updates_per_step = a.num_iterations * a.minibatches
+  tx, schedule = make_optimizer(config.optim, config.train.steps * updates_per_step)
+  graphdef, state, shardings = run.init_state(tx, layout="learner")
+  # The reference is the starting policy, rebuilt from the same source on resume (never saved).
+  # With LoRA it is the base with adapters off: the policy's own frozen base, not a copy.
+  # Otherwise a copy, in placement.ref_dtype when set (reference_copy).
+  reference = (lora.adapters_off(state.params) if cfg.lora_rank else
+               reference_copy(state.params, ref_dtype(config)))
+  # Reward models: frozen `jaxrl rm` runs in the learner layout, beside the reference.
+  scorer = _scorer(run, specs=specs, rm_paths=rm_paths)
+  engine, weight_sync = _sampler(run, graphdef)
+
+  renderer = None
+  if env is not None:  # the prompts are the environment's first messages, tools included
+    from jaxrl.envs import Timed
+    from jaxrl.data.chat import ChatRenderer
+    from jaxrl.envs.rollout import prompt_ids
+    renderer = ChatRenderer(tokenizer, config.data)
+    longest = max(len(prompt_ids(renderer, Timed(*env), x)[0])
+                  for x in train_records + held_out)
+  else:
+    longest = max(len(run.prompts.ids(x)) for x in train_records + held_out)
+  prompt_len = prompt_length(config, longest)
+  completion = conversation_tokens(config) if env is not None else r.max_new_tokens
+  learner = _learner(run, graphdef, shardings, tx, schedule, reference=reference,
+                     completion=completion)
+  alarms = Alarms(kl_threshold=config.alarm.kl_threshold, window=config.alarm.window, out=out,
+                  min_drop=config.alarm.min_accuracy_drop,
+                  reward_key="reward/rm_mean" if scorer.rms is not None else "reward/mean")
+  stream = PromptStream(train_records, r.prompts_per_step, config.seed,
+                        extras={"rm_norm": scorer.rm_norm} if scorer.rm_norm is not None
+                        else None,
+                        learner_state={"kl_coef": learner.beta, "alarms": alarms})
+  run.checkpointer()
+  if env is not None:
+    evaluator = _env_evaluator(run, graphdef, held_out, task, weight_sync, alarms, env=env,
+                               renderer=renderer, prompt_len=prompt_len, budget=completion)
+  else:
+    evaluator = _evaluator(run, graphdef, held_out, task, weight_sync, alarms)
+  parts = Parts(
+      run=run, task=task,
+      rollouts=Rollouts(engine=engine, weight_sync=weight_sync,
+                        sampler_copy=SamplerCopy(weight_sync),
+                        stream=stream, prompt_len=prompt_len,
+                        length=prompt_len + completion,  # fixed: jits compile once
+                        env=env, renderer=renderer),
+      scorer=scorer,
+      learner=learner,
+      alarms=alarms, evaluator=evaluator)
+  run.closers.append(
+      lambda: parts.rollouts.queue is not None and parts.rollouts.queue.close())
+  return parts, state
+
+
+def _learner(run: Run, graphdef, shardings, tx, schedule, *, reference, completion: int
+             ) -> Learner:
+  """Steps 4-6's role: the log-prob forward (the reference's and, without
+  old_logp_from_update, the policy's, whose entropy is logged), the train step of the clipped
+  surrogate over a batch whose completions are `completion` tokens, the frozen reference and
+  the KL coefficient."""
+  config, mesh = run.config, run.mesh
+  a, r = config.algo, config.rollout
+  shd = batch_sharding(mesh, 2, "learner")
+  old_from_update = old_logp_from_update(a)
+  logprobs_fn = make_batch_logprobs_fn(graphdef, r.temperature, mesh=mesh,
+                                       entropy=not old_from_update,
+                                       micro_batches=logprob_micro_batches(config))
+  loss_fn = grpo_loss(graphdef, a, temperature=r.temperature, norm_len=completion)
+  train_step = make_train_step(loss_fn, tx, schedule, shardings, shd, mesh=mesh,
+                               accum_steps=config.optim.accum_steps)
+  return Learner(shardings=shardings, shd=shd,
+                 updates_per_step=a.num_iterations * a.minibatches,
+                 grouped=grouped_forward(config, run.replicas, run.say),
+                 old_from_update=old_from_update, logprobs_fn=logprobs_fn,
+                 train_step=train_step, reference=reference, beta=KLCoefficient(a.beta))
+
+
+def _rewards(config, task, env) -> tuple[list, list[str]]:
+  """(the reward functions, the reward model run dirs reward_model.checkpoints names), after
+  checking that something rewards the policy and that an environment, which scores its
+  conversations itself, comes alone."""
   if (env is not None) != (config.rewards == "env"):
     raise ConfigError(
         f"rewards=env scores by the environment, and this run has none: set data.env or "
@@ -215,88 +299,34 @@ def setup(config, workdir: str, *, out=print, command: str = "grpo", choices=Non
   if rm_cfg.k < 0:
     raise ConfigError(f"reward_model.k={rm_cfg.k} is negative: mean_minus_std subtracts k "
                       "standard deviations; use k >= 0.")
+  return specs, rm_paths
 
-  # Models: the policy (trained) and its frozen reference, both in the learner layout.
-  updates_per_step = a.num_iterations * a.minibatches
-  tx, schedule = make_optimizer(config.optim, config.train.steps * updates_per_step)
-  graphdef, state, shardings = run.init_state(tx, layout="learner")
-  # The reference is the starting policy, rebuilt from the same source on resume (never saved).
-  # With LoRA it is the base with adapters off: the policy's own frozen base, not a copy.
-  # Otherwise a copy, in placement.ref_dtype when set (reference_copy).
-  reference = (lora.adapters_off(state.params) if cfg.lora_rank else
-               reference_copy(state.params, ref_dtype(config)))
-  # Reward models: frozen `jaxrl rm` runs in the learner layout, beside the reference.
-  rms = rm_lib.RewardModels.load(rm_paths, mesh, tokenizer) if rm_paths else None
-  rm_norm = (rm_lib.RunningNorm(len(rm_paths)) if rms is not None and rm_cfg.normalize
-             else None)
 
-  # Sampler: the engine on the sampler mesh, fed by a timed weight sync every step.
+def _scorer(run: Run, *, specs: list, rm_paths: list[str]) -> Scorer:
+  """Step 3's role: the reward functions, and the frozen `jaxrl rm` runs in the learner
+  layout (beside the reference) with their running normaliser when reward_model.normalize."""
+  rms = rm_lib.RewardModels.load(rm_paths, run.mesh, run.tokenizer) if rm_paths else None
+  norm = rms is not None and run.config.reward_model.normalize
+  return Scorer(specs=specs, rms=rms, rm_norm=rm_lib.RunningNorm(len(rm_paths)) if norm else None)
+
+
+def _sampler(run: Run, graphdef) -> tuple[Engine, WeightSync]:
+  """The sampler: the engine on the sampler mesh, fed by a timed weight sync every step. With
+  LoRA only the adapters move each step, merged on the sampler into its own copy of the
+  frozen base: the engine then runs the plain model (WeightSync.sampler_cfg)."""
+  r, cfg, tokenizer = run.config.rollout, run.cfg, run.tokenizer
   sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                             max_new_tokens=r.max_new_tokens,
                             eos_id=None if r.ignore_eos else tokenizer.eos_id,
                             # generation_config.json's other eos ids (none for the bytes)
                             stop_ids=() if r.ignore_eos else eos_ids(tokenizer)[1:])
-  # With LoRA only the adapters move each step, merged on the sampler into its own copy of the
-  # frozen base: the engine then runs the plain model (WeightSync.sampler_cfg).
-  weight_sync = WeightSync(cfg, run.placement, dtype=config.placement.sync_dtype or None)
-  sampler_copy = SamplerCopy(weight_sync)
+  weight_sync = WeightSync(cfg, run.placement, dtype=run.config.placement.sync_dtype or None)
   scfg = weight_sync.sampler_cfg
   engine = Engine(graphdef if scfg == cfg else abstract_model(scfg)[0], scfg,
                   run.placement.sampler.mesh, sampling=sampling)
   # Each synced tree in the engine's decode form (on TPU the q, k and v weights heads-major).
   weight_sync.prepare = engine.decode_params
-
-  renderer = None
-  if env is not None:  # the prompts are the environment's first messages, tools included
-    from jaxrl.envs import Timed
-    from jaxrl.data.chat import ChatRenderer
-    from jaxrl.envs.rollout import prompt_ids
-    renderer = ChatRenderer(tokenizer, config.data)
-    longest = max(len(prompt_ids(renderer, Timed(*env), x)[0])
-                  for x in train_records + held_out)
-  else:
-    longest = max(len(run.prompts.ids(x)) for x in train_records + held_out)
-  prompt_len = prompt_length(config, longest)
-  completion = conversation_tokens(config) if env is not None else r.max_new_tokens
-  grouped = grouped_forward(config, run.replicas, out)
-  shd = batch_sharding(mesh, 2, "learner")
-  loss_fn = grpo_loss(graphdef, a, temperature=r.temperature, norm_len=completion)
-  old_from_update = old_logp_from_update(a)
-  # The reference's forward and, without old_from_update, the policy's (whose entropy is
-  # logged).
-  logprobs_fn = make_batch_logprobs_fn(graphdef, r.temperature, mesh=mesh,
-                                       entropy=not old_from_update,
-                                       micro_batches=logprob_micro_batches(config))
-  train_step = make_train_step(loss_fn, tx, schedule, shardings, shd, mesh=mesh,
-                               accum_steps=config.optim.accum_steps)
-  beta = KLCoefficient(a.beta)
-  alarms = Alarms(kl_threshold=config.alarm.kl_threshold, window=config.alarm.window, out=out,
-                  min_drop=config.alarm.min_accuracy_drop,
-                  reward_key="reward/rm_mean" if rms is not None else "reward/mean")
-  stream = PromptStream(train_records, r.prompts_per_step, config.seed,
-                        extras={"rm_norm": rm_norm} if rm_norm is not None else None,
-                        learner_state={"kl_coef": beta, "alarms": alarms})
-  run.checkpointer()
-  if env is not None:
-    evaluator = _env_evaluator(run, graphdef, held_out, task, weight_sync, alarms, env=env,
-                               renderer=renderer, prompt_len=prompt_len, budget=completion)
-  else:
-    evaluator = _evaluator(run, graphdef, held_out, task, weight_sync, alarms)
-  parts = Parts(
-      run=run, task=task,
-      rollouts=Rollouts(engine=engine, weight_sync=weight_sync, sampler_copy=sampler_copy,
-                        stream=stream, prompt_len=prompt_len,
-                        length=prompt_len + completion,  # fixed: jits compile once
-                        env=env, renderer=renderer),
-      scorer=Scorer(specs=specs, rms=rms, rm_norm=rm_norm),
-      learner=Learner(shardings=shardings, shd=shd, updates_per_step=updates_per_step,
-                      grouped=grouped, old_from_update=old_from_update,
-                      logprobs_fn=logprobs_fn, train_step=train_step, reference=reference,
-                      beta=beta),
-      alarms=alarms, evaluator=evaluator)
-  run.closers.append(
-      lambda: parts.rollouts.queue is not None and parts.rollouts.queue.close())
-  return parts, state
+  return engine, weight_sync
 
 
 def _sampler_model(graphdef, cfg: ModelConfig):
