@@ -206,7 +206,7 @@ def setup(config, workdir: str, *, out=print, command: str = "grpo", choices=Non
   # Otherwise a copy, in placement.ref_dtype when set (reference_copy).
   reference = (lora.adapters_off(state.params) if cfg.lora_rank else
                reference_copy(state.params, ref_dtype(config)))
-  # Reward models: frozen `jaxrl rm` runs in the learner layout, beside the reference.
+  # The reward models beside the reference; the sampler fed by a timed weight sync.
   scorer = _scorer(run, specs=specs, rm_paths=rm_paths)
   engine, weight_sync = _sampler(run, graphdef)
 
@@ -223,7 +223,7 @@ def setup(config, workdir: str, *, out=print, command: str = "grpo", choices=Non
   prompt_len = prompt_length(config, longest)
   completion = conversation_tokens(config) if env is not None else r.max_new_tokens
   learner = _learner(run, graphdef, shardings, tx, schedule, reference=reference,
-                     completion=completion)
+                     completion=completion, updates_per_step=updates_per_step)
   alarms = Alarms(kl_threshold=config.alarm.kl_threshold, window=config.alarm.window, out=out,
                   min_drop=config.alarm.min_accuracy_drop,
                   reward_key="reward/rm_mean" if scorer.rms is not None else "reward/mean")
@@ -252,8 +252,8 @@ def setup(config, workdir: str, *, out=print, command: str = "grpo", choices=Non
   return parts, state
 
 
-def _learner(run: Run, graphdef, shardings, tx, schedule, *, reference, completion: int
-             ) -> Learner:
+def _learner(run: Run, graphdef, shardings, tx, schedule, *, reference, completion: int,
+             updates_per_step: int) -> Learner:
   """Steps 4-6's role: the log-prob forward (the reference's and, without
   old_logp_from_update, the policy's, whose entropy is logged), the train step of the clipped
   surrogate over a batch whose completions are `completion` tokens, the frozen reference and
@@ -269,7 +269,7 @@ def _learner(run: Run, graphdef, shardings, tx, schedule, *, reference, completi
   train_step = make_train_step(loss_fn, tx, schedule, shardings, shd, mesh=mesh,
                                accum_steps=config.optim.accum_steps)
   return Learner(shardings=shardings, shd=shd,
-                 updates_per_step=a.num_iterations * a.minibatches,
+                 updates_per_step=updates_per_step,
                  grouped=grouped_forward(config, run.replicas, run.say),
                  old_from_update=old_from_update, logprobs_fn=logprobs_fn,
                  train_step=train_step, reference=reference, beta=KLCoefficient(a.beta))
