@@ -347,6 +347,30 @@ class PrefEval:
 # ----------------------------------------------------------------------------- the trainer
 
 
+def _global_rows(mesh, layout, rows):
+  """Every process holds the rows in full; each device takes its own."""
+  shd = batch_sharding(mesh, rows["inputs"].ndim, layout)
+  return {k: global_array(v, shd) for k, v in rows.items() if k in ROW_KEYS}
+
+
+def _reference(r, mode, state, ref_score, global_rows, report, train, eval_rows):
+  """The frozen reference's role by its mode (reference_mode): (cache, reference, eval_ref).
+  "cached" scores every row once before training (ref_score is replicated, so every process
+  can read the scores of rows it holds in full); "live" keeps its weights, frozen and rebuilt
+  from init on resume: with LoRA the base with adapters off, which shares the policy's frozen
+  base (no second copy of the weights). eval_ref: the reference's scores of eval_rows."""
+  base = lambda: lora.adapters_off(state.params) if r.cfg.lora_rank else state.params
+  cache = reference = None
+  if mode == "cached":
+    cache = cached_reference(r, report, train, eval_rows,
+                             lambda rows: ref_score(base(), global_rows(rows)))
+  elif mode == "live":
+    reference = base() if r.cfg.lora_rank else jax.tree.map(jnp.copy, state.params)
+  eval_ref = [cache.lookup(rows) if cache is not None else
+              np.asarray(ref_score(reference, global_rows(rows))) for rows in eval_rows]
+  return cache, reference, eval_ref
+
+
 def run(config, workdir: str, *, out=print) -> dict:
   """Trains (or resumes) the preference run in `workdir`; returns the summary."""
   r = Run(config, workdir, out=out, choices=CHOICES, command="dpo",
@@ -370,33 +394,15 @@ def run(config, workdir: str, *, out=print) -> dict:
   mode = reference_mode(config, cfg, mesh, r.say)
   batch_shd = batch_shardings(config, mesh, needs_ref=needs_ref)
 
-  # Replicated, so every process can read the scores of rows it holds in full.
   # The reference's forwards compile with the learner's options (on CPU, its dot kernels).
   ref_options = compiler_options(mesh.devices.flat)
   ref_forward = shard_activations(lambda p, rows: seq_logps(p, rows)[0], mesh)
-  ref_score = jax.jit(ref_forward, out_shardings=NamedSharding(mesh, P()),
-                      compiler_options=ref_options)
   eval_rows = held_out_rows(r, held_out)
-
-  def global_rows(rows):  # every process holds the rows in full; each device takes its own
-    shd = batch_sharding(mesh, rows["inputs"].ndim, config.layout)
-    return {k: global_array(v, shd) for k, v in rows.items() if k in ROW_KEYS}
-
-  cache = reference = None
-  if mode == "cached":
-    cache = cached_reference(r, report, train, eval_rows,
-                             lambda rows: ref_score(lora.adapters_off(state.params)
-                                                    if cfg.lora_rank else state.params,
-                                                    global_rows(rows)))
-  elif mode == "live":
-    # Frozen; rebuilt from init on resume. With LoRA it is the base with adapters off, which
-    # shares the policy's frozen base: no second copy of the weights.
-    reference = (lora.adapters_off(state.params) if cfg.lora_rank else
-                 jax.tree.map(jnp.copy, state.params))
-  eval_ref = []
-  for rows in eval_rows if needs_ref else []:
-    eval_ref.append(cache.lookup(rows) if cache is not None else
-                    np.asarray(ref_score(reference, global_rows(rows))))
+  global_rows = functools.partial(_global_rows, mesh, config.layout)
+  cache, reference, eval_ref = _reference(
+      r, mode, state, jax.jit(ref_forward, out_shardings=NamedSharding(mesh, P()),
+                              compiler_options=ref_options),
+      global_rows, report, train, eval_rows if needs_ref else [])
 
   # The loop counts a batch's FLOPs (step_flops) just before it puts it: both read the rows
   # of one to_rows call, whose KTO mismatched rows are a Python loop over the batch.

@@ -219,12 +219,7 @@ def train_loop(*, state, step_fn: Callable, batches, put: Callable, total_steps:
         bad = _first_bad(host)
         if bad is not None:
           status = "diverged"
-          where = (f"the last good checkpoint is step {ckpt.latest_step()} in {ckpt.directory}"
-                   if ckpt is not None and ckpt.latest_step() is not None
-                   else "no checkpoint was saved before it")
-          raise TrainingDiverged(
-              f"{bad[1]} is {bad[2]} at step {bad[0]}: training stopped and nothing was saved "
-              f"past it; {where}. Lower optim.lr or tighten optim.clip_norm, then re-run.")
+          raise _diverged(bad, ckpt)
         dt = time.perf_counter() - t_last
         last = {k: float(v) for k, v in host[-1][1].items()}
         last["timing_s/step"] = dt / steps_since
@@ -256,26 +251,42 @@ def train_loop(*, state, step_fn: Callable, batches, put: Callable, total_steps:
         status = "completed"
     finally:
       progress.close()
-      failed = None
-      if ckpt is not None:
-        try:
-          ckpt.wait()  # async writes must land before the process exits
-        except CheckpointFailed as e:
-          failed = e
-      if failed is not None or (ckpt is not None and ckpt.failed is not None):
-        status = "failed"
       summary = {"status": status, "step": step, "start_step": start_step,
                  "total_steps": total_steps, "wall_s": time.perf_counter() - t_start,
                  "metrics": last, "eval": evals, **(summary_extra() if summary_extra else {})}
-      if ckpt is not None and ckpt.failed is not None:
-        summary["error"] = str(ckpt.failed)
-      try:
-        run.write_summary(summary)
-      except OSError:
-        # A failed checkpoint write (a full disk) is the sentence the user needs; a summary the
-        # same disk cannot take must not replace it with a traceback.
-        if failed is None and (ckpt is None or ckpt.failed is None):
-          raise
-      if failed is not None:
-        raise failed
+      _finish(run, ckpt, summary)
   return {**summary, "state": state}
+
+
+def _diverged(bad: tuple[int, str, float], ckpt: Checkpointer | None) -> TrainingDiverged:
+  where = (f"the last good checkpoint is step {ckpt.latest_step()} in {ckpt.directory}"
+           if ckpt is not None and ckpt.latest_step() is not None
+           else "no checkpoint was saved before it")
+  return TrainingDiverged(
+      f"{bad[1]} is {bad[2]} at step {bad[0]}: training stopped and nothing was saved past it; "
+      f"{where}. Lower optim.lr or tighten optim.clip_norm, then re-run.")
+
+
+def _finish(run: RunDir, ckpt: Checkpointer | None, summary: dict) -> None:
+  """Waits for the checkpoint's async writes (they must land before the process exits), then
+  writes DIR/summary.json: status "failed" and the error where a write failed, which is then
+  raised."""
+  failed = None
+  if ckpt is not None:
+    try:
+      ckpt.wait()
+    except CheckpointFailed as e:
+      failed = e
+  if failed is not None or (ckpt is not None and ckpt.failed is not None):
+    summary["status"] = "failed"
+  if ckpt is not None and ckpt.failed is not None:
+    summary["error"] = str(ckpt.failed)
+  try:
+    run.write_summary(summary)
+  except OSError:
+    # A failed checkpoint write (a full disk) is the sentence the user needs; a summary the
+    # same disk cannot take must not replace it with a traceback.
+    if failed is None and (ckpt is None or ckpt.failed is None):
+      raise
+  if failed is not None:
+    raise failed

@@ -106,19 +106,7 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
     pairs = prompts * Tp * (Tp + 1) / 2 + n * (Tc * Tp + Tc * (Tc + 1) / 2)
     return forward_flops(cfg, tokens=tokens, pairs=pairs)
 
-  # Resident beside the learner's programs: the reference and the reward models' params. With
-  # LoRA the reference is the actor's own frozen base with zero adapters: only those count,
-  # and a forward over either holds the base once, as its argument.
-  base_bytes = abstract_bytes(lora.split_lora(state.params)[0]) if cfg.lora_rank else 0
-  # Without LoRA the reference is a copy of the params, in placement.ref_dtype when set.
-  reference = _floats_in(state.params, ref_dtype(config))
-  ref_bytes = abstract_bytes(reference) - base_bytes
-  resident = {"reference params": ref_bytes}
-  for label, rm_cfg, feature in rm_lib.plan_roles(config):
-    model = functools.partial(RewardModel, logprob_feature=feature)
-    resident[f"{label} params"] = abstract_bytes(
-        pg.params_of(abstract_model(rm_cfg, model), mesh, "learner"))
-
+  reference, base_bytes, ref_bytes, resident = _resident_roles(config, cfg, mesh, state)
   kernel = backends.attention_kernel(mesh, batch=get_rules("learner")["batch"],
                                     kv_heads=get_rules("learner")["kv_heads"])
 
@@ -167,23 +155,44 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
       # the largest attention call: the completions' against prompt + completion
       attention_bytes=scores(N // (replicas * micro), Tc if grouped else Tp + Tc, Tp + Tc))
 
-  progs = [train, fwd]
   rm = _reward_forward(config, cfg, mesh, state, shd, N=N, L=Tp + Tc, replicas=replicas,
                        ref_bytes=ref_bytes, knobs=knobs, scores=scores)
-  if rm is not None:
-    progs.append(rm)
+  progs = [train, fwd] + ([rm] if rm is not None else [])
   sync, prefill, decode, held = _sampler_programs(config, cfg, placement, state, resident,
                                                   Tp=Tp, Tc=Tc)
   if placement.mode == "colocated":
-    if rm is not None:  # the sampler copy is released after scoring, before the update
-      rm.resident.update({"sampler weights": held["sampler weights"], **held["base"]})
-    if placement.keep_sampler_copy:
-      train.resident.update({"sampler weights": held["sampler weights"],
-                             "kv cache": held["kv cache"]})
-    train.resident.update(held["base"])  # LoRA: the sampler's base copy stays over the update
+    _colocated(placement, train, rm, held)
   work = Workload(rows=max(1, n_mb // (replicas * config.optim.accum_steps)), seq_len=width,
                   reference=True, slots=r.slots, max_len=Tp + Tc, **knobs)
   return work, [*progs, prefill, decode, sync]
+
+
+def _resident_roles(config, cfg, mesh, state):
+  """(reference, base_bytes, ref_bytes, resident): what stays resident beside the learner's
+  programs, the reference and the reward models' params. Without LoRA the reference is a copy
+  of the params, in placement.ref_dtype when set; with LoRA it is the actor's own frozen base
+  (base_bytes) with zero adapters: only those count, and a forward over either holds the base
+  once, as its argument."""
+  base_bytes = abstract_bytes(lora.split_lora(state.params)[0]) if cfg.lora_rank else 0
+  reference = _floats_in(state.params, ref_dtype(config))
+  ref_bytes = abstract_bytes(reference) - base_bytes
+  resident = {"reference params": ref_bytes}
+  for label, rm_cfg, feature in rm_lib.plan_roles(config):
+    model = functools.partial(RewardModel, logprob_feature=feature)
+    resident[f"{label} params"] = abstract_bytes(
+        pg.params_of(abstract_model(rm_cfg, model), mesh, "learner"))
+  return reference, base_bytes, ref_bytes, resident
+
+
+def _colocated(placement, train: Program, rm: Program | None, held: dict) -> None:
+  """The sampler on the learner's chips: what of its memory (`held`) the reward forward and
+  the update still hold."""
+  if rm is not None:  # the sampler copy is released after scoring, before the update
+    rm.resident.update({"sampler weights": held["sampler weights"], **held["base"]})
+  if placement.keep_sampler_copy:
+    train.resident.update({"sampler weights": held["sampler weights"],
+                           "kv cache": held["kv cache"]})
+  train.resident.update(held["base"])  # LoRA: the sampler's base copy stays over the update
 
 
 def _reward_forward(config, cfg, mesh, state, shd, *, N: int, L: int, replicas: int,
