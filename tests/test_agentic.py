@@ -564,8 +564,11 @@ def test_grpo_learns_to_call_the_calculator(sft_calculator, tmp_path, repo_root,
   AVX eigen 2: +0.680, +0.984
   AVX ynnpack 2: +0.680, +0.984
   worst +0.680 and +0.977 (seed 0); bars +0.40 and +0.80. AVX-512 cells need an AVX-512
-  machine (no flag lifts the ISA). GRPO is 60-70 s alone here (110-120 s with a second run beside it); the warm
-  start took 4-5 minutes of the suite before it was committed. (A warm start trained pinned
+  machine (no flag lifts the ISA). The recipe's rollouts and eval now allocate the KV cache
+  whole (rollout.grow_cache=False), which gave every logged figure of the cells native eigen 0,
+  native ynnpack 0 and AVX eigen 1 (and native eigen 1, 2) to the bit in 57-64 s alone, against
+  73-86 s with the growing window (2026-12-07, alternated in one run). The warm start took 4-5
+  minutes of the suite before it was committed. (A warm start trained pinned
   to one core, XLA's threads 1 instead of 2, rounds differently again: from one such, GRPO
   gained +0.422 to +0.562 over the same cells.)
   """

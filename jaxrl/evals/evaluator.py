@@ -154,15 +154,16 @@ class Evaluator:
 
   Greedy runs on the params as given (the learner layout on `mesh`); sampling runs the engine
   on `sampler_mesh` (default `mesh`) on `to_sampler(params)` (default: the params as given),
-  `slots` decode slots at a time (default `batch`), as the model `sampler_model` (graphdef,
+  `slots` decode slots at a time (default `batch`; steps_per_call and grow_cache as the
+  rollouts'), as the model `sampler_model` (graphdef,
   cfg) when that differs (a scanned learner's sampler runs the layers unrolled)."""
 
   def __init__(self, graphdef, cfg, mesh, tokenizer, records: Sequence[dict], checker: Checker,
                *, batch: int, max_new: int, n: int = 0, ks: Sequence[int] = (),
                temperature: float = 1.0, seed: int = 0, sampler_mesh=None,
                to_sampler: Callable | None = None, slots: int | None = None,
-               steps_per_call: int = 8, prefix: str = "eval/", data_cfg=None,
-               sampler_model: tuple | None = None):
+               steps_per_call: int = 8, grow_cache: bool = True, prefix: str = "eval/",
+               data_cfg=None, sampler_model: tuple | None = None):
     self.records, self.checker, self.tokenizer = _held_out(records), checker, tokenizer
     self.n, self.ks = int(n), tuple(int(k) for k in ks)
     bad = [k for k in self.ks if not 1 <= k <= max(self.n, 0)]
@@ -178,7 +179,7 @@ class Evaluator:
     if self.n > 0:
       sampler_mesh = mesh if sampler_mesh is None else sampler_mesh
       self.slots = _slots(sampler_mesh, min(slots or batch, len(self.records) * self.n))
-      self.steps_per_call = steps_per_call
+      self.steps_per_call, self.grow_cache = steps_per_call, grow_cache
       self.engine = _engine(*(sampler_model or (graphdef, cfg)), sampler_mesh, tokenizer,
                             max_new, temperature=float(temperature))
     # A copy made for sampling is freed once sampled from (GRPO's learner and sampler share
@@ -210,7 +211,7 @@ class Evaluator:
       params_s = self.to_sampler(params)
       rollout = generate(self.engine, params_s, self.ids, n=self.n, seed=self.seed,
                          slots=self.slots, steps_per_call=self.steps_per_call,
-                         max_prompt_len=bucket(max(map(len, self.ids))),
+                         grow_cache=self.grow_cache, max_prompt_len=bucket(max(map(len, self.ids))),
                          pad_id=self.tokenizer.pad_id)
       if self.own_copy:
         release(params_s)
@@ -255,13 +256,13 @@ class EnvEvaluator:
 
   def __init__(self, graphdef, cfg, sampler_mesh, tokenizer, records: Sequence[dict], *, env,
                renderer, max_new: int, max_turns: int, budget: int, prompt_len: int,
-               slots: int, steps_per_call: int = 8, to_sampler: Callable | None = None,
-               prefix: str = "eval/"):
+               slots: int, steps_per_call: int = 8, grow_cache: bool = True,
+               to_sampler: Callable | None = None, prefix: str = "eval/"):
     self.records, self.tokenizer, self.prefix = _held_out(records), tokenizer, prefix
     self.env, self.renderer = env, renderer
     self.max_turns, self.budget, self.prompt_len = int(max_turns), int(budget), int(prompt_len)
     self.slots = _slots(sampler_mesh, min(slots, len(self.records)))
-    self.steps_per_call = steps_per_call
+    self.steps_per_call, self.grow_cache = steps_per_call, grow_cache
     self.engine = _engine(graphdef, cfg, sampler_mesh, tokenizer, max_new, greedy=True)
     self.to_sampler, self.own_copy = to_sampler or (lambda params: params), to_sampler is not None
     self.completions: list[dict] = []
@@ -274,8 +275,8 @@ class EnvEvaluator:
     ro, rewards, _ = continued(
         self.engine, params_s, self.records, env=self.env, renderer=self.renderer, n=1, seed=0,
         max_turns=self.max_turns, budget=self.budget, slots=self.slots,
-        steps_per_call=self.steps_per_call, max_prompt_len=self.prompt_len,
-        pad_id=self.tokenizer.pad_id, decode=self.tokenizer.decode)
+        steps_per_call=self.steps_per_call, grow_cache=self.grow_cache,
+        max_prompt_len=self.prompt_len, pad_id=self.tokenizer.pad_id, decode=self.tokenizer.decode)
     if self.own_copy:
       release(params_s)
     st, correct = ro.stats, rewards >= 1.0

@@ -147,7 +147,8 @@ def default_config():
       ignore_eos=False,  # True: every completion runs to max_new_tokens (benchmarks)
       # True: the KV cache's window grows with the longest live sequence (fewer reads per
       # decode step, up to two decode compiles per doubling); False: allocated whole, one
-      # compile (where compiles are slow, e.g. large models on TPU).
+      # compile (where compiles are slow, e.g. large models on TPU, or tiny models on CPU).
+      # The held-out eval's sampling and conversations take it too.
       grow_cache=True,
       # "dense": one [slots, window] KV cache; "paged": a pool of kv_pages pages of page_size
       # positions, a group's prompt pages shared by its samples (docs/design.md, "The paged KV

@@ -365,7 +365,8 @@ def _evaluator(run: Run, graphdef, held_out: list[dict], task, weight_sync: Weig
                  ks=e.k, temperature=e.temperature, seed=config.seed,
                  sampler_mesh=run.placement.sampler.mesh,
                  to_sampler=weight_sync.to_sampler,
-                 slots=r.slots, steps_per_call=r.steps_per_call, data_cfg=config.data)
+                 slots=r.slots, steps_per_call=r.steps_per_call, grow_cache=r.grow_cache,
+                 data_cfg=config.data)
   sampled = ""
   if e.n:
     sampled = f"; {e.n} samples per prompt at temperature {e.temperature}"
@@ -401,7 +402,8 @@ def _env_evaluator(run: Run, graphdef, held_out: list[dict], task, weight_sync: 
                     run.tokenizer, held_out, env=env, renderer=renderer,
                     max_new=e.max_new_tokens or r.max_new_tokens, max_turns=r.max_turns,
                     budget=budget, prompt_len=prompt_len, slots=r.slots,
-                    steps_per_call=r.steps_per_call, to_sampler=weight_sync.to_sampler)
+                    steps_per_call=r.steps_per_call, grow_cache=r.grow_cache,
+                    to_sampler=weight_sync.to_sampler)
   alarms.watching = (f"eval/accuracy (environment {env[0]!r} on {len(held_out)} prompts of "
                      f"{where})")
   run.say(f"held-out eval every {e.every} steps: {len(held_out)} prompts of {where}, "
