@@ -564,8 +564,6 @@ COMMANDS = {"info": cmd_info, "model": cmd_model, "sweep": cmd_sweep, "plan": cm
 
 def main(argv: list[str] | None = None) -> None:
   if argv is None:  # the console script, not a caller in this process: run on tcmalloc
-    from jaxrl.backends import tpu
-    tpu.cpu_only_without_accelerators()
     from jaxrl.backends.cpu import allocator
     try:
       allocator.ensure()

@@ -40,7 +40,8 @@ LIBTPU_NOISE = ("host bounds", "InitGoogle", "TPU_WORKER")
 def test_the_console_script_on_a_cpu_machine_does_not_print_libtpus_errors():
   """Without a TPU, jax loaded libtpu (installed for --compile) to find no chip, and it printed
   "Failed to find host bounds...", "Logging before InitGoogle()" and an E0000 TPU_WORKER line
-  before every command's output; the console script now asks for the CPU first. `jaxrl plan`
+  before every command's output; `import jaxrl` (so the console script, a notebook or a
+  script) now asks for the CPU first. `jaxrl plan`
   of a slice's config still loads libtpu, for abstract TPU chips: it names a slice for
   libtpu's start-up, which then looks for none (backends.quiet_libtpu_off_tpu)."""
   from jaxrl.backends.tpu import accelerator_here
@@ -51,6 +52,10 @@ def test_the_console_script_on_a_cpu_machine_does_not_print_libtpus_errors():
                         env=env, capture_output=True, text=True)
   if not any(x in bare.stderr for x in LIBTPU_NOISE):
     pytest.skip("jax alone prints no libtpu errors here (libtpu not installed)")
+  res = subprocess.run([sys.executable, "-c", "import jaxrl, jax; print(jax.devices())"],
+                       env=env, capture_output=True, text=True)
+  assert res.returncode == 0 and "CpuDevice" in res.stdout, res.stderr
+  assert not [x for x in LIBTPU_NOISE if x in res.stdout + res.stderr], res.stderr
   res = subprocess.run([JAXRL, "info"], env=env, capture_output=True, text=True)
   assert res.returncode == 0 and "backend            cpu" in res.stdout, res.stderr
   assert not [x for x in LIBTPU_NOISE if x in res.stdout + res.stderr], res.stderr

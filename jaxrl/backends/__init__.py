@@ -128,6 +128,12 @@ def compiler_options(devices, program: str = "learner") -> dict | None:
   return None
 
 
+def cpu_only_without_accelerators() -> None:
+  """JAX_PLATFORMS=cpu on a machine with neither a TPU nor a GPU (tpu.py, at `import jaxrl`
+  and in the console script): libtpu then stays unloaded until a compile for a TPU topology."""
+  tpu.cpu_only_without_accelerators()
+
+
 def quiet_libtpu_off_tpu() -> None:
   """Before libtpu starts a compile-only client (abstract TPU devices for `jaxrl plan` and
   --compile) on a machine with no TPU: off a TPU VM its start-up looks for this host's slice

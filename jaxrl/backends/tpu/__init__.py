@@ -53,13 +53,14 @@ def tpu_here() -> bool:
 
 
 def accelerator_here() -> bool:
-  """A TPU chip (tpu_here) or an NVIDIA GPU (/dev/nvidiactl) on this machine."""
-  return os.path.exists("/dev/nvidiactl") or tpu_here()
+  """A TPU chip (tpu_here) or a GPU (NVIDIA's /dev/nvidiactl, AMD's /dev/kfd) on this
+  machine."""
+  return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd") or tpu_here()
 
 
 def cpu_only_without_accelerators() -> None:
-  """For the console script, before jax starts a backend: on a machine with neither a TPU nor
-  an NVIDIA GPU, JAX_PLATFORMS=cpu. Otherwise jax loads libtpu (the test extra installs it for
+  """At `import jaxrl` and in the console script, before jax starts a backend: on a machine
+  with neither a TPU nor a GPU, JAX_PLATFORMS=cpu. Otherwise jax loads libtpu (the test extra installs it for
   `jaxrl plan --compile`) only to find no chip, and libtpu printed three lines of errors before
   every command's output. A JAX_PLATFORMS of the user's own is kept; --compile still loads
   libtpu for its topology."""
