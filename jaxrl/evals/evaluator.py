@@ -155,8 +155,8 @@ class Evaluator:
   Greedy runs on the params as given (the learner layout on `mesh`); sampling runs the engine
   on `sampler_mesh` (default `mesh`) on `to_sampler(params)` (default: the params as given),
   `slots` decode slots at a time (default `batch`; steps_per_call and grow_cache as the
-  rollouts'), as the model `sampler_model` (graphdef,
-  cfg) when that differs (a scanned learner's sampler runs the layers unrolled)."""
+  rollouts'), as the model `sampler_model` (graphdef, cfg) when that differs (a scanned
+  learner's sampler runs the layers unrolled)."""
 
   def __init__(self, graphdef, cfg, mesh, tokenizer, records: Sequence[dict], checker: Checker,
                *, batch: int, max_new: int, n: int = 0, ks: Sequence[int] = (),

@@ -59,11 +59,11 @@ def accelerator_here() -> bool:
 
 
 def cpu_only_without_accelerators() -> None:
-  """At `import jaxrl` and in the console script, before jax starts a backend: on a machine
-  with neither a TPU nor a GPU, JAX_PLATFORMS=cpu. Otherwise jax loads libtpu (the test extra installs it for
-  `jaxrl plan --compile`) only to find no chip, and libtpu printed three lines of errors before
-  every command's output. A JAX_PLATFORMS of the user's own is kept; --compile still loads
-  libtpu for its topology."""
+  """At `import jaxrl` (so in the console script too), before jax starts a backend: on a
+  machine with neither a TPU nor a GPU, JAX_PLATFORMS=cpu. Otherwise jax loads libtpu (the
+  test extra installs it for `jaxrl plan --compile`) only to find no chip, and libtpu printed
+  three lines of errors before every command's and notebook's output. A JAX_PLATFORMS of the
+  user's own is kept; --compile still loads libtpu for its topology."""
   if "JAX_PLATFORMS" in os.environ or accelerator_here():
     return
   os.environ["JAX_PLATFORMS"] = "cpu"
