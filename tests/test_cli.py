@@ -41,9 +41,9 @@ def test_the_console_script_on_a_cpu_machine_does_not_print_libtpus_errors():
   """Without a TPU, jax loaded libtpu (installed for --compile) to find no chip, and it printed
   "Failed to find host bounds...", "Logging before InitGoogle()" and an E0000 TPU_WORKER line
   before every command's output; `import jaxrl` (so the console script, a notebook or a
-  script) now asks for the CPU first. `jaxrl plan`
-  of a slice's config still loads libtpu, for abstract TPU chips: it names a slice for
-  libtpu's start-up, which then looks for none (backends.quiet_libtpu_off_tpu)."""
+  script) now asks for the CPU first. `jaxrl plan` of a slice's config still loads libtpu, for
+  abstract TPU chips: it names a slice for libtpu's start-up, which then looks for none
+  (backends.quiet_libtpu_off_tpu)."""
   from jaxrl.backends.tpu import accelerator_here
   if accelerator_here():
     pytest.skip("this machine has an accelerator: jax should look for it")

@@ -277,16 +277,17 @@ def _finish(run: RunDir, ckpt: Checkpointer | None, summary: dict) -> None:
       ckpt.wait()
     except CheckpointFailed as e:
       failed = e
-  if failed is not None or (ckpt is not None and ckpt.failed is not None):
+  write_failed = ckpt.failed if ckpt is not None else None
+  if failed is not None or write_failed is not None:
     summary["status"] = "failed"
-  if ckpt is not None and ckpt.failed is not None:
-    summary["error"] = str(ckpt.failed)
+  if write_failed is not None:
+    summary["error"] = str(write_failed)
   try:
     run.write_summary(summary)
   except OSError:
     # A failed checkpoint write (a full disk) is the sentence the user needs; a summary the
     # same disk cannot take must not replace it with a traceback.
-    if failed is None and (ckpt is None or ckpt.failed is None):
+    if failed is None and write_failed is None:
       raise
   if failed is not None:
     raise failed
