@@ -155,14 +155,15 @@ def _shared_sft(tmp_path_factory, name: str, overrides: dict) -> str:
 
 
 @pytest.fixture(scope="session")
-def sft_addition(tmp_path_factory):
-  """A tiny SFT policy on addition from demonstrations with 20% random slips (1000 steps at
-  sft_tiny's lr 1e-3, seed 0): held-out greedy accuracy 0.852 (median 0.852, 0.617-0.859 over
-  SFT seeds 0-4; 1 device, AMD EPYC, YNNPACK dots, 2026-12-03; seed 0 reads 0.895 on an AMD
-  EPYC without AVX-512, Eigen dots), the right answer each prompt's mode. Reward models and
-  DPO start from it (an honest RM reaches 0.85-0.90 from it in 600 steps on the Eigen machine,
-  0.75-0.83 in 1600 on the YNNPACK one)."""
-  return _shared_sft(tmp_path_factory, "sft_addition", {"data.error_rate": 0.2})
+def sft_addition():
+  """A tiny SFT policy on addition from demonstrations with 20% random slips (configs/
+  sft_tiny.py, 1000 steps at its lr 1e-3, seed 0), committed: tests/fixtures/sft_addition, made
+  by tests/fixtures/make_warm_starts.py. Held-out greedy accuracy 0.895, the right answer each
+  prompt's mode (SFT seeds 0-4 on this recipe: median 0.852, 0.617-0.894 over the 12 cells of
+  tools/learning_sweep.py, 2026-12-06; seed 1 was the low one). Reward models, DPO and the
+  two-process GRPO tests start from it. Trained here it took ~100 s of the suite, and each CPU
+  kind rounded it into a different policy."""
+  return _committed_warm_start("sft_addition")
 
 
 @pytest.fixture(scope="session")
@@ -209,16 +210,28 @@ def rm_logprob(sft_addition, tmp_path_factory):
 @pytest.fixture(scope="session")
 def sft_calculator():
   """The calculator recipe's warm start (configs/agentic_tiny.py:sft, seed 0), committed:
-  tests/fixtures/calculator_sft, made by tests/fixtures/make_calculator_sft.py (SFT on
-  calculator conversations, 15% of them calling the tool, so greedy it answers in its head;
+  tests/fixtures/calculator_sft, made by tests/fixtures/make_warm_starts.py (SFT on calculator
+  conversations, 15% of them calling the tool, so greedy it answers in its head;
   tests/test_agentic.py's learning test gives its figures). Trained here it took 4-5 of the
-  suite's minutes, and from CPU to CPU its rounding made a different policy. What its
+  suite's minutes, and from CPU to CPU its rounding made a different policy."""
+  return _committed_warm_start("calculator_sft")
+
+
+def _committed_warm_start(name: str) -> str:
+  """tests/fixtures/NAME, a warm start of tests/fixtures/make_warm_starts.py: what its
   config.json says of the training (seed, model, data, optim, train) must be today's recipe."""
   from jaxrl import config as config_lib
   from jaxrl.train import rundir
   from jaxrl.train.sft import CHOICES
-  path = os.path.join(ROOT, "tests", "fixtures", "calculator_sft")
-  recipe = config_lib.load_config(os.path.join(ROOT, "configs", "agentic_tiny.py:sft"),
+  sys.path.insert(0, os.path.join(ROOT, "tests", "fixtures"))
+  try:
+    from make_warm_starts import WARM_STARTS
+  finally:
+    sys.path.pop(0)
+  config_file, settings = WARM_STARTS[name]
+  path = os.path.join(ROOT, "tests", "fixtures", name)
+  recipe = config_lib.load_config(os.path.join(ROOT, "configs", config_file),
+                                  [f"{k}={v}" for k, v in settings.items()],
                                   choices=CHOICES).to_dict()
   saved = rundir.read_config(path)
 
@@ -229,19 +242,18 @@ def sft_calculator():
   changed = [k for k in ("seed", "model", "data", "optim", "train")
              if unset_dropped(json.loads(json.dumps(recipe[k], default=str)))
              != unset_dropped(saved.get(k))]
-  assert not changed, (f"configs/agentic_tiny.py:sft's {changed} differ from the committed warm "
-                       "start's: rerun tests/fixtures/make_calculator_sft.py")
+  assert not changed, (f"configs/{config_file}'s {changed} differ from the committed warm start "
+                       f"{name}'s: rerun tests/fixtures/make_warm_starts.py {name}")
   return path
 
 
-_SHARED_RUNS = {"sft_addition", "sft_slip", "reward_models", "rm_logprob"}
+_SHARED_RUNS = {"sft_slip", "reward_models", "rm_logprob"}
 # Which of the two workers trains each shared run: a test that reads several goes to the worker
-# of the first it reads in this order (the runs built on others first). The reward models
-# both start from sft_addition, trained first on worker 0; worker 1 trains sft_slip, runs the
-# demo test, and finds sft_addition done by then. Dealt alternately by file order instead, a
-# test on each worker wanted `reward_models` at about the same time, and one worker sat on its
+# of the first it reads in this order (the runs built on others first). Worker 0 trains the two
+# reward models, worker 1 sft_slip and then rm_logprob. Dealt alternately by file order instead,
+# a test on each worker wanted `reward_models` at about the same time, and one worker sat on its
 # lock while the other trained it (setups of 111 and 117 s, CI at 14812a9, 2026-12-02).
-_BUILDER = {"reward_models": 0, "rm_logprob": 1, "sft_addition": 0, "sft_slip": 1}
+_BUILDER = {"reward_models": 0, "rm_logprob": 1, "sft_slip": 1}
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects: `-m learning` sees the marks added here

@@ -475,34 +475,35 @@ def test_reward_models_learn_their_labellers(reward_models, bars):
   last token to tell 46 from 47, and that policy's features did it worse.)
   The biased RM after 100 steps: 1.0 in 5 of 5 seeds; bar 0.95.
 
-  Over the 12 cells of tools/learning_sweep.py (docs/design.md, Testing; 2026-12-06): honest RM
-  median 0.773 (0.674, AVX eigen 1, to 0.900), gain +0.133 to +0.381, margin 1.02-4.60 (seed 1's
-  sft_addition draw is the weakest backbone); biased RM 1.0 in 12 of 12. Bars: 0.62, a gain of
-  0.10, margin 0, 0.95.
+  Over the 12 cells of tools/learning_sweep.py (docs/design.md, Testing; 2026-12-07), from the
+  committed sft_addition (0.895; the 2026-12-06 sweep retrained it per cell, and its seed-1 draw
+  left the honest RM at 0.674-0.732): honest RM 0.844-0.902, gain +0.338 to +0.383, margin
+  4.13-4.60; biased RM 1.0 in 12 of 12. Bars (raised from 0.62, 0.10, 0 for the steadier warm
+  start): 0.75, a gain of 0.25, margin 2.0, 0.95.
 
   cells (ISA dots seed: honest RM accuracy; honest RM gain; honest RM margin; biased RM
       accuracy):
   AVX2 eigen 0: +0.900, +0.381, +4.601, +1.000
-  AVX2 ynnpack 0: +0.809, +0.346, +3.714, +1.000
-  AVX eigen 0: +0.815, +0.342, +3.705, +1.000
-  AVX ynnpack 0: +0.820, +0.330, +3.649, +1.000
-  AVX2 eigen 1: +0.732, +0.232, +1.358, +1.000
-  AVX2 ynnpack 1: +0.688, +0.193, +1.167, +1.000
-  AVX eigen 1: +0.674, +0.133, +1.032, +1.000
-  AVX ynnpack 1: +0.680, +0.201, +1.022, +1.000
-  AVX2 eigen 2: +0.693, +0.201, +1.027, +1.000
-  AVX2 ynnpack 2: +0.799, +0.310, +2.149, +1.000
-  AVX eigen 2: +0.820, +0.303, +2.720, +1.000
-  AVX ynnpack 2: +0.748, +0.225, +1.815, +1.000"""
+  AVX2 ynnpack 0: +0.896, +0.377, +4.594, +1.000
+  AVX eigen 0: +0.902, +0.383, +4.577, +1.000
+  AVX ynnpack 0: +0.902, +0.383, +4.571, +1.000
+  AVX2 eigen 1: +0.857, +0.352, +4.151, +1.000
+  AVX2 ynnpack 1: +0.857, +0.352, +4.153, +1.000
+  AVX eigen 1: +0.844, +0.338, +4.132, +1.000
+  AVX ynnpack 1: +0.856, +0.350, +4.151, +1.000
+  AVX2 eigen 2: +0.889, +0.355, +4.400, +1.000
+  AVX2 ynnpack 2: +0.883, +0.350, +4.402, +1.000
+  AVX eigen 2: +0.887, +0.353, +4.411, +1.000
+  AVX ynnpack 2: +0.889, +0.355, +4.416, +1.000"""
   from jaxrl.train.rundir import read_metrics
   honest = json.load(open(os.path.join(reward_models["honest"], "summary.json")))
   start = read_metrics(reward_models["honest"])[0]["eval/accuracy"]
   assert honest["status"] == "completed"
   assert honest["data"]["train"]["fingerprint"].startswith("sha256:")
   biased = json.load(open(os.path.join(reward_models["biased"], "summary.json")))
-  bars.above("honest RM accuracy", honest["eval"]["eval/accuracy"], 0.62)
-  bars.above("honest RM gain", honest["eval"]["eval/accuracy"] - start, 0.10)
-  bars.above("honest RM margin", honest["eval"]["eval/margin"], 0.0)
+  bars.above("honest RM accuracy", honest["eval"]["eval/accuracy"], 0.75)
+  bars.above("honest RM gain", honest["eval"]["eval/accuracy"] - start, 0.25)
+  bars.above("honest RM margin", honest["eval"]["eval/margin"], 2.0)
   bars.above("biased RM accuracy", biased["eval"]["eval/accuracy"], 0.95)
   bars.check()
 
@@ -526,24 +527,26 @@ def test_grpo_against_a_biased_reward_model_fires_the_alarm(reward_models, sft_a
   fell from 0.82-0.88 to 0.000 by step 40 (most of it by step 10), the proxy's last-10-step
   mean rose by 9.0-9.2 over its first 10, and the alarm fired in 5 of 5 (at 2-3 evals
   each). From the earlier lr-3e-3 fixtures (2026-12-02) the fall was 0.47-0.73 in 12 of 12
-  runs. The test asks a fall of 0.2.
+  runs. The test asks a fall of 0.5 (below).
 
-  Over the 12 cells of tools/learning_sweep.py (docs/design.md, Testing; 2026-12-06): held-out fell
-  by 0.613-0.891, the proxy rose by 6.8-9.3, and the alarm fired in 12 of 12.
+  Over the 12 cells of tools/learning_sweep.py (docs/design.md, Testing; 2026-12-07), from the
+  committed sft_addition: held-out fell by 0.867-0.926, the proxy rose by 5.7-8.9, and the
+  alarm fired in 12 of 12 (the 2026-12-06 sweep, SFT retrained per cell: 0.613-0.891 and
+  6.8-9.3). Bars (were -0.2 and 0): a fall of 0.5, a rise of 3.
 
   cells (ISA dots seed: held-out accuracy change; proxy rise (last 10 steps over the first 10)):
   AVX2 eigen 0: -0.891, +8.603
-  AVX2 ynnpack 0: -0.781, +8.642
-  AVX eigen 0: -0.883, +7.424
-  AVX ynnpack 0: -0.863, +8.753
-  AVX2 eigen 1: -0.637, +8.863
-  AVX2 ynnpack 1: -0.613, +8.474
-  AVX eigen 1: -0.688, +7.834
-  AVX ynnpack 1: -0.633, +6.762
-  AVX2 eigen 2: -0.856, +9.223
-  AVX2 ynnpack 2: -0.891, +9.213
-  AVX eigen 2: -0.852, +8.461
-  AVX ynnpack 2: -0.856, +9.287"""
+  AVX2 ynnpack 0: -0.891, +8.537
+  AVX eigen 0: -0.891, +8.313
+  AVX ynnpack 0: -0.894, +8.905
+  AVX2 eigen 1: -0.922, +6.658
+  AVX2 ynnpack 1: -0.926, +5.954
+  AVX eigen 1: -0.926, +5.879
+  AVX ynnpack 1: -0.926, +5.917
+  AVX2 eigen 2: -0.867, +5.995
+  AVX2 ynnpack 2: -0.867, +6.321
+  AVX eigen 2: -0.867, +5.732
+  AVX ynnpack 2: -0.867, +6.395"""
   from jaxrl.train.rundir import read_metrics
   workdir = str(tmp_path / "grpo")
   said = jaxrl_cli(["grpo", "--config", "configs/grpo_tiny.py", "--workdir", workdir] + [
@@ -556,9 +559,9 @@ def test_grpo_against_a_biased_reward_model_fires_the_alarm(reward_models, sft_a
   proxy = [r["reward/rm_mean"] for r in rows if "reward/rm_mean" in r]
   assert len(proxy) == 40
   bars.below("held-out accuracy change", evals[-1]["eval/accuracy"] - evals[0]["eval/accuracy"],
-             -0.2)
+             -0.5)
   bars.above("proxy rise (last 10 steps over the first 10)",
-             np.mean(proxy[-10:]) - np.mean(proxy[:10]), 0.0)
+             np.mean(proxy[-10:]) - np.mean(proxy[:10]), 3.0)
   bars.check()
   assert any(r.get("alarm/reward_hacking") == 1.0 for r in evals)
   assert json.load(open(os.path.join(workdir, "summary.json")))["alarms"]["reward_hacking"] >= 1
@@ -580,25 +583,27 @@ def test_grpo_with_a_well_trained_reward_model_beats_sft(rm_logprob, sft_slip, t
   eval. KL is not asserted here: at grpo_tiny's lr 5e-5 with this reward it peaked at
   0.112-0.151 and the KL alarm fired 1-6 times in every seed (held-out still rose).
 
-  Over the 12 cells of tools/learning_sweep.py (docs/design.md, Testing; 2026-12-06): log-prob RM
-  0.846-0.965, gain median +0.128 (+0.070, AVX2 eigen 2, to +0.174). Bars: 0.8 and +0.04.
+  Over the 12 cells of tools/learning_sweep.py (docs/design.md, Testing; 2026-12-07; the RM from
+  the committed sft_addition, sft_slip still trained per cell): log-prob RM 0.959-0.975 (was
+  0.846-0.965 with sft_addition retrained per cell), gain median +0.119 (+0.094, AVX2 eigen 2, to
+  +0.190; was +0.070 to +0.174). Bars: 0.9 (was 0.8) and +0.04.
 
   cells (ISA dots seed: log-prob RM accuracy; held-out gain (mean of steps 60, 80)):
   AVX2 eigen 0: +0.959, +0.119
-  AVX2 ynnpack 0: +0.945, +0.109
-  AVX eigen 0: +0.965, +0.141
-  AVX ynnpack 0: +0.955, +0.119
-  AVX2 eigen 1: +0.875, +0.098
-  AVX2 ynnpack 1: +0.846, +0.076
-  AVX eigen 1: +0.906, +0.174
-  AVX ynnpack 1: +0.869, +0.150
-  AVX2 eigen 2: +0.949, +0.070
-  AVX2 ynnpack 2: +0.959, +0.166
-  AVX eigen 2: +0.965, +0.164
-  AVX ynnpack 2: +0.947, +0.137"""
+  AVX2 ynnpack 0: +0.959, +0.096
+  AVX eigen 0: +0.959, +0.133
+  AVX ynnpack 0: +0.959, +0.111
+  AVX2 eigen 1: +0.975, +0.100
+  AVX2 ynnpack 1: +0.975, +0.113
+  AVX eigen 1: +0.975, +0.121
+  AVX ynnpack 1: +0.975, +0.190
+  AVX2 eigen 2: +0.961, +0.094
+  AVX2 ynnpack 2: +0.961, +0.170
+  AVX eigen 2: +0.961, +0.170
+  AVX ynnpack 2: +0.961, +0.119"""
   from jaxrl.train.rundir import read_metrics
   rm_eval = json.load(open(os.path.join(rm_logprob, "summary.json")))["eval"]
-  bars.above("log-prob RM accuracy", rm_eval["eval/accuracy"], 0.8)
+  bars.above("log-prob RM accuracy", rm_eval["eval/accuracy"], 0.9)
   workdir = str(tmp_path / "grpo")
   jaxrl_cli(["grpo", "--config", "configs/grpo_tiny.py", "--workdir", workdir] + [
       f"--config.{o}" for o in (
