@@ -145,15 +145,6 @@ def _shared_run(tmp_path_factory, name: str, command: str, config: str, settings
   return str(workdir)
 
 
-def _shared_sft(tmp_path_factory, name: str, overrides: dict) -> str:
-  """A tiny SFT policy on addition (configs/sft_tiny.py, 1000 steps) with `overrides`."""
-  # sft_tiny's own lr (1e-3), inside the region where every seed learns (docs/guides/
-  # recipes.md); the old 3e-3 spiked and float rounding picked the policy every test below got.
-  settings = {"train.steps": 1000, "train.log_every": 100, "train.save_every": 1000,
-              "eval.every": 1000, **overrides}
-  return _shared_run(tmp_path_factory, name, "sft", "sft_tiny.py", settings)
-
-
 @pytest.fixture(scope="session")
 def sft_addition():
   """A tiny SFT policy on addition from demonstrations with 20% random slips (configs/
@@ -167,15 +158,15 @@ def sft_addition():
 
 
 @pytest.fixture(scope="session")
-def sft_slip(tmp_path_factory):
-  """The demo's SFT policy, trained with the demo's own SFT settings (jaxrl.demo.SFT_OVERRIDES:
-  1000 steps at lr 1e-3 on demonstrations that drop the carry on 60% of the sums with one).
-  SFT learns the slip (held-out 0.586 at seed 0, 0.500-0.637 over seeds 0-4; 1 device, AMD
-  EPYC, YNNPACK dots, 2026-12-03; docs/guides/recipes.md), so RL that rewards the right answer
-  has a real fix to make.
-  The demo test resumes `jaxrl demo` from a copy of it."""
-  from jaxrl.demo import SFT_OVERRIDES
-  return _shared_sft(tmp_path_factory, "sft_slip", SFT_OVERRIDES)
+def sft_slip():
+  """The demo's SFT policy (configs/sft_tiny.py with jaxrl.demo.SFT_OVERRIDES: 1000 steps at
+  lr 1e-3 on demonstrations that drop the carry on 60% of the sums with one, seed 0),
+  committed whole (optimizer state too: the demo test resumes it as `jaxrl demo`'s finished SFT
+  stage): tests/fixtures/sft_slip, made by tests/fixtures/make_warm_starts.py. SFT learns the
+  slip (held-out 0.645; 0.496-0.703 over the 12 cells of tools/learning_sweep.py, 2026-12-06;
+  docs/guides/recipes.md), so RL that rewards the right answer has a real fix to make. Trained
+  here it took ~90 s of the suite, and each CPU kind rounded it into a different policy."""
+  return _committed_warm_start("sft_slip")
 
 
 @pytest.fixture(scope="session")
@@ -247,13 +238,13 @@ def _committed_warm_start(name: str) -> str:
   return path
 
 
-_SHARED_RUNS = {"sft_slip", "reward_models", "rm_logprob"}
+_SHARED_RUNS = {"reward_models", "rm_logprob"}
 # Which of the two workers trains each shared run: a test that reads several goes to the worker
-# of the first it reads in this order (the runs built on others first). Worker 0 trains the two
-# reward models, worker 1 sft_slip and then rm_logprob. Dealt alternately by file order instead,
-# a test on each worker wanted `reward_models` at about the same time, and one worker sat on its
-# lock while the other trained it (setups of 111 and 117 s, CI at 14812a9, 2026-12-02).
-_BUILDER = {"reward_models": 0, "rm_logprob": 1, "sft_slip": 1}
+# of the first it reads in this order. Worker 0 trains the two reward models, worker 1
+# rm_logprob. Dealt alternately by file order instead, a test on each worker wanted
+# `reward_models` at about the same time, and one worker sat on its lock while the other
+# trained it (setups of 111 and 117 s, CI at 14812a9, 2026-12-02).
+_BUILDER = {"reward_models": 0, "rm_logprob": 1}
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects: `-m learning` sees the marks added here

@@ -117,37 +117,40 @@ def test_the_cli_runs_ppo_and_infers_it_from_the_config(repo_root):
 def test_ppo_raises_heldout_accuracy_above_sft_and_the_critic_explains_returns(tmp_path,
                                                                                 sft_slip, bars):
   """PPO proper (one sample per prompt, a critic from the policy's decoder with a new head,
-  3 warm-up steps) from the demo's SFT policy, which learnt a slip that RL with the task's
-  reward can fix: held-out greedy accuracy must rise clearly above the SFT start, with KL
-  below the alarm, and the critic must come to explain the returns (explained variance above
-  0). Over PPO seeds 0-4 from this fixture (sft_slip, SFT seed 0), these settings, one CPU
-  device (AMD EPYC, YNNPACK dots, 2026-12-03; docs/guides/recipes.md; the held-out prompts
-  follow the seed, so each gain is from its own step 0): gain median +0.137 (+0.105 to +0.176),
-  seed 0 0.586 -> 0.762; KL max 0.030-0.047; explained variance -0.41 to -0.17 at step 5, and
-  its least over steps 20-30 0.017-0.109 (seed 1 lowest). Bars: +0.08, KL 0.1, explained
-  variance above 0 and above step 5's. 60 s of run alone, about 4.5 min with the machine
-  shared. A longer run (60 steps at lr 2e-5, critic lr 1e-4, 5 warm-up steps) reached 0.773,
-  KL max 0.052 (seed 0).
+  3 warm-up steps) from the demo's SFT policy, which learnt a slip that RL with the task's reward
+  can fix: held-out greedy accuracy must rise clearly above the SFT start, with KL below the alarm,
+  and the critic must come to explain the returns (explained variance above 0). Over PPO seeds 0-4
+  from the sft_slip then trained in the suite (SFT seed 0, held-out 0.586), these settings, one CPU
+  device (AMD EPYC, YNNPACK dots, 2026-12-03; docs/guides/recipes.md; the held-out prompts follow
+  the seed, so each gain is from its own step 0): gain median +0.137 (+0.105 to +0.176), seed 0
+  0.586 -> 0.762; KL max 0.030-0.047; explained variance -0.41 to -0.17 at step 5, and its least
+  over steps 20-30 0.017-0.109 (seed 1 lowest). 60 s of run alone, about 4.5 min with the machine
+  shared. A longer run (60 steps at lr 2e-5, critic lr 1e-4, 5 warm-up steps) reached 0.773, KL max
+  0.052 (seed 0).
 
-  Over the 12 cells of tools/learning_sweep.py (docs/design.md, Testing; 2026-12-06): gain median
-  +0.100 (+0.039, AVX2 eigen 1, to +0.199), KL max 0.027-0.064, explained variance's least
-  0.019-0.234, its rise +0.032 to +0.555. Bars: +0.02 (weak: this recipe's gain is the least steady
-  of the learning tests; a longer run is the follow-up), KL 0.1, both variance bars 0.
+  Over the 12 cells of tools/learning_sweep.py (docs/design.md, Testing; 2026-12-07), from the
+  committed sft_slip, the four ISA x dot-kernel cells of each seed gave the same figures to the last
+  digit (PPO from one checkpoint is bit-identical under both dot kernels and both ISA levels on
+  this AMD EPYC, as jaxrl/backends/cpu/dots.py found), so the spread is the three seeds': gain
+  +0.090 to +0.113, KL max 0.039-0.046, explained variance's least of the last 3 logs 0.060-0.116
+  and its rise over step 5's +0.241 to +0.555. Bars: +0.04 (was +0.02 while sft_slip was retrained
+  per cell, when the worst cell gained +0.039), KL 0.1, explained variance above 0 and above step
+  5's.
 
   cells (ISA dots seed: held-out gain; KL max; explained variance (least of the last 3 logs); its
       rise over step 5's):
   AVX2 eigen 0: +0.090, +0.039, +0.088, +0.555
-  AVX2 ynnpack 0: +0.141, +0.039, +0.125, +0.549
-  AVX eigen 0: +0.156, +0.043, +0.100, +0.548
-  AVX ynnpack 0: +0.059, +0.045, +0.097, +0.492
-  AVX2 eigen 1: +0.039, +0.027, +0.079, +0.174
-  AVX2 ynnpack 1: +0.070, +0.042, +0.132, +0.230
-  AVX eigen 1: +0.098, +0.043, +0.141, +0.136
-  AVX ynnpack 1: +0.129, +0.046, +0.109, +0.133
-  AVX2 eigen 2: +0.090, +0.031, +0.059, +0.131
-  AVX2 ynnpack 2: +0.199, +0.039, +0.234, +0.152
-  AVX eigen 2: +0.160, +0.055, +0.019, +0.032
-  AVX ynnpack 2: +0.102, +0.064, +0.141, +0.276"""
+  AVX2 ynnpack 0: +0.090, +0.039, +0.088, +0.555
+  AVX eigen 0: +0.090, +0.039, +0.088, +0.555
+  AVX ynnpack 0: +0.090, +0.039, +0.088, +0.555
+  AVX2 eigen 1: +0.098, +0.046, +0.060, +0.241
+  AVX2 ynnpack 1: +0.098, +0.046, +0.060, +0.241
+  AVX eigen 1: +0.098, +0.046, +0.060, +0.241
+  AVX ynnpack 1: +0.098, +0.046, +0.060, +0.241
+  AVX2 eigen 2: +0.113, +0.043, +0.116, +0.269
+  AVX2 ynnpack 2: +0.113, +0.043, +0.116, +0.269
+  AVX eigen 2: +0.113, +0.043, +0.116, +0.269
+  AVX ynnpack 2: +0.113, +0.043, +0.116, +0.269"""
   workdir = str(tmp_path / "ppo")
   jaxrl_cli(["ppo", "--config", "configs/ppo_tiny.py", "--workdir", workdir,
              f"--config.init.checkpoint={sft_slip}", "--config.rollout.prompts_per_step=128",
@@ -156,12 +159,16 @@ def test_ppo_raises_heldout_accuracy_above_sft_and_the_critic_explains_returns(t
              "--config.optim.lr=3e-5", "--config.critic.lr=3e-4",
              "--config.critic.warmup_steps=3", f"--config.seed={LEARN_SEED}"])
   summary = json.load(open(os.path.join(workdir, "summary.json")))
-  sft_acc = json.load(open(os.path.join(sft_slip, "summary.json")))["eval"]["eval/accuracy"]
   rows = read_metrics(workdir)
-  assert rows[0]["step"] == 0 and rows[0]["eval/accuracy"] == sft_acc  # the same evaluator
+  assert rows[0]["step"] == 0
+  sft_acc = rows[0]["eval/accuracy"]  # the SFT policy on this run's held-out prompts
+  if LEARN_SEED == 0:  # the fixture's own (seed 0) prompts: the same evaluator, within the
+    # rounding of another CPU (the fixture was evaluated on an AMD EPYC): two prompts of 256
+    committed = json.load(open(os.path.join(sft_slip, "summary.json")))["eval"]["eval/accuracy"]
+    assert abs(sft_acc - committed) <= 2 / 256, (sft_acc, committed)
   ppo_acc = summary["eval"]["eval/accuracy"]
   ev = [r["critic/explained_variance"] for r in rows if "critic/explained_variance" in r]
-  bars.above("held-out gain", ppo_acc - sft_acc, 0.02)
+  bars.above("held-out gain", ppo_acc - sft_acc, 0.04)
   bars.below("KL max", summary["kl/max"], 0.1)
   bars.above("explained variance (least of the last 3 logs)", min(ev[-3:]), 0.0)
   bars.above("its rise over step 5's", min(ev[-3:]) - ev[0], 0.0)

@@ -99,22 +99,27 @@ def test_sft_then_grpo_on_the_users_own_files_raises_held_out_accuracy(tmp_path,
   at seed 0 when re-run on this machine. 217 s against the old recipe's 176 s, one after the
   other on the loaded machine.
 
-  Over the 12 cells of tools/learning_sweep.py (docs/design.md, Testing; 2026-12-06): gain median
-  +0.127 (+0.051, AVX eigen 0, to +0.176). Bar: +0.03.
+  This test also holds SFT's own learning bars (the suite trains no other SFT policy): the SFT
+  stage evaluates its held-out right answers at steps 0 and 900. Over the 12 cells of
+  tools/learning_sweep.py (docs/design.md, Testing; 2026-12-07; SFT and GRPO both run in every
+  cell, so the cells differ): held-out loss falls to 0.052-0.080 of step 0's (bar 0.15), GRPO's
+  step-0 accuracy is 0.465-0.629 (bar 0.35), and GRPO gains +0.051 to +0.176 (bar +0.03; the same
+  gains as the sweep before, which did not evaluate SFT).
 
-  cells (ISA dots seed: held-out gain):
-  AVX2 eigen 0: +0.062
-  AVX2 ynnpack 0: +0.117
-  AVX eigen 0: +0.051
-  AVX ynnpack 0: +0.113
-  AVX2 eigen 1: +0.129
-  AVX2 ynnpack 1: +0.144
-  AVX eigen 1: +0.129
-  AVX ynnpack 1: +0.176
-  AVX2 eigen 2: +0.133
-  AVX2 ynnpack 2: +0.129
-  AVX eigen 2: +0.125
-  AVX ynnpack 2: +0.109"""
+  cells (ISA dots seed: SFT held-out loss / step 0's; SFT held-out accuracy (GRPO's step 0);
+      held-out gain):
+  AVX2 eigen 0: +0.056, +0.629, +0.062
+  AVX2 ynnpack 0: +0.052, +0.598, +0.117
+  AVX eigen 0: +0.066, +0.562, +0.051
+  AVX ynnpack 0: +0.057, +0.551, +0.113
+  AVX2 eigen 1: +0.070, +0.469, +0.129
+  AVX2 ynnpack 1: +0.072, +0.500, +0.144
+  AVX eigen 1: +0.069, +0.465, +0.129
+  AVX ynnpack 1: +0.066, +0.488, +0.176
+  AVX2 eigen 2: +0.077, +0.477, +0.133
+  AVX2 ynnpack 2: +0.077, +0.480, +0.129
+  AVX eigen 2: +0.074, +0.551, +0.125
+  AVX ynnpack 2: +0.080, +0.480, +0.109"""
   from jaxrl.data.records import write_jsonl
   from jaxrl.tasks import get_task
   monkeypatch.chdir(repo_root)
@@ -122,6 +127,8 @@ def test_sft_then_grpo_on_the_users_own_files_raises_held_out_accuracy(tmp_path,
   train_sft = str(tmp_path / "sft_train.jsonl")
   write_jsonl(train_sft, task.sft_records("train", 20_000, 0, error_rate=0.6,
                                           error_mode="systematic"))
+  sft_test = str(tmp_path / "sft_test.jsonl")  # held-out demonstrations, all right
+  write_jsonl(sft_test, task.sft_records("test", 256, 1))
   train_rl, test = str(tmp_path / "rl_train.jsonl"), str(tmp_path / "test.jsonl")
   write_jsonl(train_rl, task.records("train", 5_000, 2))
   write_jsonl(test, task.records("test", 256, 1))
@@ -132,7 +139,8 @@ def test_sft_then_grpo_on_the_users_own_files_raises_held_out_accuracy(tmp_path,
              f"--config.seed={LEARN_SEED}",
              "--config.data.task=", f"--config.data.train_file={train_sft}",
              "--config.train.steps=900", "--config.train.save_every=900",
-             "--config.optim.warmup_steps=30", "--config.eval.every=0"])
+             f"--config.data.eval_file={sft_test}", "--config.optim.warmup_steps=30",
+             "--config.eval.every=900"])
   jaxrl_cli(["grpo", "--config", "configs/grpo_tiny.py", "--workdir", grpo,
              f"--config.seed={LEARN_SEED}", f"--config.init.checkpoint={sft}",
              "--config.data.task=", f"--config.data.train_file={train_rl}",
@@ -142,5 +150,11 @@ def test_sft_then_grpo_on_the_users_own_files_raises_held_out_accuracy(tmp_path,
   evals = [r["eval/accuracy"] for r in _metrics(grpo) if "eval/accuracy" in r]
   print("held-out eval/accuracy:", evals)
   assert len(evals) == 5
+  sft_evals = [r["eval/loss"] for r in _metrics(sft) if "eval/loss" in r]
+  assert len(sft_evals) == 2  # steps 0 and 900
+  # SFT learnt: the held-out loss of right answers falls, and greedy decoding (GRPO's step-0
+  # eval is the SFT policy's) answers well above the untrained model's ~0.
+  bars.below("SFT held-out loss / step 0's", sft_evals[-1] / sft_evals[0], 0.15)
+  bars.above("SFT held-out accuracy (GRPO's step 0)", evals[0], 0.35)
   bars.above("held-out gain", evals[-1] - evals[0], MARGIN - 1e-9)  # 0.03 itself passes
   bars.check()
