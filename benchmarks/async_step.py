@@ -20,7 +20,7 @@ each a real `jaxrl grpo` run of --steps counted steps after --warmup steps (not 
             update)
   async-k2p max_staleness 2 with partial rollouts (newer weights between decode calls)
   async-k2ps the same with rollout.streaming: the next unit's groups take the slots a unit's
-            short completions free (jaxrl/rl/grpo/producer.py, "Streaming")
+            short completions free (jaxrl/algorithms/grpo/producer.py, "Streaming")
 All use algo.tis_cap 2 (as configs/grpo_tiny.py:async), so they run the same programs.
 The modes alternate within each round, and rounds repeat (--rounds): this machine is shared and
 its speed drifts, so the modes are compared hour for hour.
@@ -73,8 +73,8 @@ import numpy as np  # noqa: E402
 
 from jaxrl import config as config_lib
 from jaxrl.backends.cpu import allocator
-from jaxrl.rl import grpo
-from jaxrl.rl.grpo import trainer as trainer_lib
+from jaxrl.algorithms import grpo
+from jaxrl.algorithms.grpo import trainer as trainer_lib
 from jaxrl.train import run as run_lib
 from jaxrl.train.rundir import read_metrics
 

@@ -49,7 +49,7 @@ import jax
 from jaxrl.backends.cpu import allocator
 from jaxrl import config as config_lib
 from jaxrl.models import flops
-from jaxrl.rl import grpo
+from jaxrl.algorithms import grpo
 from jaxrl.train.rundir import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,7 +11,7 @@ SIGMA, capped at max_new_tokens, plus a TAIL share forced to the cap (answers th
 Both forms are the trainer's own program ("logprob forward", grpo.programs; the reference's
 forward, which the update's forward and backward follow shape for shape), compiled with the
 same arguments but the batch: the padded batch [N, Tc] against the packed rows
-(jaxrl.rl.grpo.batch.pack_completions of that draw, in the program's micro-batches).
+(jaxrl.algorithms.grpo.batch.pack_completions of that draw, in the program's micro-batches).
 
 Prints per form the positions the forward runs (prompts once per group, plus completion rows x
 width), XLA's peak bytes per chip (memory_analysis) and its flops and bytes accessed per chip
@@ -39,10 +39,10 @@ from jaxrl.backends import tpu as tpu_backend  # noqa: E402
 from jaxrl.models.flops import forward_flops  # noqa: E402
 from jaxrl.parallel import compile as aot  # noqa: E402
 from jaxrl.train import programs as pg  # noqa: E402
-from jaxrl.rl import grpo  # noqa: E402
-from jaxrl.rl.grpo.batch import pack_completions  # noqa: E402
-from jaxrl.rl.grpo.programs import programs as grpo_programs  # noqa: E402
-from jaxrl.rl.grpo.update import logprob_micro_batches  # noqa: E402
+from jaxrl.algorithms import grpo  # noqa: E402
+from jaxrl.algorithms.grpo.batch import pack_completions  # noqa: E402
+from jaxrl.algorithms.grpo.programs import programs as grpo_programs  # noqa: E402
+from jaxrl.algorithms.grpo.update import logprob_micro_batches  # noqa: E402
 
 MEDIAN, SIGMA, TAIL = 160, 0.6, 0.05
 GIB = 1 << 30

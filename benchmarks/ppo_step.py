@@ -32,7 +32,7 @@ from grpo_step import SHAPES  # noqa: E402  (the anchor, as grpo_step.py runs it
 
 from jaxrl import config as config_lib  # noqa: E402
 from jaxrl.backends.cpu import allocator  # noqa: E402
-from jaxrl.rl import grpo, ppo  # noqa: E402
+from jaxrl.algorithms import grpo, ppo  # noqa: E402
 from jaxrl.train.rundir import read_metrics  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

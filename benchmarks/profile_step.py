@@ -57,7 +57,7 @@ import jax  # noqa: E402
 
 sys.path.insert(0, ROOT)
 from benchmarks.grpo_step import SHAPES, shape_config  # noqa: E402
-from jaxrl.rl import grpo  # noqa: E402
+from jaxrl.algorithms import grpo  # noqa: E402
 
 BIG = ("jit_step_fn", "jit_logprobs", "jit__steps_fn")  # update, reference forward, decode loop
 NAMES = {"jit_step_fn": "update (train step)", "jit_logprobs": "reference forward",

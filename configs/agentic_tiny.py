@@ -21,14 +21,14 @@ arg: "" (calculator), "sft" (the warm start, an SFT config), "runlocal" (2 steps
 guess_number game, no tools).
 """
 
-from jaxrl.rl.grpo import default_config
+from jaxrl.algorithms.grpo import default_config
 
 
 def sft_config():
   """The warm start: SFT of the tiny model on calculator conversations, 15% of them calling
   the tool (jaxrl.envs.calculator.demonstrations), so the policy calls it on few turns. 800
   steps of 16 packed rows: fewer (400 of 8) left the calls' operands miscopied."""
-  from jaxrl.train.sft import default_config as sft_default
+  from jaxrl.algorithms.sft import default_config as sft_default
   c = sft_default()
   c.model.preset = "tiny"
   c.data.update(task="multiply", tool_rate=0.15, train_on="all_assistant", seq_len=256,
@@ -42,7 +42,7 @@ def sft_config():
 def get_config(arg=None):
   if arg == "sft":
     return sft_config()
-  c = default_config()  # every field, with what it means: jaxrl/rl/grpo/config.py
+  c = default_config()  # every field, with what it means: jaxrl/algorithms/grpo/config.py
   c.data.update(task="multiply", env="calculator")
   c.rewards = "env"
   # A turn holds a whole call (about 80 bytes); a call, its result and the answer fit in 160.

@@ -14,10 +14,10 @@ The reference: --config.ref.mode=live|cached|auto (auto: cached when the memory 
 reference copy does not fit).
 
 arg: "" (DPO, beta 0.1, plus the chosen answer's NLL at coefficient 1: RPO), "ipo", "kto", "orpo", "simpo", "runlocal" (a few DPO steps from a
-random policy). Every field, with what it means: jaxrl/train/dpo.py:default_config().
+random policy). Every field, with what it means: jaxrl/algorithms/dpo.py:default_config().
 """
 
-from jaxrl.train.dpo import default_config
+from jaxrl.algorithms.dpo import default_config
 
 
 def get_config(arg=None):

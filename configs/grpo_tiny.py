@@ -30,11 +30,11 @@ arg: "" (the demo's and the tests' base), "runlocal" (2 steps), "gain" (above), 
 k's update; truncated IS at 2).
 """
 
-from jaxrl.rl.grpo import default_config
+from jaxrl.algorithms.grpo import default_config
 
 
 def get_config(arg=None):
-  c = default_config()  # every field, with what it means: jaxrl/rl/grpo/config.py
+  c = default_config()  # every field, with what it means: jaxrl/algorithms/grpo/config.py
   if arg == "runlocal":
     c.rollout.update(prompts_per_step=4, group_size=4, slots=16)
     c.train.update(steps=2, log_every=1, save_every=2)

@@ -32,8 +32,8 @@ import os
 import tempfile
 
 from jaxrl.config import hf_model_config
-from jaxrl.rl import grpo
-from jaxrl.train import sft
+from jaxrl.algorithms import grpo
+from jaxrl.algorithms import sft
 
 CHECKPOINT = "checkpoints/Qwen3-0.6B"
 DATA = "data/gsm8k"

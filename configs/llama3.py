@@ -25,8 +25,8 @@ docs/guides/scale.md lists the compiled bytes and roofline times of every varian
 import os
 
 from jaxrl.config import family_config, lora_arg, with_lora
-from jaxrl.rl import grpo
-from jaxrl.train import sft
+from jaxrl.algorithms import grpo
+from jaxrl.algorithms import sft
 
 MODELS = {"3.2-1b": ("llama-3.2-1b", "checkpoints/Llama-3.2-1B-Instruct"),
           "3.2-3b": ("llama-3.2-3b", "checkpoints/Llama-3.2-3B-Instruct"),

@@ -18,12 +18,12 @@ both learning rates x10).
 """
 
 from jaxrl.config import lora_arg, with_lora
-from jaxrl.rl.ppo import default_config
+from jaxrl.algorithms.ppo import default_config
 
 
 def get_config(arg=None):
   arg, kind = lora_arg(arg)
-  c = default_config()  # every field, with what it means: jaxrl/rl/ppo/config.py and grpo's
+  c = default_config()  # every field, with what it means: jaxrl/algorithms/ppo/config.py and grpo's
   if arg == "runlocal":
     c.rollout.update(prompts_per_step=8, group_size=1, slots=16)
     c.train.update(steps=2, log_every=1, save_every=2)

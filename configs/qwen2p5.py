@@ -22,8 +22,8 @@ docs/guides/scale.md lists the compiled bytes and roofline times of every varian
 import os
 
 from jaxrl.config import family_config, lora_arg, with_lora
-from jaxrl.rl import grpo
-from jaxrl.train import sft
+from jaxrl.algorithms import grpo
+from jaxrl.algorithms import sft
 
 MODELS = {"1.5b": ("qwen2.5-1.5b", "checkpoints/Qwen2.5-1.5B-Instruct"),
           "7b": ("qwen2.5-7b", "checkpoints/Qwen2.5-7B-Instruct")}

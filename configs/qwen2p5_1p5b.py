@@ -21,8 +21,8 @@ no generation), "fixture" (a GRPO pulse on tests/fixtures/hf/qwen2, runs on CPU 
 import os
 
 from jaxrl.config import hf_model_config
-from jaxrl.rl import grpo
-from jaxrl.train import sft
+from jaxrl.algorithms import grpo
+from jaxrl.algorithms import sft
 
 CHECKPOINT = "checkpoints/Qwen2.5-1.5B-Instruct"
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures",

@@ -24,8 +24,8 @@ docs/guides/scale.md lists the compiled bytes and roofline times of every varian
 import os
 
 from jaxrl.config import REAL_CHIPS, family_config, lora_arg, with_lora
-from jaxrl.rl import grpo
-from jaxrl.train import sft
+from jaxrl.algorithms import grpo
+from jaxrl.algorithms import sft
 
 MODELS = {"0.6b": ("qwen3-0.6b", "checkpoints/Qwen3-0.6B"),
           "1.7b": ("qwen3-1.7b", "checkpoints/Qwen3-1.7B"),

@@ -11,7 +11,7 @@ Your own pairs (no code changes): --config.data.task= --config.data.train_file=p
 --config.data.eval_file=prefs_test.jsonl (rows {"prompt", "chosen", "rejected"}).
 
 Re-running on the same workdir resumes from its latest checkpoint. Every field, with what it
-means, is in jaxrl/train/rm.py:default_config().
+means, is in jaxrl/algorithms/rm.py:default_config().
 arg: "" (honest pairs: chosen = the correct sum), "biased" (a labeller that prefers the longer
 answer, right or wrong: the reward-hacking demonstration), "logprob" (honest pairs, and the
 score adds the response's mean log-prob under the backbone's LM head: held-out pairwise accuracy
@@ -20,7 +20,7 @@ from the sft_tiny policy, against 0.795 (0.777-0.855) and 0.801 (0.783-0.842) fo
 head alone: docs/guides/recipes.md), "runlocal" (10 steps).
 """
 
-from jaxrl.train.rm import default_config
+from jaxrl.algorithms.rm import default_config
 
 
 def get_config(arg=None):

@@ -11,11 +11,11 @@ same seeds on 8 devices ended anywhere in 0.30-0.93 (the loss spikes): docs/guid
     jaxrl launch --config configs/sft_tiny.py --sweep --parallel 2 --workdir runs/sft_lr  # sweep()
 
 Re-running on the same workdir resumes from its latest checkpoint. Every field, with what it
-means, is in jaxrl/train/sft.py:default_config().
+means, is in jaxrl/algorithms/sft.py:default_config().
 arg: "" (the measured run), "runlocal" (20 steps on 512 examples).
 """
 
-from jaxrl.train.sft import default_config
+from jaxrl.algorithms.sft import default_config
 
 
 def get_config(arg=None):

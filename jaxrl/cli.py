@@ -26,8 +26,8 @@ _LIBS = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "ml-coll
 
 # The trainer commands and the modules that own their defaults (default_config) and their
 # sections' choices (CHOICES).
-TRAINERS = {"sft": "jaxrl.train.sft", "rm": "jaxrl.train.rm", "grpo": "jaxrl.rl.grpo",
-            "dpo": "jaxrl.train.dpo", "ppo": "jaxrl.rl.ppo"}
+TRAINERS = {"sft": "jaxrl.algorithms.sft", "rm": "jaxrl.algorithms.rm", "grpo": "jaxrl.algorithms.grpo",
+            "dpo": "jaxrl.algorithms.dpo", "ppo": "jaxrl.algorithms.ppo"}
 
 # Commands import the trainers, io, data, plot and launch inside their functions (lazy: the
 # training stack adds about 2 s to start-up, which `jaxrl data`, `plot`, `compare` or `--help`
@@ -35,7 +35,7 @@ TRAINERS = {"sft": "jaxrl.train.sft", "rm": "jaxrl.train.rm", "grpo": "jaxrl.rl.
 
 
 def trainer(command: str):
-  """The module of a trainer command (jaxrl.rl.grpo for "grpo"), imported now."""
+  """The module of a trainer command (jaxrl.algorithms.grpo for "grpo"), imported now."""
   return importlib.import_module(TRAINERS[command])
 
 

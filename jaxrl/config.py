@@ -23,6 +23,7 @@ import difflib
 import importlib.util
 import inspect
 import os
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -90,9 +91,25 @@ def load_python_file(path: str, *, prefix: str, what: str, missing: str):
     spec.loader.exec_module(module)
   except ConfigError:
     raise
-  except Exception as e:  # a broken file is still a config error, named by file
-    raise ConfigError(f"{what} {path} failed to load: {type(e).__name__}: {e}.") from e
+  except Exception as e:  # a broken file is still a config error, named by file and line
+    lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == path]
+    where = f"{path}:{lines[-1]}" if lines else path
+    raise ConfigError(f"{what} {where} failed to load: {type(e).__name__}: {e}{_moved(e)}.") from e
   return module
+
+
+# Modules that moved, for a config written against the old name (2026-12-07: the trainers).
+MOVED = {"jaxrl.rl": "jaxrl.algorithms", "jaxrl.train.sft": "jaxrl.algorithms.sft",
+         "jaxrl.train.rm": "jaxrl.algorithms.rm", "jaxrl.train.dpo": "jaxrl.algorithms.dpo"}
+
+
+def _moved(e: Exception) -> str:
+  """" (OLD is now NEW: import it from there)" where `e` failed to import a moved module."""
+  if not isinstance(e, ImportError) or not e.name:
+    return ""
+  name = e.name + (f".{e.name_from}" if getattr(e, "name_from", None) else "")
+  old = next((o for o in MOVED if name == o or name.startswith(o + ".")), None)
+  return f" ({old} is now {MOVED[old]}: import it from there)" if old else ""
 
 
 def _load_module(path: str):

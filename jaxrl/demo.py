@@ -25,8 +25,8 @@ import jax
 from jaxrl import config as config_lib
 from jaxrl.errors import ConfigError
 from jaxrl.plot import plot_run
-from jaxrl.rl import grpo
-from jaxrl.train import sft
+from jaxrl.algorithms import grpo
+from jaxrl.algorithms import sft
 from jaxrl.train.rundir import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -230,15 +230,15 @@ def _default_config(command: str | None) -> dict:
   import json
   from jaxrl import config as config_lib
   if command == "sft":
-    from jaxrl.train.sft import default_config
+    from jaxrl.algorithms.sft import default_config
   elif command == "rm":
-    from jaxrl.train.rm import default_config
+    from jaxrl.algorithms.rm import default_config
   elif command == "dpo":
-    from jaxrl.train.dpo import default_config
+    from jaxrl.algorithms.dpo import default_config
   elif command == "grpo":
-    from jaxrl.rl.grpo.config import default_config
+    from jaxrl.algorithms.grpo.config import default_config
   elif command == "ppo":
-    from jaxrl.rl.ppo.config import default_config
+    from jaxrl.algorithms.ppo.config import default_config
   else:
     default_config = config_lib.base_config
   return json.loads(json.dumps(default_config().to_dict(), default=str))

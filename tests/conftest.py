@@ -213,7 +213,7 @@ def _committed_warm_start(name: str) -> str:
   config.json says of the training (seed, model, data, optim, train) must be today's recipe."""
   from jaxrl import config as config_lib
   from jaxrl.train import rundir
-  from jaxrl.train.sft import CHOICES
+  from jaxrl.algorithms.sft import CHOICES
   sys.path.insert(0, os.path.join(ROOT, "tests", "fixtures"))
   try:
     from make_warm_starts import WARM_STARTS

@@ -21,8 +21,8 @@ from jaxrl.data.chat import ChatRenderer, assistant_turn, parse_tool_calls, tool
 from jaxrl.envs.games import GuessNumberEnv
 from jaxrl.envs.rollout import conversations
 from jaxrl.errors import ConfigError
-from jaxrl.rl import grpo
-from jaxrl.rl.grpo.batch import grouped_learner_batch, learner_batch
+from jaxrl.algorithms import grpo
+from jaxrl.algorithms.grpo.batch import grouped_learner_batch, learner_batch
 from jaxrl.sampler import Rollout
 from jaxrl.sampler import metrics as rollout_metrics
 

@@ -9,7 +9,7 @@ import pytest
 
 from jaxrl import config as config_lib
 from jaxrl.errors import ConfigError
-from jaxrl.rl import grpo
+from jaxrl.algorithms import grpo
 from jaxrl.train.rundir import read_metrics
 
 FROZEN = ["optim.lr=1e-30", "eval.every=0", "placement.mode=disaggregated"]

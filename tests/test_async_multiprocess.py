@@ -9,7 +9,7 @@ import pytest
 from conftest import JAXRL, subprocess_env
 
 from jaxrl import config as config_lib
-from jaxrl.rl import grpo
+from jaxrl.algorithms import grpo
 from jaxrl.train.rundir import read_metrics
 
 K2 = ["optim.lr=1e-30", "eval.every=0", "train.steps=3", "placement.mode=disaggregated",

@@ -11,7 +11,7 @@ import pytest
 from jaxrl.models import get_preset
 from jaxrl.parallel import init_params, make_mesh
 from jaxrl.data.prompts import PromptStream
-from jaxrl.rl.grpo.producer import RolloutQueue
+from jaxrl.algorithms.grpo.producer import RolloutQueue
 from jaxrl.sampler import Engine, SamplingParams, generate
 
 PROMPTS = [[1, 40, 41, 42], [1, 50], [1, 7, 8, 9, 10, 11, 12], [1, 60, 61]]

@@ -1,4 +1,4 @@
-"""Async GRPO's rollout queue (jaxrl/rl/grpo/producer.py) with a stand-in sampler: the version
+"""Async GRPO's rollout queue (jaxrl/algorithms/grpo/producer.py) with a stand-in sampler: the version
 each group is sampled with, the staleness bound, drops, dynamic sampling's refill and the resume
 rule. No model: the stand-in's rewards are a function of (prompt, unit), so these run in
 milliseconds; tests/test_async_grpo.py runs the real thing."""
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxrl.data.prompts import PromptStream
-from jaxrl.rl.grpo.producer import RolloutQueue
+from jaxrl.algorithms.grpo.producer import RolloutQueue
 
 G = 4
 

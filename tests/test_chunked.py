@@ -15,9 +15,9 @@ from jaxrl.models import (PRESETS, RewardModel, Transformer, abstract_model, get
                           reward_apply, token_logprobs)
 from jaxrl.models.logprobs import chunked_token_logprobs, lm_head
 from jaxrl.parallel import init_params, make_mesh, shard_activations
-from jaxrl.rl.grpo.update import batch_logprobs
-from jaxrl.train.dpo import make_seq_logps
-from jaxrl.train.sft import sft_loss
+from jaxrl.algorithms.grpo.update import batch_logprobs
+from jaxrl.algorithms.dpo import make_seq_logps
+from jaxrl.algorithms.sft import sft_loss
 
 V, B, T, CHUNK = 700, 3, 12, 5
 

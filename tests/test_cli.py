@@ -76,7 +76,7 @@ def test_sweep_dry_run_lists_runs(capsys, repo_root, tmp_path):
 
 def test_sweep_with_a_bad_run_exits_2_naming_it_before_running_any(capsys, tmp_path):
   bad = tmp_path / "bad.py"
-  bad.write_text("from jaxrl.train.sft import default_config\n"
+  bad.write_text("from jaxrl.algorithms.sft import default_config\n"
                  "def get_config():\n  return default_config()\n"
                  "def sweep():\n  yield {'optim.lr': 1e-3}\n  yield {'optim.lrr': 1e-4}\n")
   with pytest.raises(SystemExit) as e:

@@ -12,8 +12,8 @@ from jaxrl import config as config_lib
 from jaxrl.errors import ConfigError
 from jaxrl.parallel import compile as aot
 from jaxrl.parallel.plan import estimate
-from jaxrl.rl import grpo, ppo
-from jaxrl.train import dpo, rm, sft
+from jaxrl.algorithms import grpo, ppo
+from jaxrl.algorithms import dpo, rm, sft
 
 pytest.importorskip("libtpu", reason='libtpu is in the test extra: pip install -e ".[test]"')
 

@@ -105,6 +105,18 @@ def test_missing_file_and_missing_get_config(tmp_path):
     config_lib.load_config(str(bad))
 
 
+@pytest.mark.parametrize("line, moved", [
+    ("from jaxrl.rl import grpo", r"\(jaxrl.rl is now jaxrl.algorithms: import it from there\)"),
+    ("from jaxrl.train import sft", r"\(jaxrl.train.sft is now jaxrl.algorithms.sft: import"),
+    ("y = 1 / 0", r"ZeroDivisionError: division by zero\.$")])
+def test_a_config_that_fails_to_run_names_its_line_and_a_moved_module(tmp_path, line, moved):
+  """A config written before the trainers moved to jaxrl.algorithms is told where they went."""
+  bad = tmp_path / "old.py"
+  bad.write_text(f"x = 1\n{line}\n")
+  with pytest.raises(ConfigError, match=rf"^config file {bad}:2 failed to load: .*{moved}"):
+    config_lib.load_config(str(bad))
+
+
 def test_sweep_yields_override_dicts(tiny):
   runs = config_lib.load_sweep(tiny)
   assert len(runs) == 8 and all(isinstance(r, dict) for r in runs)

@@ -11,7 +11,7 @@ from conftest import LEARN_SEED, assert_model_flops_per_token, jaxrl_cli
 from jaxrl import cli
 from jaxrl import config as config_lib
 from jaxrl.errors import ConfigError
-from jaxrl.train import dpo, dpo_data
+from jaxrl.algorithms import dpo, dpo_data
 from jaxrl.train import read_metrics
 
 CONFIG = "configs/dpo_tiny.py:runlocal"

@@ -19,7 +19,7 @@ from jaxrl.errors import ConfigError
 from jaxrl.evals import metrics
 from jaxrl.evals.evaluator import Evaluator, checker_for, reward_checker, task_checker
 from jaxrl.rewards import get_reward
-from jaxrl.rl import grpo
+from jaxrl.algorithms import grpo
 from jaxrl.tasks import get_task
 from jaxrl.train.rundir import read_metrics
 

@@ -14,7 +14,7 @@ from jaxrl import config as config_lib
 from jaxrl.models import get_preset
 from jaxrl.parallel import batch_sharding, make_mesh
 from jaxrl.errors import ConfigError
-from jaxrl.rl import grpo
+from jaxrl.algorithms import grpo
 from jaxrl.sampler import Rollout
 from jaxrl.train.optim import make_optimizer, optim_section
 from jaxrl.train.rundir import read_metrics

@@ -6,8 +6,8 @@ import pytest
 
 from jaxrl.models import get_preset
 from jaxrl.parallel import batch_sharding, make_mesh
-from jaxrl.rl import grpo
-from jaxrl.rl.grpo.update import join_micro, split_micro
+from jaxrl.algorithms import grpo
+from jaxrl.algorithms.grpo.update import join_micro, split_micro
 from jaxrl.sampler import Rollout
 from jaxrl.train.optim import make_optimizer, optim_section
 from jaxrl.train.state import init_train_state, put_batch
@@ -83,7 +83,7 @@ def test_the_trainer_runs_its_logprob_forward_in_the_updates_micro_batches(
   a loop over them in the lowered program when optim.accum_steps = 2, none at 1."""
   import os
   from jaxrl import config as config_lib
-  from jaxrl.rl.grpo.trainer import setup
+  from jaxrl.algorithms.grpo.trainer import setup
   config = config_lib.load_config(os.path.join(repo_root, "configs/grpo_tiny.py:runlocal"),
                                   [f"optim.accum_steps={accum}"], grpo.CHOICES)
   p, state = setup(config, str(tmp_path / "run"), out=lambda *a, **k: None)

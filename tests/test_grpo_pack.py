@@ -9,9 +9,9 @@ from jaxrl import config as config_lib
 from jaxrl.errors import ConfigError
 from jaxrl.models import get_preset
 from jaxrl.parallel import batch_sharding, make_mesh
-from jaxrl.rl import grpo
-from jaxrl.rl.grpo.config import grouped_forward
-from jaxrl.rl.grpo.batch import pack_completions
+from jaxrl.algorithms import grpo
+from jaxrl.algorithms.grpo.config import grouped_forward
+from jaxrl.algorithms.grpo.batch import pack_completions
 from jaxrl.sampler import Rollout
 from jaxrl.train.optim import make_optimizer, optim_section
 from jaxrl.train.rundir import read_metrics
@@ -142,10 +142,10 @@ def test_a_packed_run_matches_the_padded_run(tmp_path, devices, trainer, spec, e
   loss, KL, entropy and clip fractions at every step (the same programs' values within float32
   rounding): GRPO and PPO (whose actor packs). Async runs build their learner batch in the
   same learner_forwards; which version samples what there depends on timing."""
-  from jaxrl.rl import ppo
+  from jaxrl.algorithms import ppo
   module = {"grpo": grpo, "ppo": ppo}[trainer]
   choices = {"ppo": ppo.CHOICES}.get(trainer)
-  from jaxrl.rl.grpo import batch as packing
+  from jaxrl.algorithms.grpo import batch as packing
   calls = []  # (rows, completions) of each batch the programs took packed
 
   def counted(batch, **kw):

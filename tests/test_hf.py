@@ -494,7 +494,7 @@ def test_trainers_start_from_hf_weights_and_tokenizer(tmp_path, repo_root, devic
   from jaxrl.data.hf_tokenizer import HFTokenizer, tokenizer_for
   from jaxrl.io.hf import load_hf
   from jaxrl.parallel import make_mesh
-  from jaxrl.train import sft
+  from jaxrl.algorithms import sft
   from jaxrl.train.state import init_train_state, start_from_hf
   fixture = os.path.join(repo_root, "tests", "fixtures", "hf", "qwen3")
   config = config_lib.load_config(os.path.join(repo_root, "configs/sft_tiny.py:runlocal"),

@@ -19,7 +19,7 @@ Layers, bottom to top (a module may import its own layer and any layer below it)
               they are peers that a trainer composes (e.g. rewards' reward model restores with
               train's checkpointer and tokenizes with data's tokenizer).
   objectives  jaxrl.objectives (advantages, losses, preference_losses): pure math over arrays.
-  algorithms  the trainers: rl/ (GRPO), train/sft.py, train/rm.py, train/dpo.py.
+  algorithms  the trainers: jaxrl.algorithms (sft, rm, dpo, grpo/, ppo/).
   top         the entry points: cli, demo, launch, plot and the package's public API.
 
 Function-local imports count as much as module-level ones: a lazy import hides an edge from a
@@ -51,9 +51,7 @@ LAYER_OF = {
     "jaxrl.rewards": "services", "jaxrl.sampler": "services", "jaxrl.train": "services",
     "jaxrl.evals": "services", "jaxrl.envs": "services",
     "jaxrl.objectives": "objectives",
-    "jaxrl.rl": "algorithms",
-    "jaxrl.train.sft": "algorithms", "jaxrl.train.rm": "algorithms",
-    "jaxrl.train.dpo": "algorithms", "jaxrl.train.dpo_data": "algorithms",
+    "jaxrl.algorithms": "algorithms",
 }
 
 # The one module outside jaxrl.backends that may import a backend's own modules: the console
@@ -101,7 +99,7 @@ def imports_of(module: str, text: str, filename: str,
         base = ".".join(base + ([node.module] if node.module else []))
       else:
         base = node.module
-      for a in node.names:  # `from jaxrl.rl import grpo` imports the module jaxrl.rl.grpo
+      for a in node.names:  # `from jaxrl.algorithms import grpo` imports the module jaxrl.algorithms.grpo
         sub = f"{base}.{a.name}"
         out.append((node.lineno, sub if _exists(sub, root) else base))
     elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
@@ -224,11 +222,11 @@ def test_allowlist_has_no_stale_edges():
 
 
 @pytest.mark.parametrize("module, text, want", [
-    ("jaxrl.models.fake", "from jaxrl.rl import grpo\n", "jaxrl.rl.grpo"),
+    ("jaxrl.models.fake", "from jaxrl.algorithms import grpo\n", "jaxrl.algorithms.grpo"),
     ("jaxrl.models.fake", "import jaxrl.parallel.layouts\n", "jaxrl.parallel.layouts"),
     # Hidden in a function and relative: still an edge, and still named.
-    ("jaxrl.models.fake", "def f():\n  from ..train import sft\n", "jaxrl.train.sft"),
-    ("jaxrl.config", "def f():\n  from jaxrl.rl.grpo import default_config\n", "jaxrl.rl.grpo"),
+    ("jaxrl.models.fake", "def f():\n  from ..algorithms import sft\n", "jaxrl.algorithms.sft"),
+    ("jaxrl.config", "def f():\n  from jaxrl.algorithms.grpo import default_config\n", "jaxrl.algorithms.grpo"),
     ("jaxrl.parallel.fake", "import importlib\nimportlib.import_module('jaxrl.sampler')\n",
      "jaxrl.sampler"),
     ("jaxrl.sampler.fake", "from jaxrl.backends.cpu import dots\n",
@@ -242,7 +240,7 @@ def test_the_checker_reports_a_forbidden_import(module, text, want):
 
 
 def test_the_checker_passes_allowed_imports():
-  assert not violations("jaxrl.rl.grpo",
+  assert not violations("jaxrl.algorithms.grpo",
                         "from jaxrl.objectives import losses\nfrom jaxrl import errors\n"
                         "from jaxrl.train.state import make_train_step\n", "fake.py")
   assert not violations("jaxrl.train.state", "from jaxrl.backends import compiler_options\n",

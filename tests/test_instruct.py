@@ -283,7 +283,7 @@ def test_grpo_rollout_prompts_are_chat_templated(tmp_path, repo_root, devices, m
   """GRPO on an instruct checkpoint with a user's JSONL of prompt and messages rows samples
   from exactly transformers' apply_chat_template(add_generation_prompt=True) ids, and stops on
   the checkpoint's eos."""
-  from jaxrl.rl.grpo import experience, trainer
+  from jaxrl.algorithms.grpo import experience, trainer
   monkeypatch.chdir(repo_root)
   ref = json.load(open(os.path.join(HF, "qwen3", "tokenizer_ref.json")))
   chat = next(c for c in ref["chats"] if c["add_generation_prompt"] and not c["kwargs"])

@@ -179,7 +179,7 @@ def test_the_model_through_the_hook_equals_xla():
 def _sft_train_step(monkeypatch, choice):
   from jaxrl import config as config_lib
   from jaxrl.parallel import compile as aot
-  from jaxrl.train import sft
+  from jaxrl.algorithms import sft
   monkeypatch.setenv(tpu_backend.ENV, choice)
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   config = config_lib.load_config(os.path.join(root, "configs/sft_tiny.py"),

@@ -37,7 +37,7 @@ def test_sweep_expands_into_runs_with_their_own_workdir_and_config(tmp_path):
 
 def test_a_bad_sweep_run_fails_before_anything_starts(tmp_path):
   bad = tmp_path / "bad.py"
-  bad.write_text("from jaxrl.train.sft import default_config\n"
+  bad.write_text("from jaxrl.algorithms.sft import default_config\n"
                  "def get_config():\n  return default_config()\n"
                  "def sweep():\n  yield {'optim.lr': 1e-3}\n  yield {'optim.lrr': 1e-4}\n")
   with pytest.raises(ConfigError, match=r"sweep run 1 .*no key 'lrr' in optim\. Did you mean "

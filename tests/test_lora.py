@@ -13,7 +13,7 @@ from jaxrl.errors import ConfigError
 from jaxrl.models import Transformer, abstract_model, apply, apply_logprobs, get_preset
 from jaxrl.models import lora
 from jaxrl.models.config import LORA_WEIGHTS, lora_fields
-from jaxrl.rl.grpo.update import batch_logprobs
+from jaxrl.algorithms.grpo.update import batch_logprobs
 
 ALL = LORA_WEIGHTS
 
@@ -325,7 +325,7 @@ def test_lora_sft_trains_only_adapters_and_resumes_exactly(repo_root, tmp_path, 
   import signal
 
   from jaxrl.train import read_metrics
-  import jaxrl.train.sft as sft
+  import jaxrl.algorithms.sft as sft
   monkeypatch.chdir(repo_root)
   full, cut = tmp_path / "full", tmp_path / "cut"
   _cli("sft", SFT, full, SFT_LORA)
@@ -404,10 +404,10 @@ def test_dropout_is_refused_where_no_key_reaches_the_model(repo_root, tmp_path, 
       from jaxrl import rl, train  # noqa: F401
       config_ = config_lib.load_config(config, ["model.lora.rank=4", "model.lora.dropout=0.1"])
       if command == "rm":
-        from jaxrl.train import rm
+        from jaxrl.algorithms import rm
         rm.run(config_, str(tmp_path / command), out=lambda *_: None)
       else:
-        from jaxrl.rl.grpo import trainer
+        from jaxrl.algorithms.grpo import trainer
         trainer._check(config_)
 
 
@@ -484,8 +484,8 @@ def test_lora_plan_is_within_15_percent_of_xla_on_cpu(repo_root, devices, name):
   train step holds the base once, with gradients and Adam moments for the adapters alone."""
   from jaxrl.parallel import compile as aot
   from jaxrl.parallel.plan import abstract_bytes, estimate
-  from jaxrl.rl import grpo
-  from jaxrl.train import sft
+  from jaxrl.algorithms import grpo
+  from jaxrl.algorithms import sft
   module = {"sft": sft, "grpo": grpo}[name]
   over = ["model.lora.rank=8", "model.lora.targets=all-linear"]
   config = config_lib.load_config(f"{repo_root}/configs/{name}_tiny.py", over, module.CHOICES)

@@ -450,7 +450,7 @@ def test_lora_grpo_syncs_adapters_only_sync_and_async(repo_root, tmp_path, devic
   alone; with the weights frozen (lr 1e-30) the async run's rewards are the synchronous run's,
   step by step (the merged sampler copy is never released while a rollout uses it)."""
   from jaxrl import config as config_lib
-  from jaxrl.rl.grpo import trainer as grpo
+  from jaxrl.algorithms.grpo import trainer as grpo
   spec = os.path.join(repo_root, "configs/grpo_tiny.py:runlocal")
   common = ["train.steps=3", "optim.lr=1e-30", "eval.every=0", "placement.mode=disaggregated",
             "model.lora.rank=4", "model.lora.targets=all-linear"]

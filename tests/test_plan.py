@@ -12,8 +12,8 @@ from jaxrl.errors import ConfigError
 from jaxrl.parallel import compile as aot
 from jaxrl.parallel import plan as plan_lib
 from jaxrl.parallel.plan import estimate, plan_config
-from jaxrl.rl import grpo, ppo
-from jaxrl.train import dpo, rm, sft
+from jaxrl.algorithms import grpo, ppo
+from jaxrl.algorithms import dpo, rm, sft
 from jaxrl.train import programs as programs_lib
 from jaxrl.train.run import check_plan
 
@@ -127,7 +127,7 @@ def test_grpo_logprob_forward_is_planned_per_micro_batch(repo_root, devices, ove
   accum_steps): the plan counts one micro-batch's rows, stays within 15% of XLA, and XLA's
   own temporaries shrink against the forward over the whole step in one call."""
   from jaxrl.models import abstract_model
-  from jaxrl.rl.grpo.update import make_batch_logprobs_fn, old_logp_from_update
+  from jaxrl.algorithms.grpo.update import make_batch_logprobs_fn, old_logp_from_update
   config = _config(repo_root, "grpo", *overrides)
   _, programs = grpo.programs(config)
   fwd = programs[1]

@@ -1,4 +1,4 @@
-"""PPO (jaxrl/rl/ppo): a pulse run logs the critic's metrics, warms the critic up alone, and
+"""PPO (jaxrl/algorithms/ppo): a pulse run logs the critic's metrics, warms the critic up alone, and
 resumes bitwise (both models' params and optimizer states); `jaxrl plan` shows the four roles;
 bad settings stop in one sentence."""
 
@@ -13,7 +13,7 @@ from conftest import LEARN_SEED, jaxrl_cli
 from jaxrl import cli
 from jaxrl import config as config_lib
 from jaxrl.errors import ConfigError
-from jaxrl.rl import ppo
+from jaxrl.algorithms import ppo
 from jaxrl.train.rundir import read_metrics
 
 PPO_METRICS = ("critic/value_loss", "critic/explained_variance", "critic/vpred_mean",
@@ -180,7 +180,7 @@ def test_the_critic_starts_from_the_policy_or_a_reward_model_run(repo_root, tmp_
   """critic.init=policy: the critic's decoder is the actor's starting decoder (a new head);
   critic.init=reward_model: the `jaxrl rm` run's params, head included, exactly."""
   from jaxrl.io.params import restore_params
-  from jaxrl.train import rm
+  from jaxrl.algorithms import rm
   quiet = lambda *a: None  # noqa: E731
   rm_dir = str(tmp_path / "rm")
   rm.run(config_lib.load_config(os.path.join(repo_root, "configs/rm_tiny.py:runlocal"),

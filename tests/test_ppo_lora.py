@@ -13,8 +13,8 @@ from jaxrl import config as config_lib
 from jaxrl.errors import ConfigError
 from jaxrl.models import RewardModel, abstract_model, apply, lora
 from jaxrl.parallel import batch_sharding, mesh_from_config
-from jaxrl.rl import ppo
-from jaxrl.rl.ppo.critic import critic_config, critic_optimizer
+from jaxrl.algorithms import ppo
+from jaxrl.algorithms.ppo.critic import critic_config, critic_optimizer
 from jaxrl.train.state import init_train_state, make_train_step
 
 QUIET = lambda *a: None  # noqa: E731

@@ -16,7 +16,7 @@ from jaxrl.errors import ConfigError
 from jaxrl.models import Transformer, abstract_model, apply, get_preset
 from jaxrl.models import lora, quant
 from jaxrl.models.config import LORA_WEIGHTS, lora_fields
-from jaxrl.rl.grpo.update import batch_logprobs
+from jaxrl.algorithms.grpo.update import batch_logprobs
 
 FWD = jax.jit(lambda g, p, t: apply(g, p, t)[0], static_argnums=0)
 
@@ -253,7 +253,7 @@ def test_qlora_grpo_plan_is_within_15_percent_of_xla_on_cpu(repo_root, devices):
   memory_analysis(), the frozen base argument of the train step int8."""
   from jaxrl.parallel import compile as aot
   from jaxrl.parallel.plan import estimate
-  from jaxrl.rl import grpo
+  from jaxrl.algorithms import grpo
   over = ["model.lora.rank=8", "model.lora.targets=all-linear", "model.lora.quantize=int8"]
   config = config_lib.load_config(f"{repo_root}/configs/grpo_tiny.py", over, grpo.CHOICES)
   _, programs = grpo.programs(config)

@@ -14,8 +14,8 @@ from jaxrl.models import get_preset
 from jaxrl.parallel import make_mesh
 from jaxrl.parallel import compile as aot
 from jaxrl.parallel.plan import estimate
-from jaxrl.rl import grpo
-from jaxrl.rl.grpo.trainer import reference_copy
+from jaxrl.algorithms import grpo
+from jaxrl.algorithms.grpo.trainer import reference_copy
 from jaxrl.train.optim import make_optimizer, optim_section
 from jaxrl.train.state import init_train_state
 

@@ -679,8 +679,8 @@ def test_launch_and_sweep_check_the_sections_before_any_run(repo_root, capsys, t
 def test_a_notebook_run_checks_the_sections_too(repo_root, tmp_path):
   """The trainers' Python entry points (what a notebook calls) check the sections before the
   run dir is made, as the CLI does."""
-  from jaxrl.rl import grpo
-  from jaxrl.train import sft
+  from jaxrl.algorithms import grpo
+  from jaxrl.algorithms import sft
   config = config_lib.load_config(os.path.join(repo_root, "configs", "sft_tiny.py"))
   with pytest.raises(ConfigError) as e:
     grpo.run(config, str(tmp_path / "grpo"))

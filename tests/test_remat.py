@@ -11,7 +11,7 @@ from flax import nnx
 from jaxrl.errors import ConfigError
 from jaxrl.models import ModelConfig, Transformer, abstract_model, apply, get_preset
 from jaxrl.models.config import REMAT
-from jaxrl.rl.grpo.update import batch_logprobs
+from jaxrl.algorithms.grpo.update import batch_logprobs
 
 POLICIES = [r for r in REMAT if r != "none"]
 

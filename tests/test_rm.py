@@ -14,7 +14,7 @@ from conftest import LEARN_SEED, assert_model_flops_per_token, jaxrl_cli
 from jaxrl import config as config_lib
 from jaxrl.models import RewardModel, abstract_model, get_preset, last_index, reward_apply
 from jaxrl.parallel import make_mesh
-from jaxrl.train import rm
+from jaxrl.algorithms import rm
 from jaxrl.train.optim import make_optimizer, optim_section
 from jaxrl.train.state import init_train_state
 
@@ -204,7 +204,7 @@ def test_rm_pulse_run_logs_fingerprint_and_resumes(repo_root, tmp_path, devices)
 
 
 def test_rm_starts_from_an_sft_checkpoint(repo_root, tmp_path, devices):
-  from jaxrl.train import sft
+  from jaxrl.algorithms import sft
   sft_dir = str(tmp_path / "sft")
   sft.run(config_lib.load_config(os.path.join(repo_root, "configs/sft_tiny.py:runlocal"),
                                  ["train.steps=2", "eval.every=0"]), sft_dir,
@@ -356,7 +356,7 @@ def test_completion_inputs_read_the_last_response_token():
 
 
 def test_grpo_pulse_with_reward_models(repo_root, tmp_path, devices):
-  from jaxrl.rl import grpo
+  from jaxrl.algorithms import grpo
   from jaxrl.train.rundir import read_metrics
   rm_dir = str(tmp_path / "rm")
   rm.run(config_lib.load_config(os.path.join(repo_root, "configs/rm_tiny.py:runlocal"),
@@ -415,7 +415,7 @@ def test_grpo_pulse_with_reward_models(repo_root, tmp_path, devices):
 def test_bad_reward_model_config_is_one_sentence(repo_root, tmp_path, override, pattern,
                                                  devices):
   from jaxrl.errors import ConfigError
-  from jaxrl.rl import grpo
+  from jaxrl.algorithms import grpo
   with pytest.raises(ConfigError, match=pattern):
     grpo.run(config_lib.load_config(os.path.join(repo_root, "configs/grpo_tiny.py:runlocal"),
                                     [override]), str(tmp_path / "g"), out=lambda *a: None)
@@ -433,7 +433,7 @@ def test_an_sft_run_is_not_a_reward_model(repo_root, tmp_path, devices):
 
 
 def test_alarm_watches_the_raw_reward_model_score():
-  from jaxrl.rl import grpo
+  from jaxrl.algorithms import grpo
   said = []
   alarms = grpo.Alarms(kl_threshold=0.1, window=3, out=said.append,
                        reward_key="reward/rm_mean")

@@ -301,7 +301,7 @@ def test_a_scanned_grpo_run_logs_the_unrolled_runs_figures(repo_root, tmp_path, 
   (the scanned backward sums in another order: float rounding)."""
   import json
   from jaxrl import config as config_lib
-  from jaxrl.rl import grpo
+  from jaxrl.algorithms import grpo
   spec = os.path.join(repo_root, "configs/grpo_tiny.py:runlocal")
   rows = []
   for scan in (False, True):

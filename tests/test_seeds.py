@@ -79,7 +79,7 @@ def test_compare_aggregates_mean_std_median_min_max(seeded):
 def _sft_run(path, *, seed, edit=lambda c: None):
   """A crafted `jaxrl sft` run dir whose config.json is today's sft defaults as a trainer
   writes them (JSON), changed by `edit`, and one metrics row."""
-  from jaxrl.train.sft import default_config
+  from jaxrl.algorithms.sft import default_config
   config = json.loads(json.dumps(default_config().to_dict(), default=str))
   config.update(seed=seed, backend={"platform": "cpu", "devices": 1, "dots": "ynnpack"})
   edit(config)
@@ -159,7 +159,7 @@ def test_launch_seeds_runs_each_sweep_item_once_per_seed(repo_root, capsys, tmp_
 
 def test_launch_refuses_seeds_when_the_sweep_sets_seed(tmp_path):
   spec = tmp_path / "cfg.py"
-  spec.write_text("from jaxrl.train.sft import default_config\n"
+  spec.write_text("from jaxrl.algorithms.sft import default_config\n"
                   "def get_config(arg=None):\n  return default_config()\n"
                   "def sweep():\n  return [{'seed': 1}]\n")
   with pytest.raises(ConfigError, match="its sweep\\(\\) sets `seed` already: drop --seeds"):

@@ -30,7 +30,7 @@ OVERRIDES = [f"--config.train.steps={STEPS}", "--config.train.log_every=1",
 # signal lands mid-run however loaded the machine is.
 SLOW_AFTER = r"""
 import pathlib, sys, time
-import jaxrl.train.sft as sft
+import jaxrl.algorithms.sft as sft
 marker, half = sys.argv[1], int(sys.argv[2])
 real = sft.sft_batches
 

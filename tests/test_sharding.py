@@ -13,7 +13,7 @@ from jaxrl.errors import ConfigError
 from jaxrl.models import get_preset
 from jaxrl.parallel import batch_sharding, init_params, make_mesh, param_shardings, param_table
 from jaxrl.train.optim import make_optimizer, optim_section
-from jaxrl.train.sft import sft_loss
+from jaxrl.algorithms.sft import sft_loss
 from jaxrl.train import state as train_state
 from jaxrl.train.state import init_train_state, make_train_step, put_batch
 

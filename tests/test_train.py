@@ -217,7 +217,7 @@ def test_the_run_skeleton_takes_the_placement_only_when_the_trainer_samples(devi
   first version of the skeleton decided from the section, and the own-checkpoint notebook's SFT
   on 1 device failed on its 8-device sampler mesh.)"""
   from jaxrl.parallel.sync import placement_config
-  from jaxrl.train import sft
+  from jaxrl.algorithms import sft
   from jaxrl.train.run import Run
   c = sft.default_config()
   c.placement = placement_config()

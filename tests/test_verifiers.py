@@ -200,7 +200,7 @@ def test_score_adds_up_reward_errors():
 
 def test_grpo_scoring_logs_reward_errors():
   """GRPO's score_rollout (step 3) carries reward/errors into the step's metrics."""
-  from jaxrl.rl.grpo.rewards import score_rollout
+  from jaxrl.algorithms.grpo.rewards import score_rollout
   tok = ByteTokenizer()
   texts = ["#### 3", "#### 4", "#### 3", "#### 3"]
   ids = [tok.encode(t) for t in texts]

@@ -698,7 +698,7 @@ class Transformer(nnx.Module):
   def packed_hidden(self, prompt_pt, prompt_len_p, tokens_rw, offsets_rw, segments_rw,
                     row_prompt_r, *, dropout_key=None):
     """grouped_hidden with the completions packed into R rows of W positions, one after
-    another (jaxrl.rl.grpo.batch.pack_completions builds them): row r holds completions
+    another (jaxrl.algorithms.grpo.batch.pack_completions builds them): row r holds completions
     of prompt row_prompt_r[r] only. tokens_rw are the completions' input tokens (a completion
     of L tokens runs its tokens 0 .. L-2), offsets_rw each token's index in its completion,
     segments_rw a per-row id of its completion (>= 1) and 0 on padding: a token attends to its

@@ -99,7 +99,7 @@ def global_array(x, sharding):
 # that another thread's programs also use (async GRPO's producer on the sampler's devices, the
 # learner on its own) would have to be launched in the same order on every process, and two
 # threads give no such order. (On CPU even disjoint device sets are not enough: there async
-# GRPO's two threads take turns, jaxrl/rl/grpo/producer.py "Taking turns".)
+# GRPO's two threads take turns, jaxrl/algorithms/grpo/producer.py "Taking turns".)
 # How long a process waits for another's key: a backstop only (the coordination service ends the
 # job when a process stops heartbeating), long enough for a first step's compiles on a pod.
 HOST_AGREE_TIMEOUT_S = 24 * 3600

@@ -1,7 +1,7 @@
 """The memory plan: bytes per device for each model role and each program, before launch.
 
-A trainer describes its own run (jaxrl.train.sft.programs, rm.programs, dpo.programs,
-jaxrl.rl.grpo.programs): the `Workload` (rows, lengths, reference, reward models, the
+A trainer describes its own run (jaxrl.algorithms.sft.programs, rm.programs, dpo.programs,
+jaxrl.algorithms.grpo.programs): the `Workload` (rows, lengths, reference, reward models, the
 sampler's slots and KV cache, all read from the trainer's own config sections) and the jitted
 `Program`s it runs, with abstract arguments laid out on the mesh. Nothing here is a free knob:
 the `plan` config section only names the device (and whether a run checks the plan first).

@@ -1,6 +1,6 @@
 """The shared training machinery: optimizer, train state and step, checkpoints, run directory,
 the loop (guards, progress, interrupts), evaluation, the Run skeleton that ties them together
-(run.py); and the offline trainers built on it (sft, rm, dpo)."""
+(run.py). The trainers built on it are in jaxrl.algorithms."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from jaxrl.parallel.distributed import global_array
 from jaxrl.parallel.sync import SamplerCopy, WeightSync
 from jaxrl.rewards import RewardSpec
 from jaxrl.rewards import model as rm_lib
-from jaxrl.rl.grpo.monitors import Alarms, KLCoefficient
+from jaxrl.algorithms.grpo.monitors import Alarms, KLCoefficient
 from jaxrl.sampler import Engine
 from jaxrl.train.run import Run
 
@@ -66,7 +66,7 @@ class Learner:
 class Parts:
   """A run's fixed parts, built once by setup(): the run, its three roles in the order a step
   calls them (rollouts, scorer, learner), the monitors and the held-out eval; PPO adds its
-  critic (jaxrl.rl.ppo.critic.Critic). Only the host state (the stream, beta, the alarms, the
+  critic (jaxrl.algorithms.ppo.critic.Critic). Only the host state (the stream, beta, the alarms, the
   reward models' normaliser, async generation's rollout queue) changes between steps."""
   run: Run                    # the run dir, learner mesh, placement, checkpointer
   task: Any                   # the built-in task (its checker), or None

@@ -3,7 +3,7 @@ consumes), the two batch layouts (learner_batch: prompt and completion joined pe
 grouped_learner_batch: each group's prompt once, its completions after it) and, under
 algo.pack_completions, the shared-prompt batch packed for the program that takes it (see
 docs/design.md, "Packed completions"; the forward that reads it is
-jaxrl.rl.grpo.update.packed_logprobs over Transformer.packed_hidden). Below the steps that make
+jaxrl.algorithms.grpo.update.packed_logprobs over Transformer.packed_hidden). Below the steps that make
 and consume it: experience.py, update.py and the trainers import it, it imports none of them."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 from jaxrl.sampler import Rollout, bucket
 
 if TYPE_CHECKING:
-  from jaxrl.rl.grpo.parts import Parts
+  from jaxrl.algorithms.grpo.parts import Parts
 
 
 @dataclasses.dataclass

@@ -25,7 +25,7 @@ from jaxrl.objectives import gae as gae_lib
 from jaxrl.objectives import losses
 from jaxrl.parallel import shard_activations
 from jaxrl.rewards import model as rm_lib
-from jaxrl.rl.grpo.update import join_micro, split_micro
+from jaxrl.algorithms.grpo.update import join_micro, split_micro
 from jaxrl.train import rundir
 from jaxrl.train.optim import make_optimizer
 from jaxrl.train.run import starting_state
@@ -34,7 +34,7 @@ from jaxrl.train.state import start_from_checkpoint
 
 @dataclasses.dataclass
 class Critic:
-  """PPO's critic role, beside GRPO's three (jaxrl.rl.grpo.parts): its graphdef and
+  """PPO's critic role, beside GRPO's three (jaxrl.algorithms.grpo.parts): its graphdef and
   ModelConfig (critic.lora), its value forward and its train step."""
   graphdef: Any
   cfg: ModelConfig

@@ -3,8 +3,8 @@
     jaxrl dpo --config configs/dpo_tiny.py --workdir DIR          # loss=dpo
     jaxrl dpo --config configs/dpo_tiny.py:kto --workdir DIR      # or ipo, orpo, simpo
 
-Reads top to bottom, as jaxrl/train/sft.py (KTO's rows and the reference cache are in
-jaxrl/train/dpo_data.py): config -> mesh -> data -> policy and reference ->
+Reads top to bottom, as jaxrl/algorithms/sft.py (KTO's rows and the reference cache are in
+jaxrl/algorithms/dpo_data.py): config -> mesh -> data -> policy and reference ->
 loss -> eval -> loop. No rollouts, no reward model, no resharding: each step is one jitted
 forward and backward over a batch of preference pairs.
 
@@ -54,7 +54,7 @@ from jaxrl.parallel import batch_sharding, shard_activations
 from jaxrl.parallel.distributed import global_array
 from jaxrl.objectives import preference_losses as pl
 from jaxrl.train.data import answers, check_section as check_data, load_task, records
-from jaxrl.train.dpo_data import ROW_KEYS, cached_reference, reference_mode, to_rows
+from jaxrl.algorithms.dpo_data import ROW_KEYS, cached_reference, reference_mode, to_rows
 from jaxrl.train.optim import CHOICES as OPTIM_CHOICES, make_optimizer
 from jaxrl.train.run import Run, count_tokens
 from jaxrl.train.state import make_train_step

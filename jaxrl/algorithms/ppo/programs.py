@@ -1,4 +1,4 @@
-"""PPO's programs, abstract: GRPO's (jaxrl/rl/grpo/programs.py: the actor's train step, the
+"""PPO's programs, abstract: GRPO's (jaxrl/algorithms/grpo/programs.py: the actor's train step, the
 log-prob forward, the reward models' forward, prefill, decode, weight sync) with the critic's
 state resident beside each, and the critic's own two:
 
@@ -18,9 +18,9 @@ from jaxrl import config as config_lib
 from jaxrl.models import RewardModel
 from jaxrl.parallel.plan import Program, abstract_bytes
 from jaxrl.parallel.sync import make_placement
-from jaxrl.rl.grpo.programs import programs as grpo_programs
-from jaxrl.rl.grpo.update import logprob_micro_batches
-from jaxrl.rl.ppo.critic import (critic_config, critic_optimizer, critic_values, make_values_fn,
+from jaxrl.algorithms.grpo.programs import programs as grpo_programs
+from jaxrl.algorithms.grpo.update import logprob_micro_batches
+from jaxrl.algorithms.ppo.critic import (critic_config, critic_optimizer, critic_values, make_values_fn,
                                  value_loss)
 from jaxrl.train import programs as pg
 

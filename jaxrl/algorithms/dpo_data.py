@@ -1,7 +1,7 @@
 """What DPO's losses are fed besides the policy's rows: KTO's rows (pairs unpaired, and the
 mismatched rows of its KL baseline) and the reference's log-probs, either from a live frozen
 copy or from a cache on disk filled by one pass, chosen by the memory plan (ref.mode=auto).
-The trainer is jaxrl/train/dpo.py."""
+The trainer is jaxrl/algorithms/dpo.py."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ function a notebook can call:
   state, upd = update(parts, state, experience, warmup=...)  # actor and critic
   metrics = step_metrics(parts, experience, upd, stats)
 Each step:
-  1-4. as GRPO (jaxrl/rl/grpo/trainer.py): sync the actor into the sampler, sample B prompts x G
+  1-4. as GRPO (jaxrl/algorithms/grpo/trainer.py): sync the actor into the sampler, sample B prompts x G
      (G = 1 is PPO proper), score them, the old policy's and the reference's log-probs;
   5. the critic's values V_t of every completion token (the value head on each token's hidden
      state, jaxrl.models.RewardModel.values);
@@ -47,15 +47,15 @@ from jaxrl.models import lora
 from jaxrl.objectives import gae as gae_lib
 from jaxrl.objectives import losses
 from jaxrl.parallel.distributed import to_host
-from jaxrl.rl.grpo import trainer as grpo
-from jaxrl.rl.grpo.batch import Experience, device_batch
-from jaxrl.rl.grpo.experience import Forwards, learner_forwards, scored_rollouts
-from jaxrl.rl.grpo.parts import Parts
-from jaxrl.rl.grpo.update import logprob_micro_batches, minibatches, old_policy_means
-from jaxrl.rl.ppo.config import CHOICES, default_config
-from jaxrl.rl.ppo.critic import (Critic, critic_config, critic_optimizer, critic_source,
+from jaxrl.algorithms.grpo import trainer as grpo
+from jaxrl.algorithms.grpo.batch import Experience, device_batch
+from jaxrl.algorithms.grpo.experience import Forwards, learner_forwards, scored_rollouts
+from jaxrl.algorithms.grpo.parts import Parts
+from jaxrl.algorithms.grpo.update import logprob_micro_batches, minibatches, old_policy_means
+from jaxrl.algorithms.ppo.config import CHOICES, default_config
+from jaxrl.algorithms.ppo.critic import (Critic, critic_config, critic_optimizer, critic_source,
                                  init_critic, make_values_fn, value_loss)
-from jaxrl.rl.ppo.programs import programs
+from jaxrl.algorithms.ppo.programs import programs
 from jaxrl.train.state import TrainState, make_train_step
 
 

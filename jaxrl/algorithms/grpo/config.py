@@ -175,7 +175,7 @@ def default_config():
       partial_rollouts=False,
       # With partial_rollouts: one streaming driver keeps the sampler's slots busy across
       # units, the next unit's groups taking the slots the current one's short completions
-      # free (jaxrl/rl/grpo/producer.py, "Streaming"); a group's tokens are the same as
+      # free (jaxrl/algorithms/grpo/producer.py, "Streaming"); a group's tokens are the same as
       # without it for the same weights. Dense KV cache, one process.
       streaming=False,
       # With an environment (data.env or env_module): model turns per conversation, and the

@@ -34,8 +34,8 @@ from jaxrl.parallel import batch_sharding, get_rules
 from jaxrl.parallel.plan import (Program, Workload, abstract_bytes, attention_score_bytes,
                                  kernel_takes)
 from jaxrl.parallel.sync import make_placement
-from jaxrl.rl.grpo.config import conversation_tokens, grouped_forward, prompt_length, ref_dtype
-from jaxrl.rl.grpo.update import (batch_logprobs, grpo_loss, logprob_micro_batches,
+from jaxrl.algorithms.grpo.config import conversation_tokens, grouped_forward, prompt_length, ref_dtype
+from jaxrl.algorithms.grpo.update import (batch_logprobs, grpo_loss, logprob_micro_batches,
                                   make_batch_logprobs_fn, old_logp_from_update)
 from jaxrl.rewards import model as rm_lib
 from jaxrl.sampler import Engine, SamplingParams, bucket

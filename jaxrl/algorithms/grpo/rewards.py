@@ -16,7 +16,7 @@ from jaxrl.rewards import RewardSpec, parse_specs, register, score
 from jaxrl.rewards import model as rm_lib
 
 if TYPE_CHECKING:
-  from jaxrl.rl.grpo.parts import Parts
+  from jaxrl.algorithms.grpo.parts import Parts
 
 
 def score_rollout(p: Parts, rollout, prompts: list[dict]) -> tuple[np.ndarray, dict]:

@@ -7,7 +7,7 @@ import ml_collections
 
 from jaxrl import config as config_lib
 from jaxrl.errors import ConfigError
-from jaxrl.rl.grpo import config as grpo_config
+from jaxrl.algorithms.grpo import config as grpo_config
 
 def check_critic(config) -> None:
   """The critic section's ranges, at config load."""
@@ -71,7 +71,7 @@ def critic_section(**overrides) -> ml_collections.ConfigDict:
 
 
 def default_config():
-  """Every field a PPO run reads: GRPO's (jaxrl/rl/grpo/config.py), algo as above, one sample
+  """Every field a PPO run reads: GRPO's (jaxrl/algorithms/grpo/config.py), algo as above, one sample
   per prompt (G = 1 is PPO proper) and the critic section."""
   c = grpo_config.default_config()
   c.algo = algo_section()

@@ -1,18 +1,18 @@
 """GRPO-family RL. trainer.py reads top to bottom (its docstring says how it departs from the
-paper); `from jaxrl.rl import grpo` gives the names a run, a test or a notebook needs."""
+paper); `from jaxrl.algorithms import grpo` gives the names a run, a test or a notebook needs."""
 
-from jaxrl.rl.grpo.config import CHOICES, algo_section, default_config
+from jaxrl.algorithms.grpo.config import CHOICES, algo_section, default_config
 from jaxrl.data.prompts import PromptStream
-from jaxrl.rl.grpo.batch import (Experience, completion_width, grouped_learner_batch,
+from jaxrl.algorithms.grpo.batch import (Experience, completion_width, grouped_learner_batch,
                                  learner_batch)
-from jaxrl.rl.grpo.experience import (_refill, group_advantages, learner_forwards,
+from jaxrl.algorithms.grpo.experience import (_refill, group_advantages, learner_forwards,
                                       scored_rollouts)
-from jaxrl.rl.grpo.monitors import Alarms, KLCoefficient
-from jaxrl.rl.grpo.programs import programs
-from jaxrl.rl.grpo.rewards import reward_specs, task_reward
-from jaxrl.rl.grpo.parts import Parts
-from jaxrl.rl.grpo.trainer import evaluate, run, setup, step, step_metrics
-from jaxrl.rl.grpo.update import (batch_logprobs, grpo_loss, make_batch_logprobs_fn,
+from jaxrl.algorithms.grpo.monitors import Alarms, KLCoefficient
+from jaxrl.algorithms.grpo.programs import programs
+from jaxrl.algorithms.grpo.rewards import reward_specs, task_reward
+from jaxrl.algorithms.grpo.parts import Parts
+from jaxrl.algorithms.grpo.trainer import evaluate, run, setup, step, step_metrics
+from jaxrl.algorithms.grpo.update import (batch_logprobs, grpo_loss, make_batch_logprobs_fn,
                                   make_logprobs_fn, old_logp_from_update, update)
 
 __all__ = [

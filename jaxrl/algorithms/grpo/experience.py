@@ -18,17 +18,17 @@ from jaxrl.models.flops import rollout_flops
 from jaxrl.parallel.distributed import to_host
 from jaxrl.objectives import advantages as adv_lib
 from jaxrl.objectives import losses
-from jaxrl.rl.grpo.rewards import score_rollout
-from jaxrl.rl.grpo.batch import (Experience, completion_width, device_batch,
+from jaxrl.algorithms.grpo.rewards import score_rollout
+from jaxrl.algorithms.grpo.batch import (Experience, completion_width, device_batch,
                                  grouped_learner_batch, learner_batch)
-from jaxrl.rl.grpo.update import logprob_micro_batches, old_policy_sums, sampler_log_ratio
+from jaxrl.algorithms.grpo.update import logprob_micro_batches, old_policy_sums, sampler_log_ratio
 from jaxrl.sampler import Rollout, generate
 from jaxrl.sampler import metrics as rollout_metrics
 from jaxrl.sampler.rollout import generate_stream
 from jaxrl.sampler.scheduler import Options
 
 if TYPE_CHECKING:
-  from jaxrl.rl.grpo.parts import Parts
+  from jaxrl.algorithms.grpo.parts import Parts
 
 
 def group_advantages(p: Parts, f: Forwards) -> dict[str, np.ndarray]:
@@ -164,7 +164,7 @@ def queued_rollouts(p: Parts, state, step: int):
   sampler copy of version `step`, which the producer frees once no unit needs it); the prompt
   stream then checkpoints the queue's resume point (producer.py's resume rule)."""
   from jaxrl.parallel.distributed import process_zero_value
-  from jaxrl.rl.grpo.producer import RolloutQueue
+  from jaxrl.algorithms.grpo.producer import RolloutQueue
   r, a = p.config.rollout, p.config.algo
   if p.rollouts.queue is None:  # the first step of this run, fresh or resumed
     stream = p.rollouts.stream

@@ -18,11 +18,11 @@ from jaxrl.models import apply_logprobs
 from jaxrl.parallel import shard_activations
 from jaxrl.parallel.distributed import to_host
 from jaxrl.objectives import losses
-from jaxrl.rl.grpo.batch import device_batch
+from jaxrl.algorithms.grpo.batch import device_batch
 
 if TYPE_CHECKING:
-  from jaxrl.rl.grpo.batch import Experience
-  from jaxrl.rl.grpo.parts import Parts
+  from jaxrl.algorithms.grpo.batch import Experience
+  from jaxrl.algorithms.grpo.parts import Parts
 
 
 def update(p: Parts, state, experience: Experience):
