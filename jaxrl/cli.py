@@ -26,8 +26,7 @@ _LIBS = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "ml-coll
 
 # The trainer commands and the modules that own their defaults (default_config) and their
 # sections' choices (CHOICES).
-TRAINERS = {"sft": "jaxrl.algorithms.sft", "rm": "jaxrl.algorithms.rm", "grpo": "jaxrl.algorithms.grpo",
-            "dpo": "jaxrl.algorithms.dpo", "ppo": "jaxrl.algorithms.ppo"}
+TRAINERS = {name: f"jaxrl.algorithms.{name}" for name in ("sft", "rm", "grpo", "dpo", "ppo")}
 
 # Commands import the trainers, io, data, plot and launch inside their functions (lazy: the
 # training stack adds about 2 s to start-up, which `jaxrl data`, `plot`, `compare` or `--help`

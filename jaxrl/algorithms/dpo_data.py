@@ -12,12 +12,13 @@ import jax
 import numpy as np
 
 from jaxrl.data import prefs
+from jaxrl.data.pipeline import FEATURES
 from jaxrl.errors import ConfigError
 from jaxrl.objectives import preference_losses as pl
 from jaxrl.parallel.plan import GIB, Workload, memory_plan
 from jaxrl.parallel.sync import make_placement
 
-ROW_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
+ROW_KEYS = FEATURES  # a row of a pair: the SFT pipeline's features
 
 
 # ----------------------------------------------------------------------------- KTO rows

@@ -2,9 +2,9 @@
 
     jaxrl rm --config configs/rm_tiny.py --config.init.checkpoint=runs/sft_tiny --workdir DIR
 
-Reads top to bottom, like jaxrl/algorithms/sft.py: config -> mesh -> data -> state -> loss -> eval ->
-loop (the same loop, checkpoints, resume and metrics). A batch is [B, 2, S] (axis 1: chosen,
-rejected); the two rows of a pair sit on one device, and one forward of [2B, S] scores both.
+Reads top to bottom, like jaxrl/algorithms/sft.py: config -> mesh -> data -> state -> loss ->
+eval -> loop (the same loop, checkpoints, resume and metrics). A batch is [B, 2, S] (axis 1:
+chosen, rejected); the two rows of a pair sit on one device, and one forward of [2B, S] scores both.
 
 The loss per pair is -log sigmoid(r_c - r_r - margin) (Bradley & Terry 1952; InstructGPT's
 reward loss), averaged over the global batch's pairs. Departures, both optional and off by

@@ -15,7 +15,7 @@ import ml_collections
 
 from jaxrl import config as config_lib
 from jaxrl.data import ON_BAD_ROW, prefs, sft_batches
-from jaxrl.data.pipeline import TRAIN_ON
+from jaxrl.data.pipeline import FEATURES, TRAIN_ON
 from jaxrl.data.prompts import prompt_section
 from jaxrl.errors import ConfigError
 from jaxrl.models import apply_logprobs, lora
@@ -175,7 +175,7 @@ def programs(config, *, devices=None):
   shd = batch_sharding(mesh, 2, config.layout)
   B, T = d.batch_size, d.seq_len
   batch = {k: pg.spec((B, T), "float32" if k == "loss_mask" else "int32", shd)
-           for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
+           for k in FEATURES}
   knobs = pg.model_knobs(config)
   step = pg.train_program(
       sft_loss(graphdef), tx, schedule, state, shardings, batch, mesh=mesh,

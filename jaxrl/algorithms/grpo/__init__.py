@@ -4,16 +4,16 @@ paper); `from jaxrl.algorithms import grpo` gives the names a run, a test or a n
 from jaxrl.algorithms.grpo.config import CHOICES, algo_section, default_config
 from jaxrl.data.prompts import PromptStream
 from jaxrl.algorithms.grpo.batch import (Experience, completion_width, grouped_learner_batch,
-                                 learner_batch)
+                                         learner_batch)
 from jaxrl.algorithms.grpo.experience import (_refill, group_advantages, learner_forwards,
-                                      scored_rollouts)
+                                              scored_rollouts)
 from jaxrl.algorithms.grpo.monitors import Alarms, KLCoefficient
 from jaxrl.algorithms.grpo.programs import programs
 from jaxrl.algorithms.grpo.rewards import reward_specs, task_reward
 from jaxrl.algorithms.grpo.parts import Parts
 from jaxrl.algorithms.grpo.trainer import evaluate, run, setup, step, step_metrics
 from jaxrl.algorithms.grpo.update import (batch_logprobs, grpo_loss, make_batch_logprobs_fn,
-                                  make_logprobs_fn, old_logp_from_update, update)
+                                          make_logprobs_fn, old_logp_from_update, update)
 
 __all__ = [
     "CHOICES", "Alarms", "Experience", "KLCoefficient", "Parts", "PromptStream", "_refill",

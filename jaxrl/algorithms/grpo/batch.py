@@ -3,8 +3,9 @@ consumes), the two batch layouts (learner_batch: prompt and completion joined pe
 grouped_learner_batch: each group's prompt once, its completions after it) and, under
 algo.pack_completions, the shared-prompt batch packed for the program that takes it (see
 docs/design.md, "Packed completions"; the forward that reads it is
-jaxrl.algorithms.grpo.update.packed_logprobs over Transformer.packed_hidden). Below the steps that make
-and consume it: experience.py, update.py and the trainers import it, it imports none of them."""
+jaxrl.algorithms.grpo.update.packed_logprobs over Transformer.packed_hidden). Below the steps
+that make and consume it: experience.py, update.py and the trainers import it, it imports none
+of them."""
 
 from __future__ import annotations
 
@@ -40,6 +41,31 @@ class Experience:
 
 
 # ----------------------------------------------------------------------------- the two layouts
+
+# The learner batch's fields, written once: the model inputs of each layout (grouped: the
+# shared-prompt form), the rollout's per-token floats (learner_batch and grouped_learner_batch
+# give both), and those the step adds (experience.py: ref_logp, adv, beta; old_logp when a
+# forward of its own gave it). batch_shapes() abstracts them for the plan.
+INPUTS = {False: ("inputs", "targets", "positions"), True: ("prompt", "prompt_len", "completion")}
+ROLLOUT = ("mask", "sampler_logp")
+ADDED = ("ref_logp", "adv", "beta")
+
+
+def batch_shapes(n: int, *, group: int, prompt_len: int, width: int, grouped: bool,
+                 update: bool = True, old_logp: bool = False) -> dict[str, tuple]:
+  """{field: (shape, dtype)} of the learner batch of n completions (n / group prompts): what
+  the update takes, or with update=False what the log-prob forward reads (the inputs).
+  `width` is a row's: the completion's when grouped, prompt + completion otherwise."""
+  if grouped:
+    out = {"prompt": ((n // group, prompt_len), "int32"),
+           "prompt_len": ((n // group, 1), "int32"), "completion": ((n, width), "int32")}
+  else:
+    out = {k: ((n, width), "int32") for k in INPUTS[False]}
+  if update:
+    floats = ROLLOUT + ADDED + (("old_logp",) if old_logp else ())
+    out.update({k: ((n, width), "float32") for k in floats})
+  return out
+
 
 
 def learner_batch(rollout, *, length: int, pad_id: int) -> dict[str, np.ndarray]:

@@ -19,8 +19,8 @@ from jaxrl.parallel.distributed import to_host
 from jaxrl.objectives import advantages as adv_lib
 from jaxrl.objectives import losses
 from jaxrl.algorithms.grpo.rewards import score_rollout
-from jaxrl.algorithms.grpo.batch import (Experience, completion_width, device_batch,
-                                 grouped_learner_batch, learner_batch)
+from jaxrl.algorithms.grpo.batch import (INPUTS, ROLLOUT, Experience, completion_width,
+                                         device_batch, grouped_learner_batch, learner_batch)
 from jaxrl.algorithms.grpo.update import logprob_micro_batches, old_policy_sums, sampler_log_ratio
 from jaxrl.sampler import Rollout, generate
 from jaxrl.sampler import metrics as rollout_metrics
@@ -91,13 +91,13 @@ def learner_forwards(p: Parts, state, scored: Scored) -> Forwards:
     batch = grouped_learner_batch(
         rollout, prompt_len=p.rollouts.prompt_len, group=r.group_size, pad_id=p.tokenizer.pad_id,
         width=width)
-    inputs = ("prompt", "prompt_len", "completion")
+    inputs = INPUTS[True]
     if a.pack_completions:  # the programs' batches are packed (packing.device_batch)
       batch["completion_len"] = rollout.lengths.astype(np.int32)
       inputs += ("completion_len",)
   else:
     batch = learner_batch(rollout, length=p.rollouts.length, pad_id=p.tokenizer.pad_id)
-    inputs = ("inputs", "targets", "positions")
+    inputs = INPUTS[False]
   mask = batch["mask"]
   if a.mask_truncated:
     truncated = np.array([x == "length" for x in rollout.finish_reasons])
@@ -119,7 +119,7 @@ def learner_forwards(p: Parts, state, scored: Scored) -> Forwards:
   ref_logp, _ = jax.block_until_ready(p.learner.logprobs_fn(p.learner.reference, dev))
   t_ref = time.perf_counter() - t0
   ref_np = to_host(ref_logp)
-  batch = {**{k: batch[k] for k in inputs + ("mask", "sampler_logp")}, **old,
+  batch = {**{k: batch[k] for k in inputs + ROLLOUT}, **old,
            "ref_logp": ref_np.astype(np.float32)}
   return Forwards(scored=scored, inputs=inputs, batch=batch, dev=dev, old_np=old_np,
                   ref_np=ref_np, old_sums=old_sums,

@@ -66,8 +66,9 @@ class Learner:
 class Parts:
   """A run's fixed parts, built once by setup(): the run, its three roles in the order a step
   calls them (rollouts, scorer, learner), the monitors and the held-out eval; PPO adds its
-  critic (jaxrl.algorithms.ppo.critic.Critic). Only the host state (the stream, beta, the alarms, the
-  reward models' normaliser, async generation's rollout queue) changes between steps."""
+  critic (jaxrl.algorithms.ppo.critic.Critic). Only the host state (the stream, beta, the
+  alarms, the reward models' normaliser, async generation's rollout queue) changes between
+  steps."""
   run: Run                    # the run dir, learner mesh, placement, checkpointer
   task: Any                   # the built-in task (its checker), or None
   rollouts: Rollouts

@@ -61,10 +61,10 @@ after it; with units in flight it does not wait at all (it decodes them, and ask
 With k >= 2 no group is then ever too stale (L <= F + 1 when nothing is in flight). Units
 are emitted in order when their last group finishes, and scored, filtered, assigned to steps
 and checkpointed exactly as above (step, round and stream positions are decided then, in unit
-order); a group
-is dated by its oldest token and dropped (counted) if that is more than k before its step,
-which the gate prevents except with dynamic sampling and k = 1 (as without streaming). The queue then runs ahead of the
-learner by about as many units as without streaming. Across processes the admissions must be
+order); a group is dated by its oldest token and dropped (counted) if that is more than k
+before its step, which the gate prevents except with dynamic sampling and k = 1 (as without
+streaming). The queue then runs ahead of the learner by about as many units as without
+streaming. Across processes the admissions must be
 the same on every process (each runs the same decode programs): whether a unit opens while
 others are in flight (wait=False) is decided by process 0's newest version (the same `agree`,
 at the same driver call everywhere, since every process's driver state is the same

@@ -34,9 +34,11 @@ from jaxrl.parallel import batch_sharding, get_rules
 from jaxrl.parallel.plan import (Program, Workload, abstract_bytes, attention_score_bytes,
                                  kernel_takes)
 from jaxrl.parallel.sync import make_placement
-from jaxrl.algorithms.grpo.config import conversation_tokens, grouped_forward, prompt_length, ref_dtype
+from jaxrl.algorithms.grpo.batch import batch_shapes
+from jaxrl.algorithms.grpo.config import (conversation_tokens, grouped_forward, prompt_length,
+                                          ref_dtype)
 from jaxrl.algorithms.grpo.update import (batch_logprobs, grpo_loss, logprob_micro_batches,
-                                  make_batch_logprobs_fn, old_logp_from_update)
+                                          make_batch_logprobs_fn, old_logp_from_update)
 from jaxrl.rewards import model as rm_lib
 from jaxrl.sampler import Engine, SamplingParams, bucket
 from jaxrl.train import programs as pg
@@ -85,20 +87,12 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
   old_from_update = old_logp_from_update(a)
   knobs = pg.model_knobs(config)
 
-  def rows(n, with_targets):  # the learner batch of n completions (n / G groups)
-    f32 = ["mask", "sampler_logp"] + (["ref_logp", "adv", "beta"] if with_targets else [])
-    if with_targets and not old_from_update:
-      f32.append("old_logp")
-    if grouped:
-      out = {"prompt": pg.spec((n // G, Tp), "int32", shd),
-             "prompt_len": pg.spec((n // G, 1), "int32", shd),
-             "completion": pg.spec((n, Tc), "int32", shd)}
-      width = Tc
-    else:
-      out = {k: pg.spec((n, Tp + Tc), "int32", shd) for k in ("inputs", "targets", "positions")}
-      width = Tp + Tc
-    out.update({k: pg.spec((n, width), "float32", shd) for k in f32})
-    return out, width
+  width = Tc if grouped else Tp + Tc
+
+  def rows(n, update):  # the learner batch of n completions (n / G groups), abstract
+    return {k: pg.spec(shape, dtype, shd) for k, (shape, dtype) in batch_shapes(
+        n, group=G, prompt_len=Tp, width=width, grouped=grouped, update=update,
+        old_logp=not old_from_update).items()}
 
   def flops(n):  # one forward over n completions (their prompts once per group when grouped)
     prompts = n // G if grouped else n
@@ -120,7 +114,7 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
                                  fused=fused)
 
   n_mb = N // a.minibatches
-  batch, width = rows(n_mb, True)
+  batch = rows(n_mb, True)
   loss_fn = grpo_loss(graphdef, a, temperature=r.temperature, norm_len=r.max_new_tokens)
   plain = pg.plain_graphdef(cfg)  # without remat: one block's activations
   train = pg.train_program(
@@ -130,10 +124,7 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
       cfg=cfg, plain_loss=grpo_loss(plain, a, temperature=r.temperature,
                                     norm_len=r.max_new_tokens))
 
-  fwd_batch, _ = rows(N, False)
-  inputs = ("prompt", "prompt_len", "completion") if grouped else ("inputs", "targets",
-                                                                   "positions")
-  fwd_batch = {k: fwd_batch[k] for k in inputs}
+  fwd_batch = rows(N, False)
   # The forward runs in the update's micro-batches (a scan over them, as setup() builds it):
   # its rows, the activations of one block and the logits are one micro-batch's.
   micro = logprob_micro_batches(config)

@@ -62,7 +62,7 @@ from jaxrl.parallel import batch_sharding
 from jaxrl.parallel.sync import SamplerCopy, WeightSync, cast_floats
 from jaxrl.rewards import model as rm_lib
 from jaxrl.algorithms.grpo.config import (CHOICES, conversation_tokens, default_config,
-                                  grouped_forward, prompt_length, ref_dtype)
+                                          grouped_forward, prompt_length, ref_dtype)
 from jaxrl.data.prompts import PromptStream
 from jaxrl.algorithms.grpo.batch import Experience
 from jaxrl.algorithms.grpo.experience import group_advantages, learner_forwards, scored_rollouts
@@ -71,7 +71,7 @@ from jaxrl.algorithms.grpo.monitors import Alarms, KLCoefficient
 from jaxrl.algorithms.grpo.programs import programs
 from jaxrl.algorithms.grpo.rewards import reward_specs
 from jaxrl.algorithms.grpo.update import (grpo_loss, logprob_micro_batches, make_batch_logprobs_fn,
-                                  old_logp_from_update, update)
+                                          old_logp_from_update, update)
 from jaxrl.sampler import Engine, SamplingParams
 from jaxrl.sampler.scheduler import check_multi_turn
 from jaxrl.train.data import load_task, records

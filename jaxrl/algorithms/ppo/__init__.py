@@ -5,7 +5,7 @@ from jaxrl.algorithms.ppo.config import CHOICES, algo_section, critic_section, d
 from jaxrl.algorithms.ppo.critic import (critic_values, init_critic, make_values_fn, value_loss)
 from jaxrl.algorithms.ppo.programs import programs
 from jaxrl.algorithms.ppo.trainer import (PPOState, Parts, critic_advantages, run, setup, step,
-                                  step_metrics, update)
+                                          step_metrics, update)
 
 __all__ = [
     "CHOICES", "PPOState", "Parts", "algo_section", "critic_advantages", "critic_section",

@@ -71,8 +71,8 @@ def critic_section(**overrides) -> ml_collections.ConfigDict:
 
 
 def default_config():
-  """Every field a PPO run reads: GRPO's (jaxrl/algorithms/grpo/config.py), algo as above, one sample
-  per prompt (G = 1 is PPO proper) and the critic section."""
+  """Every field a PPO run reads: GRPO's (jaxrl/algorithms/grpo/config.py), algo as above, one
+  sample per prompt (G = 1 is PPO proper) and the critic section."""
   c = grpo_config.default_config()
   c.algo = algo_section()
   c.rollout.group_size = 1

@@ -20,8 +20,8 @@ from jaxrl.parallel.plan import Program, abstract_bytes
 from jaxrl.parallel.sync import make_placement
 from jaxrl.algorithms.grpo.programs import programs as grpo_programs
 from jaxrl.algorithms.grpo.update import logprob_micro_batches
-from jaxrl.algorithms.ppo.critic import (critic_config, critic_optimizer, critic_values, make_values_fn,
-                                 value_loss)
+from jaxrl.algorithms.ppo.critic import (critic_config, critic_optimizer, critic_values,
+                                         make_values_fn, value_loss)
 from jaxrl.train import programs as pg
 
 ACTOR_ONLY = ("sampler_logp", "ref_logp", "adv", "beta", "old_logp")

@@ -11,8 +11,9 @@ function a notebook can call:
   state, upd = update(parts, state, experience, warmup=...)  # actor and critic
   metrics = step_metrics(parts, experience, upd, stats)
 Each step:
-  1-4. as GRPO (jaxrl/algorithms/grpo/trainer.py): sync the actor into the sampler, sample B prompts x G
-     (G = 1 is PPO proper), score them, the old policy's and the reference's log-probs;
+  1-4. as GRPO (jaxrl/algorithms/grpo/trainer.py): sync the actor into the sampler, sample B
+     prompts x G (G = 1 is PPO proper), score them, the old policy's and the reference's
+     log-probs;
   5. the critic's values V_t of every completion token (the value head on each token's hidden
      state, jaxrl.models.RewardModel.values);
   6. per-token rewards: the per-token KL penalty -beta * KL_t on every token and the outcome
@@ -48,13 +49,13 @@ from jaxrl.objectives import gae as gae_lib
 from jaxrl.objectives import losses
 from jaxrl.parallel.distributed import to_host
 from jaxrl.algorithms.grpo import trainer as grpo
-from jaxrl.algorithms.grpo.batch import Experience, device_batch
+from jaxrl.algorithms.grpo.batch import INPUTS, Experience, device_batch
 from jaxrl.algorithms.grpo.experience import Forwards, learner_forwards, scored_rollouts
 from jaxrl.algorithms.grpo.parts import Parts
 from jaxrl.algorithms.grpo.update import logprob_micro_batches, minibatches, old_policy_means
 from jaxrl.algorithms.ppo.config import CHOICES, default_config
 from jaxrl.algorithms.ppo.critic import (Critic, critic_config, critic_optimizer, critic_source,
-                                 init_critic, make_values_fn, value_loss)
+                                         init_critic, make_values_fn, value_loss)
 from jaxrl.algorithms.ppo.programs import programs
 from jaxrl.train.state import TrainState, make_train_step
 
@@ -168,8 +169,7 @@ def update(p: Parts, state: PPOState, experience: Experience, *, warmup: bool = 
   update gives them (absent in warm-up), critic/value_loss, critic/vpred_mean,
   critic/clipfrac, critic/grad_norm, critic/lr, timing_s/update and timing_s/critic_update."""
   mbs = list(minibatches(p, experience))
-  inputs = [k for k in ("prompt", "prompt_len", "completion", "inputs", "targets", "positions")
-            if k in experience.batch]
+  inputs = [k for k in INPUTS[True] + INPUTS[False] if k in experience.batch]
   actor, critic = state.actor, state.critic
   out = {}
   t0 = time.perf_counter()
