@@ -41,6 +41,8 @@ PRIORITY = ["qwen3:0.6b,grpo,v5e", "qwen3:8b,sft,v5p", "qwen3:0.6b,sft,v5e",
 LORA_ROWS = ["qwen3:8b,grpo,v5e,lora", "qwen3:8b,grpo,v5e,qlora", "llama3:3.1-8b,grpo,v5e,qlora",
              "qwen3:4b,grpo,v5e-4,qlora"]
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "scale.jsonl")
+# The decode steps counted whole (--decode-counts): one JSON line per GRPO row.
+DECODE_COUNTS = os.path.join(ROOT, "benchmarks", "results", "decode_counts.jsonl")
 DOC = os.path.join(ROOT, "docs", "guides", "scale.md")
 GIB = 1 << 30
 
@@ -119,6 +121,37 @@ def measure(row: str, out=print) -> dict:
   return record
 
 
+def decode_counts(row: str, steps=(1, 2), out=print) -> dict:
+  """The row's decode program compiled for each number of `steps` with the steps written out
+  (no loop: XLA's cost analysis counts a loop's body once whatever its trip count), and one
+  step's figures as the difference of the first two: FLOPs and bytes accessed per step, beside
+  the floor a step cannot beat, reading the chip's shard of the sampler's weights and of the
+  KV cache once (bytes / HBM bandwidth)."""
+  from jaxrl.parallel.plan import abstract_bytes
+  config, module, chip = load(row)
+  devices = aot.topology_devices(TOPOLOGY[chip])
+  c = aot.chip_of(TOPOLOGY[chip])
+  record = {"row": row, "topology": TOPOLOGY[chip], "date": datetime.date.today().isoformat(),
+            "slots": int(config.rollout.slots), "steps": {}}
+  for k in steps:
+    config.rollout.steps_per_call = k
+    _, programs = module.programs(config, devices=devices, unroll_decode=True)
+    p = next(p for p in programs if p.name == "decode steps")
+    x = aot.compile_program(p)
+    record["weight_bytes"] = abstract_bytes(p.args[0])  # per chip, as the kv_bytes
+    record["kv_bytes"] = abstract_bytes(p.args[1])
+    record["steps"][str(k)] = {"flops": x.flops, "bytes_accessed": x.bytes_accessed,
+                               "model_flops": p.flops, "compile_s": round(x.compile_s, 1)}
+    out(f"  {row}: {k} decode steps unrolled: {x.bytes_accessed / 1e9:.3f} GB accessed, "
+        f"{x.flops / 1e9:.1f} GFLOP, compiled in {x.compile_s:.0f} s", flush=True)
+  one, two = (record["steps"][str(k)] for k in steps[:2])
+  per = {q: (two[q] - one[q]) / (steps[1] - steps[0]) for q in ("flops", "bytes_accessed")}
+  record["per_step"] = {**per, "seconds": max(per["flops"] / c.bf16_flops,
+                                               per["bytes_accessed"] / c.hbm_bytes_per_s)}
+  record["floor_s"] = (record["weight_bytes"] + record["kv_bytes"]) / c.hbm_bytes_per_s
+  return record
+
+
 class _Figures:  # what run_peaks reads of a compiled program
   def __init__(self, q):
     self.bytes = q["xla_bytes"]
@@ -191,8 +224,21 @@ def main() -> None:
   ap = argparse.ArgumentParser()
   ap.add_argument("--only", action="append", help="a row such as qwen3:0.6b,grpo,v5e")
   ap.add_argument("--render", action="store_true", help="only rewrite the docs table")
+  ap.add_argument("--decode-counts", default="", metavar="STEPS",
+                  help="compile each GRPO row's decode program unrolled at these step counts "
+                       "(e.g. 1,2 or 1,2,8) into results/decode_counts.jsonl")
   args = ap.parse_args()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  if args.decode_counts:
+    steps = tuple(int(k) for k in args.decode_counts.split(","))
+    rows = args.only or [r for r in all_rows() if ",grpo," in r]
+    for row in rows:
+      record = decode_counts(row, steps)
+      with open(DECODE_COUNTS, "a") as f:
+        f.write(json.dumps(record) + "\n")
+      print(f"{row}: one decode step {record['per_step']['seconds'] * 1e3:.3f} ms, floor "
+            f"{record['floor_s'] * 1e3:.3f} ms", flush=True)
+    return
   results = read_results()
   if not args.render:
     todo = args.only or [r for r in all_rows() if r not in results]

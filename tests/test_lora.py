@@ -401,7 +401,6 @@ def test_dropout_is_refused_where_no_key_reaches_the_model(repo_root, tmp_path, 
                           ("grpo", "configs/grpo_tiny.py:runlocal")):
     with pytest.raises(ConfigError, match=r"model.lora.dropout=0.1 is not supported by .*set "
                        r"model.lora.dropout=0\."):
-      from jaxrl import rl, train  # noqa: F401
       config_ = config_lib.load_config(config, ["model.lora.rank=4", "model.lora.dropout=0.1"])
       if command == "rm":
         from jaxrl.algorithms import rm

@@ -521,7 +521,7 @@ class Engine:
     local_slots = live.sharding.shard_shape(live.shape)[0]
     return self._steps_gemv if local_slots == 1 else self._steps
 
-  def _steps_fn(self, params, state, key, *, steps, keep_pages=False):
+  def _steps_fn(self, params, state, key, *, steps, keep_pages=False, unroll=False):
     self.traces["generate"] += 1
     model = nnx.merge(self.graphdef, params)
     width = window(state)
@@ -529,10 +529,10 @@ class Engine:
     if is_paged(state):
       with attention.tracing(paged=self._paged_kernel(state), join_weights=join,
                              rope_matmul=self.mxu):
-        return self._scan_steps(model, state, key, steps, width, keep_pages)
+        return self._scan_steps(model, state, key, steps, width, keep_pages, unroll)
     with attention.tracing(decode=self._attention_kernel(state), join_weights=join,
                            rope_matmul=self.mxu):
-      return self._scan_steps(model, state, key, steps, width)
+      return self._scan_steps(model, state, key, steps, width, unroll=unroll)
 
   def _attention_kernel(self, state: DecodeState):
     """The backend's decode-step attention kernel for this state's cache, or None (XLA's
@@ -551,7 +551,7 @@ class Engine:
     return attention.paged_decode_kernel(
         self.mesh, cache_sharding(self.mesh, self.cfg, slots, 1).spec)
 
-  def _scan_steps(self, model, state, key, steps, width, keep_pages=False):
+  def _scan_steps(self, model, state, key, steps, width, keep_pages=False, unroll=False):
     sp = self.sampling
 
     paged_cache = is_paged(state)
@@ -613,7 +613,9 @@ class Engine:
       sample_keys_b = sample_keys(key, state["sample"])
     if paged_cache:
       state = self._take_pages(state, steps, width)
-    state, out = jax.lax.scan(step, state, None, length=steps)
+    # unroll: the steps written out one after another, for XLA's cost analysis, which counts a
+    # loop's body once whatever its trip count (benchmarks/scale.py --decode-counts).
+    state, out = jax.lax.scan(step, state, None, length=steps, unroll=steps if unroll else 1)
     return self._constrain(state), out
 
   def _take_pages(self, state, steps: int, width: int):

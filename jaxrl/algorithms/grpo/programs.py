@@ -68,8 +68,9 @@ def _floats_in(tree, dtype):
                       if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
-def programs(config, *, devices=None, prompt_len: int | None = None):
-  """(Workload, [Program]) of this GRPO config (see the module docstring)."""
+def programs(config, *, devices=None, prompt_len: int | None = None, unroll_decode=False):
+  """(Workload, [Program]) of this GRPO config (see the module docstring). unroll_decode: the
+  decode steps written out without a loop, so that XLA's cost analysis counts every step."""
   cfg = config_lib.model_config(config)
   a, r = config.algo, config.rollout
   placement = make_placement(config.mesh, config.placement, devices=devices)
@@ -150,7 +151,7 @@ def programs(config, *, devices=None, prompt_len: int | None = None):
                        ref_bytes=ref_bytes, knobs=knobs, scores=scores)
   progs = [train, fwd] + ([rm] if rm is not None else [])
   sync, prefill, decode, held = _sampler_programs(config, cfg, placement, state, resident,
-                                                  Tp=Tp, Tc=Tc)
+                                                  Tp=Tp, Tc=Tc, unroll=unroll_decode)
   if placement.mode == "colocated":
     _colocated(placement, train, rm, held)
   work = Workload(rows=max(1, n_mb // (replicas * config.optim.accum_steps)), seq_len=width,
@@ -225,7 +226,8 @@ def _reward_forward(config, cfg, mesh, state, shd, *, N: int, L: int, replicas: 
       attention_bytes=scores(N // replicas, L, L))
 
 
-def _sampler_programs(config, cfg, placement, state, resident: dict, *, Tp: int, Tc: int):
+def _sampler_programs(config, cfg, placement, state, resident: dict, *, Tp: int, Tc: int,
+                      unroll: bool = False):
   """(weight sync, prefill, decode steps, held): the sampler's programs, its weights in its
   layout (cast by the sync), and `held`, the bytes it keeps on its chips ("sampler weights",
   "kv cache", and "base": the LoRA base copy's, {} without LoRA)."""
@@ -301,7 +303,8 @@ def _sampler_programs(config, cfg, placement, state, resident: dict, *, Tp: int,
   slots_dev = r.slots // (smesh.shape["data"] * smesh.shape["fsdp"])
   steps = r.steps_per_call
   decode = pg.forward_program(
-      "decode steps", jax.jit(lambda p, s, k: engine._steps_fn(p, s, k, steps=steps),
+      "decode steps", jax.jit(lambda p, s, k: engine._steps_fn(p, s, k, steps=steps,
+                                                               unroll=unroll),
                               donate_argnums=1), (sparams, dstate, key),
       kind="decode", resident={**gen_resident, **sbase}, donated=(1,),
       flops=steps * forward_flops(cfg, tokens=r.slots, pairs=r.slots * max_len),
