@@ -121,33 +121,37 @@ def measure(row: str, out=print) -> dict:
   return record
 
 
-def decode_counts(row: str, steps=(1, 2), out=print) -> dict:
-  """The row's decode program compiled for each number of `steps` with the steps written out
-  (no loop: XLA's cost analysis counts a loop's body once whatever its trip count), and one
-  step's figures as the difference of the first two: FLOPs and bytes accessed per step, beside
-  the floor a step cannot beat, reading the chip's shard of the sampler's weights and of the
-  KV cache once (bytes / HBM bandwidth)."""
+def decode_counts(row: str, unrolled=(), out=print) -> dict:
+  """How XLA's cost analysis counts the row's decode steps, beside the floor a step cannot beat
+  (the chip's shard of the sampler's weights and of the KV cache read once: bytes / HBM
+  bandwidth). Compiled: the decode program as the run has it (a loop of
+  rollout.steps_per_call steps) and with 2 steps, whose figures must be the same if the loop's
+  body is counted once whatever its trip count; with 1 step (no loop left); and with each of
+  `unrolled` steps written out one after another (Engine's scan unroll), where every step is
+  counted. One step's estimate is the loop's body: the run's program counted once."""
   from jaxrl.parallel.plan import abstract_bytes
   config, module, chip = load(row)
   devices = aot.topology_devices(TOPOLOGY[chip])
   c = aot.chip_of(TOPOLOGY[chip])
+  k_run = int(config.rollout.steps_per_call)
   record = {"row": row, "topology": TOPOLOGY[chip], "date": datetime.date.today().isoformat(),
-            "slots": int(config.rollout.slots), "steps": {}}
-  for k in steps:
+            "slots": int(config.rollout.slots), "steps_per_call": k_run, "compiled": {}}
+  for name, k, unroll in ([("loop", k_run, False), ("loop", 2, False), ("loop", 1, False)] +
+                          [("unrolled", k, True) for k in unrolled]):
     config.rollout.steps_per_call = k
-    _, programs = module.programs(config, devices=devices, unroll_decode=True)
+    _, programs = module.programs(config, devices=devices, unroll_decode=unroll)
     p = next(p for p in programs if p.name == "decode steps")
     x = aot.compile_program(p)
     record["weight_bytes"] = abstract_bytes(p.args[0])  # per chip, as the kv_bytes
     record["kv_bytes"] = abstract_bytes(p.args[1])
-    record["steps"][str(k)] = {"flops": x.flops, "bytes_accessed": x.bytes_accessed,
-                               "model_flops": p.flops, "compile_s": round(x.compile_s, 1)}
-    out(f"  {row}: {k} decode steps unrolled: {x.bytes_accessed / 1e9:.3f} GB accessed, "
-        f"{x.flops / 1e9:.1f} GFLOP, compiled in {x.compile_s:.0f} s", flush=True)
-  one, two = (record["steps"][str(k)] for k in steps[:2])
-  per = {q: (two[q] - one[q]) / (steps[1] - steps[0]) for q in ("flops", "bytes_accessed")}
-  record["per_step"] = {**per, "seconds": max(per["flops"] / c.bf16_flops,
-                                               per["bytes_accessed"] / c.hbm_bytes_per_s)}
+    record["compiled"][f"{name} {k}"] = {"flops": x.flops, "bytes_accessed": x.bytes_accessed,
+                                         "temp": x.temp, "model_flops": p.flops,
+                                         "compile_s": round(x.compile_s, 1)}
+    out(f"  {row}: {name}, {k} steps: {x.bytes_accessed / 1e9:.3f} GB accessed, "
+        f"{x.flops / 1e9:.1f} GFLOP, temp {x.temp / 1e9:.2f} GB, compiled in "
+        f"{x.compile_s:.0f} s", flush=True)
+  body = record["compiled"][f"loop {k_run}"]
+  record["step_s"] = max(body["flops"] / c.bf16_flops, body["bytes_accessed"] / c.hbm_bytes_per_s)
   record["floor_s"] = (record["weight_bytes"] + record["kv_bytes"]) / c.hbm_bytes_per_s
   return record
 
@@ -225,19 +229,20 @@ def main() -> None:
   ap.add_argument("--only", action="append", help="a row such as qwen3:0.6b,grpo,v5e")
   ap.add_argument("--render", action="store_true", help="only rewrite the docs table")
   ap.add_argument("--decode-counts", default="", metavar="STEPS",
-                  help="compile each GRPO row's decode program unrolled at these step counts "
-                       "(e.g. 1,2 or 1,2,8) into results/decode_counts.jsonl")
+                  help="compile each GRPO row's decode program as a loop of steps_per_call, 2 "
+                       "and 1 steps, and unrolled at STEPS (e.g. 2,8; 0: none), into "
+                       "results/decode_counts.jsonl")
   args = ap.parse_args()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   if args.decode_counts:
-    steps = tuple(int(k) for k in args.decode_counts.split(","))
+    unrolled = tuple(int(k) for k in args.decode_counts.split(",") if k.strip() != "0")
     rows = args.only or [r for r in all_rows() if ",grpo," in r]
     for row in rows:
-      record = decode_counts(row, steps)
+      record = decode_counts(row, unrolled)
       with open(DECODE_COUNTS, "a") as f:
         f.write(json.dumps(record) + "\n")
-      print(f"{row}: one decode step {record['per_step']['seconds'] * 1e3:.3f} ms, floor "
-            f"{record['floor_s'] * 1e3:.3f} ms", flush=True)
+      print(f"{row}: one decode step in the loop {record['step_s'] * 1e3:.3f} ms by XLA's count, "
+            f"floor {record['floor_s'] * 1e3:.3f} ms", flush=True)
     return
   results = read_results()
   if not args.render:
