@@ -102,8 +102,7 @@ def measure(row: str, out=print) -> dict:
         "xla_bytes": x.bytes, "xla": {"argument": x.argument, "output": x.output,
                                       "alias": x.alias, "temp": x.temp, "code": x.code},
         "flops_xla": x.flops, "bytes_accessed": x.bytes_accessed,
-        "floor_flops": aot.roofline_flops(p, len(devices)),
-        "seconds": x.seconds(c, aot.roofline_flops(p, len(devices))),
+        "loops": x.loops, "seconds": x.seconds(c),
         "model_flops": p.flops, "tokens": p.tokens, "compile_s": round(x.compile_s, 1),
         "oom": x.oom})
     if x.oom:  # the compiler's own verdict: it does not fit; the rest need not compile
@@ -121,14 +120,14 @@ def measure(row: str, out=print) -> dict:
   return record
 
 
-def decode_counts(row: str, unrolled=(), out=print) -> dict:
-  """How XLA's cost analysis counts the row's decode steps, beside the floor a step cannot beat
-  (the chip's shard of the sampler's weights and of the KV cache read once: bytes / HBM
+def decode_counts(row: str, unrolled=(), checks: bool = False, out=print) -> dict:
+  """One decode step of the row by XLA's count, beside the floor a step cannot beat (the chip's
+  shard of the sampler's weights and of the KV cache at its full length read once: bytes / HBM
   bandwidth). Compiled: the decode program as the run has it (a loop of
-  rollout.steps_per_call steps) and with 2 steps, whose figures must be the same if the loop's
-  body is counted once whatever its trip count; with 1 step (no loop left); and with each of
-  `unrolled` steps written out one after another (Engine's scan unroll), where every step is
-  counted. One step's estimate is the loop's body: the run's program counted once."""
+  rollout.steps_per_call steps), whose cost analysis counts the loop's body once, whatever its
+  trip count: that is one step. With `checks`, also a loop of 2 steps (the same figures if the
+  body is counted once) and 1 step (no loop left), and with each of `unrolled` steps written
+  out one after another (Engine's scan unroll), where every step is counted."""
   from jaxrl.parallel.plan import abstract_bytes
   config, module, chip = load(row)
   devices = aot.topology_devices(TOPOLOGY[chip])
@@ -136,7 +135,8 @@ def decode_counts(row: str, unrolled=(), out=print) -> dict:
   k_run = int(config.rollout.steps_per_call)
   record = {"row": row, "topology": TOPOLOGY[chip], "date": datetime.date.today().isoformat(),
             "slots": int(config.rollout.slots), "steps_per_call": k_run, "compiled": {}}
-  for name, k, unroll in ([("loop", k_run, False), ("loop", 2, False), ("loop", 1, False)] +
+  loops = [k_run, 2, 1] if checks or unrolled else [k_run]
+  for name, k, unroll in ([("loop", k, False) for k in loops] +
                           [("unrolled", k, True) for k in unrolled]):
     config.rollout.steps_per_call = k
     _, programs = module.programs(config, devices=devices, unroll_decode=unroll)
@@ -168,51 +168,103 @@ def read_results() -> dict[str, dict]:
     return {r["row"]: r for r in map(json.loads, filter(str.strip, f))}
 
 
-def render(results: dict[str, dict], plans: dict[str, float] | None = None) -> str:
-  plans = plans or {}
-  lines = ["| config | slice | remat, accum | compiled GiB per chip | fits | train step s | "
-           "MFU | decode step s | decode tok/s per chip |",
-           "|---|---|---|---:|---|---:|---:|---:|---:|"]
+def read_decode_counts() -> dict[str, dict]:
+  """The latest decode_counts record of each row."""
+  if not os.path.isfile(DECODE_COUNTS):
+    return {}
+  with open(DECODE_COUNTS) as f:
+    return {r["row"]: r for r in map(json.loads, filter(str.strip, f))}
+
+
+def train_figures(r: dict) -> dict | None:
+  """The train step's seconds per chip: `floor`, what it cannot beat (its model FLOPs at the
+  chip's peak; its arguments, the parameters and optimizer state, read once from HBM), and
+  `xla`, the roofline of XLA's counts (max of flops at peak and bytes at the HBM bandwidth),
+  None unless the compile recorded no loop in the step (XLA counts a loop's body once, whatever
+  its trip count; rows compiled before `loops` was recorded count as having one). None for a
+  row the compiler refused."""
+  train = next(p for p in r["programs"] if p["kind"] == "train")
+  if train.get("oom"):
+    return None
+  c = aot.chip_of(r["topology"])
+  # With LoRA the frozen base's weight gradients are never computed: the step's forward and its
+  # gradient with respect to the activations, 2 of the 3 forward-equivalents the model FLOPs
+  # (6 N per token) count.
+  flops = train["model_flops"] * (2 / 3 if "lora" in r["row"] else 1)
+  floor = max(flops / r["chips"] / c.bf16_flops, train["xla"]["argument"] / c.hbm_bytes_per_s)
+  xla = max(train["flops_xla"] / c.bf16_flops, train["bytes_accessed"] / c.hbm_bytes_per_s)
+  return {"floor": floor, "xla": xla if train.get("loops") == 0 else None,
+          "model_flops": train["model_flops"] / r["chips"]}
+
+
+def decode_figures(d: dict) -> dict:
+  """One decode step's seconds per chip from a decode_counts record: `xla` (the run's loop, its
+  body counted once: one step) and `floor` (weights and the full-length KV cache read once)."""
+  c = aot.chip_of(d["topology"])
+  body = d["compiled"][f"loop {d['steps_per_call']}"]
+  return {"xla": max(body["flops"] / c.bf16_flops, body["bytes_accessed"] / c.hbm_bytes_per_s),
+          "floor": (d["weight_bytes"] + d["kv_bytes"]) / c.hbm_bytes_per_s}
+
+
+def below_floor(results: dict[str, dict], counts: dict[str, dict]) -> list[str]:
+  """Every estimate of the recorded rows that is faster than its physical floor: a bug."""
+  bad = []
+  for row, r in results.items():
+    t = train_figures(r)
+    if t and t["xla"] is not None and t["xla"] < t["floor"]:
+      bad.append(f"{row}: train step {t['xla']:.4f} s < floor {t['floor']:.4f} s")
+  for row, d in counts.items():
+    x = decode_figures(d)
+    if x["xla"] < x["floor"]:
+      bad.append(f"{row}: decode step {x['xla'] * 1e3:.3f} ms < floor {x['floor'] * 1e3:.3f} ms")
+  return bad
+
+
+def render(results: dict[str, dict], counts: dict[str, dict] | None = None) -> str:
+  counts = read_decode_counts() if counts is None else counts
+  lines = ["| config | slice | remat, accum | compiled GiB per chip | fits | train step s, XLA "
+           "| floor | x floor | MFU | decode step ms, XLA | floor | x floor | decode tok/s per "
+           "chip |", "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for row in all_rows():
     fam, arg = row.split(":", 1)
     chip = arg.split(",")[2]
     r = results.get(row)
     name = f"`{fam}.py:{arg}`"
     if r is None:
-      lines.append(f"| {name} | {_slice(chip)} | | not compiled yet | - | | | | |")
+      lines.append(f"| {name} | {_slice(chip)} | | not compiled yet | - |" + " |" * 8)
       continue
-    c = aot.chip_of(TOPOLOGY[chip])
-    progs = {p["name"]: p for p in r["programs"]}
-    for p in progs.values():  # the roofline from the recorded figures (see Compiled.seconds)
-      floor = p.get("floor_flops", p["model_flops"] / r["chips"] *
-                    (4 / 3 if p["kind"] == "train" and r["remat"] == "full" else 1))
-      p["seconds"] = max(max(p["flops_xla"], floor) / c.bf16_flops,
-                         p["bytes_accessed"] / c.hbm_bytes_per_s)
-    train = progs["train step"]
-    if train.get("oom"):
+    t = train_figures(r)
+    if t is None:
+      train = next(p for p in r["programs"] if p["kind"] == "train")
       lines.append(f"| {name} | {_slice(chip)} ({r['chips']} chips) | {r['remat']}, "
                    f"{r['accum_steps']} | > {train['xla']['temp'] / GIB:.2f} (temporaries alone; "
-                   "the compiler ran out of HBM) | **no** | | | | |")
+                   "the compiler ran out of HBM) | **no** |" + " |" * 8)
       continue
-    mfu = train["model_flops"] / r["chips"] / train["seconds"] / c.bf16_flops
-    dec = progs.get("decode steps")
-    steps = dec["tokens"] // max(1, _slots(r)) if dec else 0
-    dec_s = f"{dec['seconds'] / steps:.5f}" if dec else "-"
-    dec_tps = f"{dec['tokens'] / dec['seconds'] / r['chips']:,.0f}" if dec else "-"
-    lines.append(f"| {name} | {_slice(chip)} ({r['chips']} chips) | {r['remat']}, {r['accum_steps']} "
-                 f"| {r['xla_peak'] / GIB:.2f} | {'yes' if r['fits'] else '**no**'} | "
-                 f"{train['seconds']:.3f} | {100 * mfu:.0f}% | {dec_s} | {dec_tps} |")
+    c = aot.chip_of(r["topology"])
+    if t["xla"] is None:
+      train = f"loop counted once | {t['floor']:.3f} | - | -"
+    else:
+      mfu = t["model_flops"] / t["xla"] / c.bf16_flops
+      train = (f"{t['xla']:.3f} | {t['floor']:.3f} | {t['xla'] / t['floor']:.2f} | "
+               f"{100 * mfu:.0f}%")
+    d = counts.get(row)
+    if d is not None:
+      x = decode_figures(d)
+      decode = (f"{x['xla'] * 1e3:.2f} | {x['floor'] * 1e3:.2f} | {x['xla'] / x['floor']:.2f} | "
+                f"{d['slots'] / r['chips'] / x['xla']:,.0f}")
+    elif any(p["name"] == "decode steps" for p in r["programs"]):
+      decode = "not recompiled | | |"
+    else:
+      decode = "- | - | - | -"
+    lines.append(f"| {name} | {_slice(chip)} ({r['chips']} chips) | {r['remat']}, "
+                 f"{r['accum_steps']} | {r['xla_peak'] / GIB:.2f} | "
+                 f"{'yes' if r['fits'] else '**no**'} | {train} | {decode} |")
   return "\n".join(lines)
 
 
 def _slice(chip: str) -> str:
   """The slice's name: v5e -> v5e-8, v5e-4 as it is."""
   return chip if "-" in chip else f"{chip}-8"
-
-
-def _slots(r) -> int:
-  config, _, _ = load(r["row"])
-  return int(config.rollout.slots)
 
 
 def write_doc(table: str) -> None:
@@ -228,14 +280,14 @@ def main() -> None:
   ap = argparse.ArgumentParser()
   ap.add_argument("--only", action="append", help="a row such as qwen3:0.6b,grpo,v5e")
   ap.add_argument("--render", action="store_true", help="only rewrite the docs table")
-  ap.add_argument("--decode-counts", default="", metavar="STEPS",
-                  help="compile each GRPO row's decode program as a loop of steps_per_call, 2 "
-                       "and 1 steps, and unrolled at STEPS (e.g. 2,8; 0: none), into "
-                       "results/decode_counts.jsonl")
+  ap.add_argument("--decode-counts", nargs="?", const="", default=None, metavar="STEPS",
+                  help="compile each GRPO row's decode program as the run's loop into "
+                       "results/decode_counts.jsonl; with STEPS (e.g. 2,8) also as loops of 2 "
+                       "and 1 steps and unrolled at STEPS, to check the count")
   args = ap.parse_args()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  if args.decode_counts:
-    unrolled = tuple(int(k) for k in args.decode_counts.split(",") if k.strip() != "0")
+  if args.decode_counts is not None:
+    unrolled = tuple(int(k) for k in args.decode_counts.split(",") if k.strip())
     rows = args.only or [r for r in all_rows() if ",grpo," in r]
     for row in rows:
       record = decode_counts(row, unrolled)
@@ -243,6 +295,7 @@ def main() -> None:
         f.write(json.dumps(record) + "\n")
       print(f"{row}: one decode step in the loop {record['step_s'] * 1e3:.3f} ms by XLA's count, "
             f"floor {record['floor_s'] * 1e3:.3f} ms", flush=True)
+      write_doc(render(read_results()))
     return
   results = read_results()
   if not args.render:

@@ -115,3 +115,17 @@ def test_gradients_flow_to_every_parameter(mesh):
   # Gradients keep the parameters' shardings.
   gate = params["layers"][0]["mlp"]["gate"]
   assert grads["layers"][0]["mlp"]["gate"].sharding.is_equivalent_to(gate.sharding, 2)
+
+
+def test_per_head_cache_write_is_the_per_slot_write():
+  """The TPU's form of a decode step's cache write (one row per slot and KV head,
+  jaxrl.backends.writes_cache_per_head) places the same values as the per-slot window, and
+  drops a position past the cache's end the same way."""
+  from jaxrl.models.llama import _write_positions
+  cache = jax.random.normal(jax.random.key(0), (3, 2, 5, 4))
+  new = jax.random.normal(jax.random.key(1), (3, 2, 4))
+  pos = jnp.array([0, 4, 5])  # 5: past the end, written nowhere
+  per_slot = _write_positions(cache, new, pos)
+  np.testing.assert_array_equal(_write_positions(cache, new, pos, per_head=True), per_slot)
+  np.testing.assert_array_equal(per_slot[1, :, 4], new[1])
+  np.testing.assert_array_equal(per_slot[2], cache[2])

@@ -78,6 +78,9 @@ class Tracing(NamedTuple):
   # A decode step's rotary half swap as a product with a permutation matrix (True, the TPU's
   # choice: jaxrl.backends.decode_on_matrix_unit) or a concatenate of the halves (False).
   rope_matmul: bool = False
+  # A decode step writes the dense cache one (slot, KV head) row at a time (True, the TPU's
+  # choice: jaxrl.backends.writes_cache_per_head) or one [K, H] window per slot (False).
+  write_per_head: bool = False
 
 
 _TRACING: contextvars.ContextVar[Tracing] = contextvars.ContextVar("jaxrl_tracing",
@@ -86,13 +89,15 @@ _TRACING: contextvars.ContextVar[Tracing] = contextvars.ContextVar("jaxrl_tracin
 
 @contextlib.contextmanager
 def tracing(*, pin_rows=None, attention=None, decode=None, paged=None, join_weights=True,
-            rope_matmul=False):
+            rope_matmul=False, write_per_head=False):
   """While tracing inside this scope, the model pins its residual stream's rows with `pin_rows`
   and calls the `attention`, `decode` and `paged` (decode over a paged cache) kernels (each
   None: XLA's); a decode step joins its q, k and v weights into one product, and the MLP's gate
   and up into another, if `join_weights`, and swaps rotary halves by a product if
-  `rope_matmul`. The scope sets all six: an inner scope does not inherit an outer one's."""
-  token = _TRACING.set(Tracing(pin_rows, attention, decode, paged, join_weights, rope_matmul))
+  `rope_matmul`, and writes the dense cache per KV head if `write_per_head`. The scope sets all
+  seven: an inner scope does not inherit an outer one's."""
+  token = _TRACING.set(Tracing(pin_rows, attention, decode, paged, join_weights, rope_matmul,
+                               write_per_head))
   try:
     yield
   finally:
@@ -121,6 +126,11 @@ def paged_decode_kernel(mesh, cache_spec):
 def join_weights() -> bool:
   """Whether the scope's decode steps join their projections' weights (see Tracing)."""
   return _TRACING.get().join_weights
+
+
+def write_per_head() -> bool:
+  """Whether the scope's decode steps write the dense cache per KV head (see Tracing)."""
+  return _TRACING.get().write_per_head
 
 
 def rope_matmul() -> bool:

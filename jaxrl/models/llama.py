@@ -35,7 +35,8 @@ from flax import nnx
 
 from jaxrl.models import quant
 from jaxrl.models.attention import (Causal, attention, decode_attention, paged_decode_attention,
-                                   join_weights, paged_write, pin_rows, rope_matmul)
+                                   join_weights, paged_write, pin_rows, rope_matmul,
+                                   write_per_head)
 from jaxrl.models.config import ModelConfig, RopeScaling
 from jaxrl.models.logprobs import chunked_token_logprobs, lm_head
 
@@ -409,7 +410,7 @@ class Attention(_Adapted):
     # all-gathers per write, 24 per decode step of the bench preset, each a round trip between
     # processes on a multi-host mesh). A position past the cache's end writes nothing (the
     # sampler feeds one to a slot that is not generating, so that its cache stays as it was).
-    new_kv = tuple(_write_positions(c, x[:, 0].astype(c.dtype), pos_b)
+    new_kv = tuple(_write_positions(c, x[:, 0].astype(c.dtype), pos_b, write_per_head())
                    for c, x in zip(cache, (k_b1kh, v_b1kh)))
     # The barrier keeps each write one in-place update that attention then reads. Without it,
     # at batch 1 XLA duplicated the write into both consumers and copied every cache array
@@ -462,12 +463,18 @@ def to_heads_major(w_dnh):
   return jnp.transpose(w_dnh, (*lead, *(n + len(lead) for n in (1, 2, 0))))
 
 
-def _write_positions(cache_bksh, new_bkh, pos_b):
-  """cache_bksh with new_bkh[b] at [b, :, pos_b[b]]; out-of-range positions are dropped."""
+def _write_positions(cache_bksh, new_bkh, pos_b, per_head: bool = False):
+  """cache_bksh with new_bkh[b] at [b, :, pos_b[b]]; out-of-range positions are dropped.
+  `per_head`: one row of H per (slot, KV head), the heads a batching dimension too (the TPU's
+  form, jaxrl.backends.writes_cache_per_head); else one [K, H] window per slot."""
+  batching, idx = (0,), pos_b[:, None]
+  if per_head:
+    batching, idx = (0, 1), jnp.broadcast_to(pos_b[:, None, None], (*new_bkh.shape[:2], 1))
   dims = jax.lax.ScatterDimensionNumbers(
-      update_window_dims=(1, 2), inserted_window_dims=(2,), scatter_dims_to_operand_dims=(2,),
-      operand_batching_dims=(0,), scatter_indices_batching_dims=(0,))
-  return jax.lax.scatter(cache_bksh, pos_b[:, None], new_bkh, dims,
+      update_window_dims=tuple(range(len(batching), 3)), inserted_window_dims=(2,),
+      scatter_dims_to_operand_dims=(2,), operand_batching_dims=batching,
+      scatter_indices_batching_dims=batching)
+  return jax.lax.scatter(cache_bksh, idx, new_bkh, dims,
                          mode=jax.lax.GatherScatterMode.FILL_OR_DROP, indices_are_sorted=True,
                          unique_indices=True)
 

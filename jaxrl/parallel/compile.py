@@ -13,9 +13,10 @@ Per program, per chip:
   outputs - aliased (the donated state, counted once) + temporaries. Generated code is
   reported apart (it lives in the program's own memory, a few MiB).
 - seconds: a roofline from XLA's cost_analysis(): max(flops / peak bf16 FLOP/s, bytes accessed
-  / HBM bandwidth), the flops at least the program's model FLOPs per chip (XLA counts a
-  loop's body once: the micro-batch scan, the chunked log-probs). Its own `optimal_seconds`
-  came out negative for the learner programs on libtpu 0.0.50, so it is not used.
+  / HBM bandwidth). XLA counts a loop's body once, whatever its trip count (the micro-batch
+  scan, the chunked log-probs, the decode steps), so for a program with a loop (`loops`, its
+  while ops) the figure is one trip's, not the program's. Its own `optimal_seconds` came out
+  negative for the learner programs on libtpu 0.0.50, so it is not used.
 Chip figures (Google Cloud TPU docs, docs.cloud.google.com/tpu/docs/v5e, /v5p-training, /v6e):
 v5e 197 TFLOP/s bf16, 16 GB HBM at 819 GB/s; v5p 459 TFLOP/s, 95 GB at 2,765 GB/s; v6e 918
 TFLOP/s, 32 GB at 1,638 GB/s.
@@ -100,26 +101,18 @@ class Compiled:
   # The TPU compiler refuses a program whose temporaries exceed the chip's HBM
   # (CompileTimeHbmOom): then only `temp` (its figure, the arguments not counted) is known.
   oom: bool = False
+  # The compiled module's while loops: XLA's cost analysis counted each one's body once.
+  loops: int = 0
 
   @property
   def bytes(self) -> int:
     """XLA's peak for one execution: arguments + outputs - aliased + temporaries."""
     return self.argument + self.output - self.alias + self.temp
 
-  def seconds(self, chip: Chip, floor_flops: float = 0.0) -> float:
-    """The roofline: whichever of compute and HBM traffic takes longer at the chip's peak.
-    XLA's cost analysis counts a loop's body once (the micro-batch scan of a train step with
-    optim.accum_steps > 1, the chunked log-probs' scan), so `floor_flops`, the model FLOPs per
-    chip the program must do (roofline_flops), bounds the compute from below."""
-    return max(max(self.flops, floor_flops) / chip.bf16_flops,
-               self.bytes_accessed / chip.hbm_bytes_per_s)
-
-
-def roofline_flops(program, chips: int) -> float:
-  """The FLOPs per chip a program cannot do without: its model FLOPs over the chips, and for a
-  train step with full remat one more forward (4 forward-equivalents instead of 3)."""
-  extra = 4 / 3 if program.kind == "train" and program.remat == "full" else 1.0
-  return program.flops * extra / chips
+  def seconds(self, chip: Chip) -> float:
+    """The roofline of XLA's counts: whichever of compute and HBM traffic takes longer at the
+    chip's peak (one trip of each loop: see `loops`)."""
+    return max(self.flops / chip.bf16_flops, self.bytes_accessed / chip.hbm_bytes_per_s)
 
 
 def compile_program(program) -> Compiled:
@@ -140,7 +133,8 @@ def compile_program(program) -> Compiled:
   return Compiled(program.name, int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
                   int(m.alias_size_in_bytes), int(m.temp_size_in_bytes),
                   int(getattr(m, "generated_code_size_in_bytes", 0) or 0),
-                  float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)), dt)
+                  float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)), dt,
+                  loops=sum(" while(" in line for line in compiled.as_text().splitlines()))
 
 
 def xla_peak(estimates, compiled) -> tuple[str, int]:
@@ -161,21 +155,23 @@ def report(programs, estimates, compiled, chip: Chip | None) -> tuple[str, bool 
   largest compiled program plus what stays resident beside it)."""
   w = max(len(p.name) for p in programs)
   head = (f"  {'program':<{w}}  {'plan GiB':>9}  {'XLA GiB':>8}  {'plan/XLA':>8}  "
-          f"{'+resident':>9}  {'peak GiB':>8}  {'roofline s':>10}  {'model TFLOP':>11}")
+          f"{'+resident':>9}  {'peak GiB':>8}  {'XLA s':>10}  {'model TFLOP':>11}")
   lines = ["compiled per chip (XLA: arguments + outputs - aliased + temporaries; peak adds "
            "what stays resident beside the program):", head]
   peak = 0
   for p, e, c in zip(programs, estimates, compiled):
     total = c.bytes + e.resident
     peak = max(peak, total)
-    chips = len(jax.tree.leaves(p.args)[0].sharding.device_set)
-    secs = f"{c.seconds(chip, roofline_flops(p, chips)):.4f}" if chip else "-"
+    secs = (f"{c.seconds(chip):.4f}" + ("*" if c.loops else " ")) if chip else "-"
     lines.append(f"  {p.name:<{w}}  {e.program_peak / GIB:>9.3f}  {c.bytes / GIB:>8.3f}  "
                  f"{e.program_peak / max(c.bytes, 1):>8.2f}  {e.resident / GIB:>9.3f}  "
                  f"{total / GIB:>8.3f}  {secs:>10}  {p.flops / 1e12:>11.3f}")
   fits = None
   if chip is not None:
     fits = peak <= chip.hbm_gib * GIB
+    if any(c.loops for c in compiled):
+      lines.append("  * XLA s: a roofline of XLA's counts, where a loop's body counts once: "
+                   "one trip's figure, not the program's")
     lines.append(f"  {chip.name} HBM {chip.hbm_gib:g} GiB per chip: the largest peak "
                  f"{peak / GIB:.3f} GiB {'fits' if fits else 'does NOT fit'}")
   return "\n".join(lines), fits

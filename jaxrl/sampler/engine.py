@@ -61,7 +61,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.backends import (compiler_options, decode_on_matrix_unit, heads_major_projections,
-                            joins_decode_weights)
+                            joins_decode_weights, writes_cache_per_head)
 from jaxrl.models import ModelConfig, attention
 from jaxrl.models.llama import PagedKV, init_cache, is_projection, to_heads_major
 from jaxrl.parallel import batch_sharding, cache_sharding
@@ -100,6 +100,8 @@ class Engine:
     # The decode step's draw and rotary half swap as products on TPU (same tokens;
     # jaxrl.backends.decode_on_matrix_unit).
     self.mxu = decode_on_matrix_unit(mesh.devices.flat)
+    # The dense cache written per KV head on TPU (jaxrl.backends.writes_cache_per_head).
+    self.per_head = writes_cache_per_head(mesh.devices.flat)
     # The sampler's q, k and v weights heads-major on TPU, made once per weight sync by
     # decode_params (jaxrl.backends.heads_major_projections); every program reads either form.
     self.heads_major = heads_major_projections(mesh.devices.flat)
@@ -531,7 +533,7 @@ class Engine:
                              rope_matmul=self.mxu):
         return self._scan_steps(model, state, key, steps, width, keep_pages, unroll)
     with attention.tracing(decode=self._attention_kernel(state), join_weights=join,
-                           rope_matmul=self.mxu):
+                           rope_matmul=self.mxu, write_per_head=self.per_head):
       return self._scan_steps(model, state, key, steps, width, unroll=unroll)
 
   def _attention_kernel(self, state: DecodeState):
