@@ -25,6 +25,14 @@ All use algo.tis_cap 2 (as configs/grpo_tiny.py:async), so they run the same pro
 The modes alternate within each round, and rounds repeat (--rounds): this machine is shared and
 its speed drifts, so the modes are compared hour for hour.
 
+Equal work: the modes sample with weights of different ages, so with learning on they generate
+different completion lengths (the async modes' shorter, on this shape), and updates per second
+alone would credit them with generating less. Each line therefore also gives completion tokens
+per second (the step's 64 completions x their mean length, over the seconds per update), and
+`--frozen` runs every mode with the weights frozen (optim.lr=1e-30, as
+tests/test_async_grpo.py): then every mode samples the same groups from the same weights, the
+same tokens, and its ratio to sync is the overlap alone.
+
 The shape is benchmarks/grpo_step.py's anchor (the `bench` preset, 4.49M parameters, 8 prompts
 x 8 generations, up to 64 new tokens, beta 0.04, fp32), with eos honoured instead of ignored.
 A random policy almost never samples eos (1 of 512 tokens: 88% of completions ran to 64), so
@@ -94,6 +102,7 @@ MODES = {
     "async-k2ps": ["rollout.async_generation=True", "rollout.max_staleness=2",
                    "rollout.partial_rollouts=True", "rollout.streaming=True"],
 }
+COMPLETIONS = 64  # per update: the anchor's 8 prompts x 8
 LONG_TAIL_SCALE = 4.0  # the eos embedding row's norm (see the module docstring)
 
 
@@ -121,9 +130,10 @@ def patch_init():
   run_lib.Run.init_state = init_state
 
 
-def mode_config(mode: str, steps: int):
+def mode_config(mode: str, steps: int, frozen: bool = False):
   overrides = ANCHOR + MODES[mode] + [f"train.steps={steps}", "train.log_every=1",
                                       "train.save_every=1000", "eval.every=0"]
+  overrides += ["optim.lr=1e-30"] if frozen else []
   return config_lib.load_config(os.path.join(ROOT, "configs/grpo_tiny.py"), overrides)
 
 
@@ -174,8 +184,8 @@ def patch_step(marks: list):
   return original
 
 
-def run_mode(mode: str, steps: int, warmup: int) -> dict:
-  config = mode_config(mode, steps + warmup)
+def run_mode(mode: str, steps: int, warmup: int, frozen: bool = False) -> dict:
+  config = mode_config(mode, steps + warmup, frozen)
   marks: list[float] = []
   original = patch_step(marks)
   with tempfile.TemporaryDirectory() as workdir:
@@ -198,6 +208,8 @@ def run_mode(mode: str, steps: int, warmup: int) -> dict:
           "wait": statistics.median(r["timing_s/gen_wait"] for r in rows),
           "gen": statistics.median(r["timing_s/gen"] for r in rows),
           "len": statistics.mean(r["response_length/mean"] for r in rows),
+          "tok_s": statistics.median(COMPLETIONS * r["response_length/mean"] / r["timing_s/step"]
+                                     for r in rows),
           "stale": statistics.mean(r.get("staleness/mean", 0.0) for r in rows),
           "partial": statistics.mean(r.get("rollout/partial_frac", 0.0) for r in rows),
           "util": statistics.median(r["sampler/slot_utilisation"] for r in rows),
@@ -240,6 +252,8 @@ def main():
                  help="steps not counted (compiles; async k=2 fills its queue)")
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--modes", default=",".join(m for m in MODES if m != "sync-s4"))
+  p.add_argument("--frozen", action="store_true",
+                 help="weights frozen (lr 1e-30): every mode generates the same tokens")
   p.add_argument("--lengths", action="store_true",
                  help="first print the long-tailed policy's completion-length distribution")
   args = p.parse_args()
@@ -258,17 +272,17 @@ def main():
   if args.lengths:
     print_lengths()
   print(f"{'round':>5s} {'mode':10s} {'s/update':>9s} {'busy':>6s} {'wait s':>7s} "
-        f"{'gen s':>7s} {'len':>6s} {'stale':>6s} {'partial':>8s} {'util':>5s} {'upd s':>6s} "
-        f"{'cpu s':>6s} {'jit s':>6s} {'jit run':>7s} {'warm s':>9s} {'load':>5s}")
+        f"{'gen s':>7s} {'len':>6s} {'tok/s':>6s} {'stale':>6s} {'partial':>8s} {'util':>5s} "
+        f"{'upd s':>6s} {'cpu s':>6s} {'jit s':>6s} {'jit run':>7s} {'warm s':>9s} {'load':>5s}")
   results: dict[str, list[dict]] = {m: [] for m in modes}
   for rnd in range(args.rounds):
     for m in modes:
-      r = run_mode(m, args.steps, args.warmup)
+      r = run_mode(m, args.steps, args.warmup, args.frozen)
       results[m].append(r)
       print(f"{rnd + 1:5d} {m:10s} {r['step']:9.2f} {r['busy']:6.2f} {r['wait']:7.2f} "
-            f"{r['gen']:7.2f} {r['len']:6.1f} {r['stale']:6.2f} {r['partial']:8.2f} "
-            f"{r['util']:5.2f} {r['update']:6.2f} {r['cpu']:6.2f} {r['jit']:6.2f} "
-            f"{r['jit_all']:7.1f} {r['warm']:5.2f} ({r['n_warm']}) "
+            f"{r['gen']:7.2f} {r['len']:6.1f} {r['tok_s']:6.0f} {r['stale']:6.2f} "
+            f"{r['partial']:8.2f} {r['util']:5.2f} {r['update']:6.2f} {r['cpu']:6.2f} "
+            f"{r['jit']:6.2f} {r['jit_all']:7.1f} {r['warm']:5.2f} ({r['n_warm']}) "
             f"{os.getloadavg()[0]:5.1f}",
             flush=True)
   cores = len(os.sched_getaffinity(0))
@@ -280,15 +294,18 @@ def main():
     return statistics.median(warm) if warm else float("nan")
 
   base = statistics.median(r["step"] for r in results[modes[0]])
+  base_tok = statistics.median(r["tok_s"] for r in results[modes[0]])
   base_warm = warm_median(results[modes[0]])
   for m in modes:
     step = statistics.median(r["step"] for r in results[m])
     busy = statistics.median(r["busy"] for r in results[m])
     cpu = statistics.median(r["cpu"] for r in results[m])
     warm = warm_median(results[m])
+    tok = statistics.median(r["tok_s"] for r in results[m])
     print(f"{m:10s} {step:6.2f} s/update  sampler busy {busy:4.2f}  cpu {cpu:4.2f} s "
           f"(floor {cpu / cores:4.2f} s/update)  throughput {base / step:4.2f}x {modes[0]}  "
-          f"without compiles {warm:4.2f} s/update, {base_warm / warm:4.2f}x")
+          f"without compiles {warm:4.2f} s/update, {base_warm / warm:4.2f}x  "
+          f"{tok:5.0f} completion tok/s, {tok / base_tok:4.2f}x")
 
 
 if __name__ == "__main__":
