@@ -187,11 +187,9 @@ def train_figures(r: dict) -> dict | None:
   if train.get("oom"):
     return None
   c = aot.chip_of(r["topology"])
-  # With LoRA the frozen base's weight gradients are never computed: the step's forward and its
-  # gradient with respect to the activations, 2 of the 3 forward-equivalents the model FLOPs
-  # (6 N per token) count.
-  flops = train["model_flops"] * (2 / 3 if "lora" in r["row"] else 1)
-  floor = max(flops / r["chips"] / c.bf16_flops, train["xla"]["argument"] / c.hbm_bytes_per_s)
+  # (With LoRA the model FLOPs are two forwards', not three: jaxrl.models.flops.train_flops.)
+  floor = max(train["model_flops"] / r["chips"] / c.bf16_flops,
+              train["xla"]["argument"] / c.hbm_bytes_per_s)
   xla = max(train["flops_xla"] / c.bf16_flops, train["bytes_accessed"] / c.hbm_bytes_per_s)
   return {"floor": floor, "xla": xla if train.get("loops") == 0 else None,
           "model_flops": train["model_flops"] / r["chips"]}

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import assert_model_flops_per_token
 from jaxrl import config as config_lib
 from jaxrl.errors import ConfigError
 from jaxrl.models import Transformer, abstract_model, apply, apply_logprobs, get_preset
@@ -374,6 +375,11 @@ def test_lora_sft_trains_only_adapters_and_resumes_exactly(repo_root, tmp_path, 
   la = [m["loss"] for m in read_metrics(str(full)) if "loss" in m]
   lb = [m["loss"] for m in read_metrics(str(cut)) if "loss" in m]
   assert la == lb and la[-1] < la[0]
+  # The logged model FLOPs: a forward and a backward that takes no weight gradients of the
+  # frozen base, two forwards' worth (three without LoRA).
+  config = config_lib.load_config(SFT, [f"{k}={v}" for k, v in SFT_LORA.items()])
+  for m in read_metrics(str(full))[1:]:
+    assert_model_flops_per_token(m, config_lib.model_config(config), config.data.seq_len, 2)
 
 
 @pytest.mark.slow

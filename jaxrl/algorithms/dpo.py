@@ -49,7 +49,7 @@ from jaxrl.data import ON_BAD_ROW, prefs
 from jaxrl.data.prompts import prompt_section
 from jaxrl.errors import ConfigError
 from jaxrl.models import apply_logprobs, lora
-from jaxrl.models.flops import packed_flops
+from jaxrl.models.flops import packed_flops, train_flops
 from jaxrl.parallel import batch_sharding, shard_activations
 from jaxrl.parallel.distributed import global_array
 from jaxrl.objectives import preference_losses as pl
@@ -441,7 +441,8 @@ def run(config, workdir: str, *, out=print) -> dict:
     forwards over both."""
     rows = rows_of(batch)
     live = int(reference is not None)
-    total = (3 + live) * packed_flops(cfg, rows)
+    fwd = packed_flops(cfg, rows)
+    total = train_flops(cfg, fwd) + live * fwd
     if "kl_segment_ids" in rows:
       total += (1 + live) * packed_flops(cfg, rows, "kl_")
     return total
@@ -506,7 +507,7 @@ def programs(config, *, devices=None):
   make_loss = kto_loss if kto else pair_loss
   out = [pg.train_program(
       make_loss(graphdef, a), tx, schedule, state, shardings, batch, mesh=mesh,
-      accum_steps=config.optim.accum_steps, resident=resident, flops=3 * fwd,
+      accum_steps=config.optim.accum_steps, resident=resident, flops=train_flops(cfg, fwd),
       tokens=rows * T, seq_len=T, vocab=cfg.vocab_size, logits_chunk=knobs["logits_chunk"],
       cfg=cfg, plain_loss=make_loss(plain, a))]
   if mode == "live":

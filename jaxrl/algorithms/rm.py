@@ -33,7 +33,7 @@ from jaxrl.data import ON_BAD_ROW, prefs
 from jaxrl.data.prompts import prompt_section
 from jaxrl.errors import ConfigError
 from jaxrl.models import RewardModel, last_index, lora, reward_apply
-from jaxrl.models.flops import packed_flops
+from jaxrl.models.flops import packed_flops, train_flops
 from jaxrl.parallel import batch_sharding, shard_activations
 from jaxrl.parallel.distributed import distributed_section, global_array
 from jaxrl.parallel.plan import plan_config
@@ -287,7 +287,8 @@ def run(config, workdir: str, *, out=print) -> dict:
       eval_fn=lambda params, step: evaluate_pairs(params), tokens_fn=count_tokens,
       # The backbone's (the scalar head is D per row); its LM head only for the log-prob
       # feature.
-      flops_fn=lambda b: 3 * packed_flops(r.cfg, b, lm_head=bool(config.head.logprob_feature)),
+      flops_fn=lambda b: train_flops(r.cfg, packed_flops(
+          r.cfg, b, lm_head=bool(config.head.logprob_feature))),
       summary_extra=lambda: {"data": info},
       banner=f"rm: the {r.cfg.num_params:,}-parameter decoder{lora.describe(r.cfg)} + a "
              f"{r.cfg.embed_dim}-wide head, "
@@ -322,8 +323,9 @@ def programs(config, *, devices=None):
       seq_len=T, vocab=cfg.vocab_size if config.head.logprob_feature else 0,
       logits_chunk=knobs["logits_chunk"], cfg=cfg,
       plain_loss=loss(pg.plain_graphdef(cfg, model)),
-      flops=3 * forward_flops(cfg, tokens=2 * B * T, pairs=B * T * (T + 1),
-                              lm_head=bool(config.head.logprob_feature)), tokens=2 * B * T)
+      flops=train_flops(cfg, forward_flops(cfg, tokens=2 * B * T, pairs=B * T * (T + 1),
+                                           lm_head=bool(config.head.logprob_feature))),
+      tokens=2 * B * T)
   replicas = mesh.shape["data"] * mesh.shape["fsdp"]
   work = Workload(rows=max(1, 2 * B // (replicas * config.optim.accum_steps)), seq_len=T,
                   **knobs)

@@ -19,7 +19,7 @@ from jaxrl.data.pipeline import FEATURES, TRAIN_ON
 from jaxrl.data.prompts import prompt_section
 from jaxrl.errors import ConfigError
 from jaxrl.models import apply_logprobs, lora
-from jaxrl.models.flops import packed_flops
+from jaxrl.models.flops import packed_flops, train_flops
 from jaxrl.parallel import batch_sharding
 from jaxrl.parallel.distributed import distributed_section, global_array
 from jaxrl.parallel.plan import plan_config
@@ -155,7 +155,7 @@ def run(config, workdir: str, *, out=print) -> dict:
 
   summary = r.train(
       state, step_fn, batches, put=lambda b: put_batch(b, shd), eval_fn=evaluate,
-      tokens_fn=count_tokens, flops_fn=lambda b: 3 * packed_flops(r.cfg, b),
+      tokens_fn=count_tokens, flops_fn=lambda b: train_flops(r.cfg, packed_flops(r.cfg, b)),
       banner=f"sft: {r.cfg.num_params:,} parameters{lora.describe(r.cfg)}, {len(train)} train "
              f"examples, global batch {d.batch_size} x {d.seq_len}, {config.train.steps} steps")
   summary["samples"] = exact.samples if exact is not None else []
@@ -181,7 +181,8 @@ def programs(config, *, devices=None):
       sft_loss(graphdef), tx, schedule, state, shardings, batch, mesh=mesh,
       accum_steps=config.optim.accum_steps, seq_len=T, vocab=cfg.vocab_size,
       logits_chunk=knobs["logits_chunk"], cfg=cfg, plain_loss=sft_loss(pg.plain_graphdef(cfg)),
-      flops=3 * forward_flops(cfg, tokens=B * T, pairs=B * T * (T + 1) / 2), tokens=B * T)
+      flops=train_flops(cfg, forward_flops(cfg, tokens=B * T, pairs=B * T * (T + 1) / 2)),
+      tokens=B * T)
   replicas = mesh.shape["data"] * mesh.shape["fsdp"]
   work = Workload(rows=max(1, B // (replicas * config.optim.accum_steps)), seq_len=T, **knobs)
   return work, [step]

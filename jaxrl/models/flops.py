@@ -12,7 +12,8 @@ lookup is a gather). Per (query, key) pair a token attends to, 4 * num_heads * h
 layer: q.k and the weighted sum of v. Norms, RoPE, SwiGLU's product and softmax are left out:
 XLA's cost analysis of the compiled forward counts 0.6% (bench preset) to 1.1% (tiny) more, and
 3x this count for the gradient within 4% (tests/test_flops.py). A backward pass costs twice its
-forward.
+forward: the activations' gradients and the weights'. With LoRA the frozen base has no weight
+gradients, so a train step's backward costs one forward and the adapters' (train_flops).
 
 A sequence of prompt P and completion C feeds P + C - 1 tokens: the completion's last token
 is sampled (or scored) but never fed. Token i of the sequence attends to i + 1 keys. With
@@ -40,6 +41,13 @@ def forward_flops(cfg: ModelConfig, *, tokens: float, pairs: float,
   """FLOPs of a forward pass that feeds `tokens` tokens with `pairs` (query, key) pairs."""
   attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
   return 2.0 * matmul_weights(cfg, lm_head=lm_head) * tokens + float(attention) * pairs
+
+
+def train_flops(cfg: ModelConfig, forward: float) -> float:
+  """Model FLOPs of a forward and its backward, given the forward's: 3x, or 2x with LoRA (the
+  frozen base takes no weight gradients; the adapters' arithmetic is left out, as the forward
+  count leaves it out: rank r adds 2r(D + N) per weight matrix, about 1% at rank 16)."""
+  return (2.0 if cfg.lora_rank else 3.0) * forward
 
 
 def sequence_counts(prompt_lengths, completion_lengths, prompt_index=None, *,

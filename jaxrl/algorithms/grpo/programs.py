@@ -29,7 +29,7 @@ from jaxrl import backends, config as config_lib
 from jaxrl.data.hf_tokenizer import tokenizer_for
 from jaxrl.models import RewardModel, abstract_model, lora, reward_apply
 from jaxrl.models.llama import unstack_layers
-from jaxrl.models.flops import forward_flops
+from jaxrl.models.flops import forward_flops, train_flops
 from jaxrl.parallel import batch_sharding, get_rules
 from jaxrl.parallel.plan import (Program, Workload, abstract_bytes, attention_score_bytes,
                                  kernel_takes)
@@ -120,7 +120,7 @@ def programs(config, *, devices=None, prompt_len: int | None = None, unroll_deco
   plain = pg.plain_graphdef(cfg)  # without remat: one block's activations
   train = pg.train_program(
       loss_fn, tx, schedule, state, shardings, batch, mesh=mesh,
-      accum_steps=config.optim.accum_steps, resident=resident, flops=3 * flops(n_mb),
+      accum_steps=config.optim.accum_steps, resident=resident, flops=train_flops(cfg, flops(n_mb)),
       tokens=n_mb * Tc, seq_len=width, vocab=cfg.vocab_size, logits_chunk=knobs["logits_chunk"],
       cfg=cfg, plain_loss=grpo_loss(plain, a, temperature=r.temperature,
                                     norm_len=r.max_new_tokens))

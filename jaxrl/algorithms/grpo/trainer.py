@@ -57,7 +57,7 @@ from jaxrl.envs import env_factory
 from jaxrl.errors import ConfigError
 from jaxrl.evals.evaluator import EnvEvaluator, Evaluator, checker_for
 from jaxrl.models import ModelConfig, abstract_model, lora
-from jaxrl.models.flops import rollout_flops
+from jaxrl.models.flops import rollout_flops, train_flops
 from jaxrl.parallel import batch_sharding
 from jaxrl.parallel.sync import SamplerCopy, WeightSync, cast_floats
 from jaxrl.rewards import model as rm_lib
@@ -119,7 +119,7 @@ def step_metrics(p: Parts, e: Experience, upd: dict) -> dict:
   """The step's logged metrics, from its experience and its updates' metrics."""
   a, task, t = p.config.algo, p.task, e.times
   # Model FLOPs of one learner forward over this batch (jaxrl.models.flops); a backward
-  # costs two forwards.
+  # costs two forwards, one with LoRA (train_flops).
   fwd_flops = rollout_flops(p.cfg, e.rollout, share_prompt=p.learner.grouped)
   return {
       # (PPO's critic warm-up steps make no policy update: its metrics are absent then.)
@@ -144,7 +144,7 @@ def step_metrics(p: Parts, e: Experience, upd: dict) -> dict:
       "timing_s/ref": t["ref"], "timing_s/update": upd["timing_s/update"],
       "timing_s/sync": p.rollouts.weight_sync.last.ms / 1e3,
       "perf/tflops/ref": fwd_flops / max(t["ref"], 1e-9) / 1e12,
-      "perf/tflops/update": (3 * a.num_iterations * fwd_flops
+      "perf/tflops/update": (a.num_iterations * train_flops(p.cfg, fwd_flops)
                              / max(upd["timing_s/update"], 1e-9) / 1e12),
       **p.rollouts.weight_sync.last.metrics(), **e.gen_stats, **e.reward_stats,
   }
