@@ -13,8 +13,9 @@ Your own pairs (no code changes): --config.data.task= --config.data.train_file=p
 The reference: --config.ref.mode=live|cached|auto (auto: cached when the memory plan says a
 reference copy does not fit).
 
-arg: "" (DPO, beta 0.1, plus the chosen answer's NLL at coefficient 1: RPO), "ipo", "kto", "orpo", "simpo", "runlocal" (a few DPO steps from a
-random policy). Every field, with what it means: jaxrl/algorithms/dpo.py:default_config().
+arg: "" (DPO, beta 0.1, plus the chosen answer's NLL at coefficient 1: RPO), "ipo", "kto",
+"orpo", "simpo", "runlocal" (a few DPO steps from a random policy). Every field, with what it
+means: jaxrl/algorithms/dpo.py:default_config().
 """
 
 from jaxrl.algorithms.dpo import default_config

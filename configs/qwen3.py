@@ -1,10 +1,10 @@
 """Qwen3 0.6B / 1.7B / 4B / 8B: SFT and GRPO on an 8-chip TPU slice (v5e-8, v5p-8, v6e-8).
 
 arg: "MODEL[,TRAINER][,CHIP][,lora|qlora]": MODEL 0.6b | 1.7b | 4b | 8b, TRAINER grpo (default) |
-sft, CHIP v5e (default) | v5p | v6e (8-chip slices) | v5e-4 (4 chips, the qlora variant), lora: LoRA rank 16 on every linear weight, the frozen base
-in bf16, lr x10; qlora: the same with the base's linear weights in int8 (jaxrl.config.with_lora,
-docs/guides/lora.md); or "fixture" (a GRPO pulse on
-tests/fixtures/hf/qwen3, CPU; "fixture,lora" / "fixture,qlora" with LoRA / QLoRA).
+sft, CHIP v5e (default) | v5p | v6e (8-chip slices) | v5e-4 (4 chips, the qlora variant), lora:
+LoRA rank 16 on every linear weight, the frozen base in bf16, lr x10; qlora: the same with the
+base's linear weights in int8 (jaxrl.config.with_lora, docs/guides/lora.md); or "fixture" (a
+GRPO pulse on tests/fixtures/hf/qwen3, CPU; "fixture,lora" / "fixture,qlora" with LoRA / QLoRA).
 
 Fetch a checkpoint once, on a machine with network access (jaxrl itself never downloads):
     huggingface-cli download Qwen/Qwen3-0.6B --local-dir checkpoints/Qwen3-0.6B

@@ -557,8 +557,8 @@ def cmd_plot(args, overrides) -> None:
 COMMANDS = {"info": cmd_info, "model": cmd_model, "sweep": cmd_sweep, "plan": cmd_plan,
             "bench": cmd_bench, "convert": cmd_convert, "demo": cmd_demo, "data": cmd_data,
             "sft": cmd_train, "rm": cmd_train, "grpo": cmd_train, "dpo": cmd_train,
-            "ppo": cmd_train,
-            "sample": cmd_sample, "eval": cmd_eval, "launch": cmd_launch, "compare": cmd_compare, "plot": cmd_plot}
+            "ppo": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "launch": cmd_launch,
+            "compare": cmd_compare, "plot": cmd_plot}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,9 +10,9 @@ fails with one sentence naming the key and what is valid. A config file may also
 This module knows the sections every command shares (seed, layout, mesh, model, and the
 placement and plan sections built from the layers below). A command's own sections (a trainer's
 algo, data, optim, ...; `jaxrl sample`'s sampling) are its own: its module lists their choices
-in its `CHOICES`, which reach `validate` as an argument (from the trainer's Run (jaxrl.train.run), and from
-the CLI, `jaxrl launch` and `jaxrl sweep` before a run starts). Nothing here imports a trainer,
-and nothing registers choices here at import time.
+in its `CHOICES`, which reach `validate` as an argument (from the trainer's Run
+(jaxrl.train.run), and from the CLI, `jaxrl launch` and `jaxrl sweep` before a run starts).
+Nothing here imports a trainer, and nothing registers choices here at import time.
 """
 
 from __future__ import annotations
@@ -50,8 +50,9 @@ BASE_CHOICES: Mapping[str, Iterable[str]] = MappingProxyType({
     "placement.ref_dtype": SYNC_DTYPES,
     "plan.device": ("", *DEVICE_MEMORY_GIB),
 })
+# Keys that accept "auto" for -1.
 _AUTO_KEYS = ("mesh.data", "mesh.fsdp", "mesh.tensor", "placement.sampler_mesh.data",
-              "placement.sampler_mesh.fsdp", "placement.sampler_mesh.tensor")  # accept "auto" for -1
+              "placement.sampler_mesh.fsdp", "placement.sampler_mesh.tensor")
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -570,8 +571,8 @@ def family_config(arg, *, models: dict, default: str, sft_config, grpo_config, f
   chip = next((x for x in parts[1:] if x in REAL_CHIPS), "v5e")
   unknown = [x for x in parts[1:] if x not in ("sft", "grpo", *REAL_CHIPS)]
   if model not in models or unknown:
-    raise ValueError(f"unknown arg {arg!r}: use MODEL[,sft|grpo][,v5e|v5p|v6e|v5e-4] with MODEL one "
-                     f"of {', '.join(models)}, or 'fixture'")
+    raise ValueError(f"unknown arg {arg!r}: use MODEL[,sft|grpo][,v5e|v5p|v6e|v5e-4] with "
+                     f"MODEL one of {', '.join(models)}, or 'fixture'")
   preset, ckpt = models[model]
   # Full remat everywhere; micro-batches by size (a 4B model's activations at one micro-batch
   # over a v5e chip's 16 GiB): 1 below 2B parameters, 4 up to 5B, 8 above.

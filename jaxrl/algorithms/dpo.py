@@ -127,9 +127,10 @@ def default_config():
       mode="auto",         # live | cached | auto (see the module docstring)
       batch_size=128,      # pairs per forward when filling the cache
   ))
-  # Measured on the tiny preset from the 600-step SFT policy (docs/algorithms/dpo.md): at lr 5e-5 every loss
-  # raised held-out accuracy within 100 steps; past ~150 steps the likelihood of the chosen
-  # answers keeps falling and greedy accuracy drops back while preference accuracy still rises.
+  # Measured on the tiny preset from the 600-step SFT policy (docs/algorithms/dpo.md): at lr
+  # 5e-5 every loss raised held-out accuracy within 100 steps; past ~150 steps the likelihood
+  # of the chosen answers keeps falling and greedy accuracy drops back while preference
+  # accuracy still rises.
   c.optim = optim_section(lr=5e-5, schedule="constant", warmup_steps=0, weight_decay=0.0,
                           clip_norm=1.0)
   c.train = ml_collections.ConfigDict(dict(

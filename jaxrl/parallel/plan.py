@@ -594,8 +594,8 @@ def estimate(program: Program) -> ProgramEstimate:
     # Residuals of one micro-batch; the gradients twice in the params' sharding (and with
     # micro-batches a third copy: the scan's running sum beside a micro-batch's gradients and
     # the update's; Llama-3.2-3B SFT on v5p at 4 micro-batches held 4.7 GiB, 1.6 copies, beyond
-    # the other terms and two copies); the logits' gradient at the loss's top (one fp32 [rows, T, V], or one
-    # chunk's); the weights FSDP gathers; with remat, one block's recompute.
+    # the other terms and two copies); the logits' gradient at the loss's top (one fp32
+    # [rows, T, V], or one chunk's); the weights FSDP gathers; with remat, one block's recompute.
     copies = 3 if program.accum_steps > 1 else 2
     temp = (residual_bytes(loss_fn, params, batch, ways=ways, depth=program.depth)
             + copies * grads

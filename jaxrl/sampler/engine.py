@@ -69,8 +69,12 @@ from jaxrl.sampler import paged
 from jaxrl.sampler.sampling import (SamplingParams, is_stop, sample_keys, sample_logits,
                                     step_keys, token_keys)
 
-DecodeState = dict  # {"cache": [per-layer ([B,K,W,H], [B,K,W,H])], "tokens"|"pos"|"ngen"|"sample"|"max_len": [B] i32, "key": [B, 2] u32, "live": [B] bool}
-Prefix = dict  # {"kv": [per-layer ([P,K,T,H], [P,K,T,H])], "logits": [P,V], "length": [P], "tokens", "logprobs": [P], "key"}
+# {"cache": [per-layer ([B,K,W,H], [B,K,W,H])], "tokens"|"pos"|"ngen"|"sample"|"max_len":
+#  [B] i32, "key": [B, 2] u32, "live": [B] bool}
+DecodeState = dict
+# {"kv": [per-layer ([P,K,T,H], [P,K,T,H])], "logits": [P,V], "length": [P], "tokens",
+#  "logprobs": [P], "key"}
+Prefix = dict
 
 
 class Engine:

@@ -149,7 +149,8 @@ def metrics(rollout: Rollout) -> dict:
           "response_length/mean": float(model_tokens.mean()) if len(model_tokens) else 0.0,
           "sampler/prefill_s": st["prefill_s"], "sampler/decode_s": st["decode_s"],
           "sampler/slot_utilisation": st["slot_utilisation"],
-          "response_length/clip_ratio": float(np.mean([r == "length" for r in rollout.finish_reasons])) if rollout.finish_reasons else 0.0,
+          "response_length/clip_ratio": float(np.mean(
+              [r == "length" for r in rollout.finish_reasons])) if rollout.finish_reasons else 0.0,
           "sampler/tokens_generated": st["tokens_generated"],
           "sampler/live_peak": st.get("live_peak", 0),
           **({"sampler/kv_pages": st["kv_pages"], "sampler/kv_pages_peak": st["kv_pages_peak"],

@@ -133,8 +133,9 @@ def resume(ckpt: Checkpointer, state, shardings, batches, run: RunDir, *, out=pr
            updates_per_step: int = 1):
   """(state, step): the latest checkpoint's state and data position when DIR has one, else the
   given fresh state at its own step. Metrics logged past the checkpoint (all of them, without
-  one) are dropped, since those steps run again. A trainer whose step makes several optimizer updates (GRPO's
-  iterations x minibatches) passes `updates_per_step`; checkpoints are keyed by its steps."""
+  one) are dropped, since those steps run again. A trainer whose step makes several optimizer
+  updates (GRPO's iterations x minibatches) passes `updates_per_step`; checkpoints are keyed by
+  its steps."""
   step = ckpt.latest_step()
   if step is None:
     run.truncate_metrics(-1)  # rows from an attempt that never committed a checkpoint

@@ -67,7 +67,6 @@ def batch_shapes(n: int, *, group: int, prompt_len: int, width: int, grouped: bo
   return out
 
 
-
 def learner_batch(rollout, *, length: int, pad_id: int) -> dict[str, np.ndarray]:
   """Rollout -> next-token arrays over prompt + completion, right-padded to `length` + 1.
 

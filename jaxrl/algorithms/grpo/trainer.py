@@ -84,18 +84,25 @@ def run(config, workdir: str, *, out=print) -> dict:
   """Trains (or resumes) the GRPO run in `workdir`; returns the summary."""
   p, state = setup(config, workdir, out=out)
   r = config.rollout
+  return train(p, state, step, banner=(
+      f"grpo: {p.cfg.num_params:,} parameters{lora.describe(p.cfg)}, "
+      f"{len(p.rollouts.stream.records)} prompts, {r.prompts_per_step} x {r.group_size} "
+      f"samples per step, {config.train.steps} steps; placement {p.run.placement.mode}"))
+
+
+def train(p: Parts, state, step_fn, *, banner: str) -> dict:
+  """Resumes the run's latest checkpoint (if any) and trains to train.steps, each step
+  step_fn(p, state, prompts) (GRPO's step, or PPO's); returns the summary."""
   state = p.run.resume(state, p.learner.shardings, p.rollouts.stream,
                        updates_per_step=p.learner.updates_per_step)
   if p.cfg.lora_rank:  # share the resumed base, or the starting one would stay live beside it
     p.learner.reference = lora.adapters_off(state.params)
   return p.run.train(
-      state, functools.partial(step, p), p.rollouts.stream, put=lambda b: b,
+      state, functools.partial(step_fn, p), p.rollouts.stream, put=lambda b: b,
       eval_fn=functools.partial(evaluate, p), updates_per_step=p.learner.updates_per_step,
       summary_extra=lambda: {"alarms": dict(p.alarms.raised), "kl/max": p.alarms.kl_max,
                              "reward_hacking_alarm": p.alarms.watching or "off"},
-      banner=f"grpo: {p.cfg.num_params:,} parameters{lora.describe(p.cfg)}, "
-             f"{len(p.rollouts.stream.records)} prompts, {r.prompts_per_step} x {r.group_size} "
-             f"samples per step, {config.train.steps} steps; placement {p.run.placement.mode}")
+      banner=banner)
 
 
 def step(p: Parts, state, prompts: list[dict]):

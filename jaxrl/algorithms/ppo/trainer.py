@@ -36,7 +36,6 @@ one over a policy-and-value model, so critic.lr sets its step size alone.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 
 import flax.struct
@@ -80,22 +79,13 @@ class PPOState:
 def run(config, workdir: str, *, out=print) -> dict:
   """Trains (or resumes) the PPO run in `workdir`; returns the summary."""
   p, state = setup(config, workdir, out=out)
-  r = config.rollout
-  state = p.run.resume(state, p.learner.shardings, p.rollouts.stream,
-                       updates_per_step=p.learner.updates_per_step)
-  if p.cfg.lora_rank:  # share the resumed base, or the starting one would stay live beside it
-    p.learner.reference = lora.adapters_off(state.params)
-  c = config.critic
-  return p.run.train(
-      state, functools.partial(step, p), p.rollouts.stream, put=lambda b: b,
-      eval_fn=functools.partial(grpo.evaluate, p), updates_per_step=p.learner.updates_per_step,
-      summary_extra=lambda: {"alarms": dict(p.alarms.raised), "kl/max": p.alarms.kl_max,
-                             "reward_hacking_alarm": p.alarms.watching or "off"},
-      banner=f"ppo: actor {p.cfg.num_params:,} parameters{lora.describe(p.cfg)}, critic from "
-             f"{c.init}{lora.describe(p.critic.cfg)} (lr {c.lr}, warm-up {c.warmup_steps} "
-             f"step{'' if c.warmup_steps == 1 else 's'}), {len(p.rollouts.stream.records)} "
-             f"prompts, {r.prompts_per_step} x {r.group_size} samples per step, "
-             f"{config.train.steps} steps; placement {p.run.placement.mode}")
+  r, c = config.rollout, config.critic
+  return grpo.train(p, state, step, banner=(
+      f"ppo: actor {p.cfg.num_params:,} parameters{lora.describe(p.cfg)}, critic from "
+      f"{c.init}{lora.describe(p.critic.cfg)} (lr {c.lr}, warm-up {c.warmup_steps} "
+      f"step{'' if c.warmup_steps == 1 else 's'}), {len(p.rollouts.stream.records)} "
+      f"prompts, {r.prompts_per_step} x {r.group_size} samples per step, "
+      f"{config.train.steps} steps; placement {p.run.placement.mode}"))
 
 
 def step(p: Parts, state: PPOState, prompts: list[dict]):

@@ -98,11 +98,11 @@ def choice() -> str:
 def attention_kernel(mesh, *, batch, kv_heads, interpret: bool = False):
   """Splash attention for the full-sequence calls of programs on `mesh` (rows over the `batch`
   mesh axes, KV heads over `kv_heads`), per device under shard_map, with
-  JAXRL_TPU_ATTENTION=splash; else None. The kernel returns None (XLA's attention) for a call whose mask the
-  model gives only as an array (jaxrl.models.attention.Causal is None: the cached forwards),
-  under one kv block of keys (attention.takes), and where the mesh's axes do not divide the
-  rows or KV heads. interpret: run the kernel in
-  Pallas's interpreter (tests on CPU devices)."""
+  JAXRL_TPU_ATTENTION=splash; else None. The kernel returns None (XLA's attention) for a call
+  whose mask the model gives only as an array (jaxrl.models.attention.Causal is None: the
+  cached forwards), under one kv block of keys (attention.takes), and where the mesh's axes
+  do not divide the rows or KV heads. interpret: run the kernel in Pallas's interpreter
+  (tests on CPU devices)."""
   if choice() == "xla":
     return None
   run = per_device(functools.partial(splash_attention, interpret=interpret), mesh,

@@ -53,7 +53,8 @@ def padded_lengths(q_len: int, kv_len: int) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=64)
 def _kernel(heads: int, q_len: int, kv_len: int, offset: int, interpret: bool):
-  """The splash kernel for one row's [heads, q_len, H] queries (padded_lengths) against [K, kv_len, H] keys, query t at key position t + offset. Cached: the block mask is
+  """The splash kernel for one row's [heads, q_len, H] queries (padded_lengths) against
+  [K, kv_len, H] keys, query t at key position t + offset. Cached: the block mask is
   numpy work per shape, done once per program shape rather than per layer."""
   bq, bkv = _block(q_len), _block(kv_len)
   sizes = splash.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv,
