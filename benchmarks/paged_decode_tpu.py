@@ -22,11 +22,13 @@ Two compiler figures per step, each against that roofline:
     charged its whole table (the embedding lookup of one token per slot: 78 MB for 64 KB read).
     It counts far more than the HBM traffic and is not an estimate of it.
   - estimated_ms: the compiler's own time estimate. libtpu writes `estimated_cycles` on each op
-    of the compiled module; summed over the program (a loop's body times its trip count) at
-    the chip's clock they give estimated_ops_ms. The asynchronous DMAs that bring the weights into VMEM carry no cycles
-    (they overlap the ops), nor does a Pallas call, so the step is taken as
-    max(estimated_ops_ms, the weights over the HBM bandwidth) + the kernel's bytes over the
-    HBM bandwidth (kernel_ms).
+    of the compiled module; summed over the program (a loop's body times its trip count;
+    jaxrl.parallel.compile.estimated_cycles) at the chip's clock they give estimated_ops_ms.
+    The asynchronous DMAs that bring the weights into VMEM carry no cycles (they overlap the
+    ops), nor does a Pallas call, so the step is taken as max(estimated_ops_ms, the weights
+    over the HBM bandwidth) + the kernel's bytes over the HBM bandwidth (kernel_ms). Where
+    the ops come to less than the weights' read, that is the floor, not an estimate
+    (`floor_bound` says so).
 `--steps K` compiles the rollout's scan of K decode steps (rollout.steps_per_call, default 8)
 and gives the estimate per step: the ops hoisted out of the scan (loop-invariant work on the
 weights) run once per K steps. XLA's cost model counts a loop's body once (at 2 layers, 8
@@ -42,12 +44,10 @@ compiled too and reported as heads_major_sync_bytes_accessed / heads_major_sync_
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import json
 import math
 import os
-import re
 
 import jax
 import jax.numpy as jnp
@@ -99,48 +99,6 @@ def compile_step(cfg, mesh, *, slots, max_len, pages, page_size, choice, layouts
   return compiled, weight_bytes, sync_program
 
 
-CLOCK_HZ = {"v5e": 1.5e9}  # TensorCore clock: 4 MXUs x 128 x 128 x 2 x 1.5 GHz = 197 TFLOP/s
-
-
-def estimated_cycles(hlo: str):
-  """(total, by kind): the `estimated_cycles` that libtpu writes on the ops of a compiled
-  module's text, summed over the entry computation and the bodies of its loops, and per kind
-  of op (opcode, jax op name, shape). A loop's body counts its trip count times: the constant
-  its condition compares the counter with (jax's scans and fori_loops count up from 0: the
-  decode scan's steps, the page allocator's searchsorted rounds); a loop's condition is left
-  out."""
-  comps, name = {}, None
-  for line in hlo.splitlines():
-    head = re.match(r"^(?:ENTRY )?%(\S+) .*\{$", line)
-    if head:
-      name = "ENTRY" if line.startswith("ENTRY") else head.group(1)
-      comps[name] = []
-    elif name and line.startswith("  "):
-      comps[name].append(line)
-  by_kind = collections.Counter()
-
-  def walk(comp, times):
-    for line in comps[comp]:
-      m = re.match(r"\s+(?:ROOT )?%\S+ = (.*?) ([a-z][a-z0-9\-_]*)\(", line)
-      if not m:
-        continue
-      if m.group(2) == "while":
-        cond = "\n".join(comps[re.search(r"condition=%([\w.\-]+)", line).group(1)])
-        n = re.findall(r"s32\[\]\S* constant\((\d+)\)", cond)
-        if len(n) != 1 or "direction=LT" not in cond:
-          raise ValueError(f"a loop whose trip count this does not read: {line[:200]}")
-        walk(re.search(r"body=%([\w.\-]+)", line).group(1), times * int(n[0]))
-        continue
-      cycles = re.search(r'"estimated_cycles":"(\d+)"', line)
-      if cycles:
-        op = re.search(r'op_name="([^"]*)"', line)
-        op = re.sub(r"\.\d+", "", op.group(1).split("eval_jaxpr/")[-1]) if op else ""
-        by_kind[f"{m.group(2)} {op} {m.group(1).split('{')[0]}"] += times * int(cycles.group(1))
-
-  walk("ENTRY", 1)
-  return sum(by_kind.values()), by_kind
-
-
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--preset", default="qwen3-0.6b")
@@ -163,7 +121,7 @@ def main():
 
   from jaxrl.models import get_preset
   from jaxrl.parallel import make_mesh
-  from jaxrl.parallel.compile import chip_of, topology_devices
+  from jaxrl.parallel.compile import chip_of, estimated_cycles, topology_devices
   cfg = dataclasses.replace(get_preset(args.preset), dtype="bfloat16", param_dtype="bfloat16")
   if args.layers:
     cfg = dataclasses.replace(cfg, num_layers=args.layers)
@@ -186,7 +144,7 @@ def main():
          "mesh": args.mesh, "slots": args.slots, "pages": pages, "page_size": args.page,
          "max_len": max_len, "length_at_step": length, "layouts": args.layouts,
          "steps_per_call": args.steps}
-  clock = CLOCK_HZ.get(args.topology.split(":")[0])
+  clock = chip.clock_hz
   for choice in args.paths.split(","):
     compiled, weight_bytes, sync_program = compile_step(
         cfg, mesh, slots=args.slots, max_len=max_len, pages=pages, page_size=args.page,
@@ -220,7 +178,8 @@ def main():
         "estimated_cycles": cycles, "estimated_ops_ms": ops_s * 1e3,
         "kernel_ms": kernel_s * 1e3, "estimated_ms": estimated_s * 1e3,
         "estimated_us_per_token": estimated_s / args.slots * 1e6,
-        "estimated_ratio": estimated_s / roofline_s}
+        "estimated_ratio": estimated_s / roofline_s,
+        "floor_bound": ops_s < weight_bytes / chip.hbm_bytes_per_s}
     if sync_program is not None:  # the transpose Engine.decode_params adds to each sync
       sync_cost = sync_program.cost_analysis()
       sync_cost = sync_cost[0] if isinstance(sync_cost, list) else sync_cost

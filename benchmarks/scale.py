@@ -43,6 +43,7 @@ LORA_ROWS = ["qwen3:8b,grpo,v5e,lora", "qwen3:8b,grpo,v5e,qlora", "llama3:3.1-8b
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "scale.jsonl")
 # The decode steps counted whole (--decode-counts): one JSON line per GRPO row.
 DECODE_COUNTS = os.path.join(ROOT, "benchmarks", "results", "decode_counts.jsonl")
+TRAIN_COUNTS = os.path.join(ROOT, "benchmarks", "results", "train_counts.jsonl")
 DOC = os.path.join(ROOT, "docs", "guides", "scale.md")
 GIB = 1 << 30
 
@@ -102,7 +103,7 @@ def measure(row: str, out=print) -> dict:
         "xla_bytes": x.bytes, "xla": {"argument": x.argument, "output": x.output,
                                       "alias": x.alias, "temp": x.temp, "code": x.code},
         "flops_xla": x.flops, "bytes_accessed": x.bytes_accessed,
-        "loops": x.loops, "seconds": x.seconds(c),
+        "loops": x.loops, "seconds": x.seconds(c), "cycles": x.cycles,
         "model_flops": p.flops, "tokens": p.tokens, "compile_s": round(x.compile_s, 1),
         "oom": x.oom})
     if x.oom:  # the compiler's own verdict: it does not fit; the rest need not compile
@@ -131,7 +132,6 @@ def decode_counts(row: str, unrolled=(), checks: bool = False, out=print) -> dic
   from jaxrl.parallel.plan import abstract_bytes
   config, module, chip = load(row)
   devices = aot.topology_devices(TOPOLOGY[chip])
-  c = aot.chip_of(TOPOLOGY[chip])
   k_run = int(config.rollout.steps_per_call)
   record = {"row": row, "topology": TOPOLOGY[chip], "date": datetime.date.today().isoformat(),
             "slots": int(config.rollout.slots), "steps_per_call": k_run, "compiled": {}}
@@ -150,9 +150,35 @@ def decode_counts(row: str, unrolled=(), checks: bool = False, out=print) -> dic
     out(f"  {row}: {name}, {k} steps: {x.bytes_accessed / 1e9:.3f} GB accessed, "
         f"{x.flops / 1e9:.1f} GFLOP, temp {x.temp / 1e9:.2f} GB, compiled in "
         f"{x.compile_s:.0f} s", flush=True)
-  body = record["compiled"][f"loop {k_run}"]
-  record["step_s"] = max(body["flops"] / c.bf16_flops, body["bytes_accessed"] / c.hbm_bytes_per_s)
-  record["floor_s"] = (record["weight_bytes"] + record["kv_bytes"]) / c.hbm_bytes_per_s
+  return record
+
+
+def train_counts(row: str, accums, out=print) -> dict:
+  """The row's train step at its global batch in each of `accums` micro-batches, compiled
+  with the layers scanned (minutes, not the unrolled model's up to 18): XLA's cost analysis
+  counts the micro-batch loop's body (one micro-batch) once, so its figures fall with more
+  micro-batches while the work is the same; libtpu's estimated cycles, each loop's body times
+  its trip count (jaxrl.parallel.compile.estimated_cycles), should not."""
+  config, module, chip = load(row)
+  config.model.scan_layers = True
+  devices = aot.topology_devices(TOPOLOGY[chip])
+  c = aot.chip_of(TOPOLOGY[chip])
+  record = {"row": row, "topology": TOPOLOGY[chip], "date": datetime.date.today().isoformat(),
+            "scan_layers": True, "compiled": {}}
+  for accum in accums:
+    config.optim.accum_steps = accum
+    _, programs = module.programs(config, devices=devices)
+    x = aot.compile_program(programs[0])
+    record["compiled"][str(accum)] = {
+        "model_flops": programs[0].flops / len(devices),  # per chip: GRPO's shared-prompt
+        # layout needs whole groups per micro-batch, and without it each row feeds its prompt
+        "width": programs[0].seq_len, "flops": x.flops, "bytes_accessed": x.bytes_accessed, "loops": x.loops,
+        "cycles": x.cycles, "estimated_s": x.estimated_s(c), "temp": x.temp, "oom": x.oom,
+        "compile_s": round(x.compile_s, 1)}
+    out(f"  {row}: {accum} micro-batches: XLA {x.flops / 1e12:.2f} TFLOP / "
+        f"{x.bytes_accessed / 1e9:.1f} GB (a loop's body once), estimated "
+        f"{(x.estimated_s(c) or 0):.3f} s (every trip), compiled in {x.compile_s:.0f} s",
+        flush=True)
   return record
 
 
@@ -179,10 +205,11 @@ def read_decode_counts() -> dict[str, dict]:
 def train_figures(r: dict) -> dict | None:
   """The train step's seconds per chip: `floor`, what it cannot beat (its model FLOPs at the
   chip's peak; its arguments, the parameters and optimizer state, read once from HBM), and
-  `xla`, the roofline of XLA's counts (max of flops at peak and bytes at the HBM bandwidth),
-  None unless the compile recorded no loop in the step (XLA counts a loop's body once, whatever
-  its trip count; rows compiled before `loops` was recorded count as having one). None for a
-  row the compiler refused."""
+  `xla`, libtpu's estimate of the whole step (its ops' cycles, each loop's body times its trip
+  count) where the compile recorded `cycles`, else the roofline of XLA's counts (max of flops
+  at peak and bytes at the HBM bandwidth) only if the step has no loop (XLA counts a loop's
+  body once, whatever its trip count; rows compiled before `loops` was recorded count as
+  having one): None otherwise. None for a row the compiler refused."""
   train = next(p for p in r["programs"] if p["kind"] == "train")
   if train.get("oom"):
     return None
@@ -191,7 +218,11 @@ def train_figures(r: dict) -> dict | None:
   floor = max(train["model_flops"] / r["chips"] / c.bf16_flops,
               train["xla"]["argument"] / c.hbm_bytes_per_s)
   xla = max(train["flops_xla"] / c.bf16_flops, train["bytes_accessed"] / c.hbm_bytes_per_s)
-  return {"floor": floor, "xla": xla if train.get("loops") == 0 else None,
+  if train.get("cycles"):
+    xla = train["cycles"] / c.clock_hz
+  elif train.get("loops") != 0:
+    xla = None
+  return {"floor": floor, "xla": xla,
           "model_flops": train["model_flops"] / r["chips"]}
 
 
@@ -282,8 +313,17 @@ def main() -> None:
                   help="compile each GRPO row's decode program as the run's loop into "
                        "results/decode_counts.jsonl; with STEPS (e.g. 2,8) also as loops of 2 "
                        "and 1 steps and unrolled at STEPS, to check the count")
+  ap.add_argument("--train-counts", default="", metavar="ACCUMS",
+                  help="compile each --only row's train step, layers scanned, in each of "
+                       "ACCUMS (e.g. 1,2,4) micro-batches into results/train_counts.jsonl")
   args = ap.parse_args()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  if args.train_counts:
+    for row in args.only:
+      record = train_counts(row, [int(k) for k in args.train_counts.split(",")])
+      with open(TRAIN_COUNTS, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    return
   if args.decode_counts is not None:
     unrolled = tuple(int(k) for k in args.decode_counts.split(",") if k.strip())
     rows = args.only or [r for r in all_rows() if ",grpo," in r]
@@ -291,8 +331,9 @@ def main() -> None:
       record = decode_counts(row, unrolled)
       with open(DECODE_COUNTS, "a") as f:
         f.write(json.dumps(record) + "\n")
-      print(f"{row}: one decode step in the loop {record['step_s'] * 1e3:.3f} ms by XLA's count, "
-            f"floor {record['floor_s'] * 1e3:.3f} ms", flush=True)
+      x = decode_figures(record)
+      print(f"{row}: one decode step in the loop {x['xla'] * 1e3:.3f} ms by XLA's count, "
+            f"floor {x['floor'] * 1e3:.3f} ms", flush=True)
       write_doc(render(read_results()))
     return
   results = read_results()
