@@ -172,7 +172,8 @@ def train_counts(row: str, accums, out=print) -> dict:
     record["compiled"][str(accum)] = {
         "model_flops": programs[0].flops / len(devices),  # per chip: GRPO's shared-prompt
         # layout needs whole groups per micro-batch, and without it each row feeds its prompt
-        "width": programs[0].seq_len, "flops": x.flops, "bytes_accessed": x.bytes_accessed, "loops": x.loops,
+        "width": programs[0].seq_len, "flops": x.flops, "bytes_accessed": x.bytes_accessed,
+        "loops": x.loops,
         "cycles": x.cycles, "estimated_s": x.estimated_s(c), "temp": x.temp, "oom": x.oom,
         "compile_s": round(x.compile_s, 1)}
     out(f"  {row}: {accum} micro-batches: XLA {x.flops / 1e12:.2f} TFLOP / "
@@ -217,10 +218,11 @@ def train_figures(r: dict) -> dict | None:
   # (With LoRA the model FLOPs are two forwards', not three: jaxrl.models.flops.train_flops.)
   floor = max(train["model_flops"] / r["chips"] / c.bf16_flops,
               train["xla"]["argument"] / c.hbm_bytes_per_s)
-  xla = max(train["flops_xla"] / c.bf16_flops, train["bytes_accessed"] / c.hbm_bytes_per_s)
   if train.get("cycles"):
     xla = train["cycles"] / c.clock_hz
-  elif train.get("loops") != 0:
+  elif train.get("loops") == 0:
+    xla = max(train["flops_xla"] / c.bf16_flops, train["bytes_accessed"] / c.hbm_bytes_per_s)
+  else:
     xla = None
   return {"floor": floor, "xla": xla,
           "model_flops": train["model_flops"] / r["chips"]}

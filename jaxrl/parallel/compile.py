@@ -233,8 +233,9 @@ def report(programs, estimates, compiled, chip: Chip | None) -> tuple[str, bool 
   fits = None
   if chip is not None:
     fits = peak <= chip.hbm_gib * GIB
-    lines.append("  XLA s: the TPU compiler's estimate of one execution (its ops' estimated "
-                 "cycles, each loop's body times its trip count, at the chip's clock)")
+    if any(c.cycles for c in compiled):
+      lines.append("  XLA s: the TPU compiler's estimate of one execution (its ops' estimated "
+                   "cycles, each loop's body times its trip count, at the chip's clock)")
     if any(c.loops and not c.cycles for c in compiled):
       lines.append("  * no cycle estimates: a roofline of XLA's counts, where a loop's body "
                    "counts once: one trip's figure, not the program's")
