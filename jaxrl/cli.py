@@ -328,6 +328,9 @@ def cmd_plan(args, overrides) -> None:
     print(f"planned for {slice_} (plan.topology): {len(devices)} abstract TPU chips, as there "
           f"is no TPU here (--config.plan.topology= plans this machine's "
           f"{jax.device_count()} {jax.default_backend()} devices instead)")
+  if not args.compile:  # traced with the layers scanned, counted as the config's own form (the
+    # plans agree to the byte: tests/test_scan.py), in about two thirds of the time at 8B
+    config.model.scan_layers = True
   work, programs = module.programs(config, devices=devices)
   cfg = config_lib.model_config(config)
   placement = make_placement(config.mesh, config.get("placement"), devices=devices)
