@@ -21,7 +21,7 @@ test: setup
 test-fast: setup
 	$(PY) -m jaxrl.backends.cpu.allocator $(PY) -m pytest -q -n 2 --dist worksteal -m "not slow"
 
-# The learning tests (slow, with bars) under XLA capped at AVX2, the float rounding of an
+# The learning tests (slow, with bars) under XLA capped at AVX2, near the float rounding of an
 # AVX2-only CPU (auto dots then choose Eigen, as such a CPU does); not in CI. Over every ISA,
 # dot kernel and seed: tools/learning_sweep.py.
 test-isa: setup

@@ -563,8 +563,16 @@ def test_grpo_learns_to_call_the_calculator(sft_calculator, tmp_path, repo_root,
   native ynnpack 2: +0.680, +0.984
   AVX eigen 2: +0.680, +0.984
   AVX ynnpack 2: +0.680, +0.984
-  worst +0.680 and +0.977 (seed 0); bars +0.40 and +0.80. AVX-512 cells need an AVX-512
-  machine (no flag lifts the ISA). The recipe's rollouts and eval now allocate the KV cache
+  AVX-512 cells (an Intel Xeon with AMX, 2 cores, 2026-12-07; --isa native):
+  AVX-512 eigen 0: +0.680, +0.977
+  AVX-512 ynnpack 0: +0.680, +0.977
+  AVX-512 eigen 1: +0.789, +0.984
+  AVX-512 ynnpack 1: +0.789, +0.984
+  AVX-512 eigen 2: +0.680, +0.984
+  AVX-512 ynnpack 2: +0.680, +0.984
+  worst +0.680 and +0.977 (seed 0); bars +0.40 and +0.80. The six AVX-512 cells
+  (an Intel Xeon, the CPU that failed the former recipe) gave the AMD's figures seed for seed:
+  from the committed warm start this GRPO rounds alike on both. The recipe's rollouts and eval now allocate the KV cache
   whole (rollout.grow_cache=False), which gave every logged figure of the cells native eigen 0,
   native ynnpack 0 and AVX eigen 1 (and native eigen 1, 2) to the bit in 57-64 s alone, against
   73-86 s with the growing window (2026-12-07, alternated in one run). The warm start took 4-5

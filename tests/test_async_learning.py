@@ -65,7 +65,14 @@ def test_async_k2_reaches_the_synchronous_heldout_accuracy(repo_root, tmp_path, 
   AVX2 eigen 2: +0.051, +0.000
   AVX2 ynnpack 2: +0.051, +0.000
   AVX eigen 2: +0.051, +0.000
-  AVX ynnpack 2: +0.051, +0.000"""
+  AVX ynnpack 2: +0.051, +0.000
+  AVX-512 cells (an Intel Xeon with AMX, 2 cores, 2026-12-07; --isa native):
+  AVX-512 eigen 0: +0.078, +0.004
+  AVX-512 ynnpack 0: +0.078, +0.004
+  AVX-512 eigen 1: +0.105, +0.004
+  AVX-512 ynnpack 1: +0.105, +0.004
+  AVX-512 eigen 2: +0.051, +0.000
+  AVX-512 ynnpack 2: +0.051, +0.000"""
   # The SFT policy's accuracy on this seed's held-out prompts: the runs' step-0 eval.
   sft_acc, sync = heldout_accuracy(repo_root, sft_slip, tmp_path / "sync")
   _, k2 = heldout_accuracy(repo_root, sft_slip, tmp_path / "k2", async_k=2)

@@ -224,7 +224,14 @@ def test_dpo_raises_heldout_preference_accuracy_from_sft(sft_addition, tmp_path,
   AVX2 eigen 2: +0.879, +0.087, -0.101, +0.070
   AVX2 ynnpack 2: +0.879, +0.087, -0.101, +0.070
   AVX eigen 2: +0.879, +0.087, -0.101, +0.070
-  AVX ynnpack 2: +0.879, +0.087, -0.101, +0.070"""
+  AVX ynnpack 2: +0.879, +0.087, -0.101, +0.070
+  AVX-512 cells (an Intel Xeon with AMX, 2 cores, 2026-12-07; --isa native):
+  AVX-512 eigen 0: +0.887, +0.089, -0.096, +0.031
+  AVX-512 ynnpack 0: +0.887, +0.089, -0.096, +0.031
+  AVX-512 eigen 1: +0.910, +0.084, -0.094, +0.031
+  AVX-512 ynnpack 1: +0.910, +0.084, -0.094, +0.031
+  AVX-512 eigen 2: +0.879, +0.087, -0.101, +0.070
+  AVX-512 ynnpack 2: +0.879, +0.087, -0.101, +0.070"""
   workdir = str(tmp_path / "dpo")
   jaxrl_cli(["dpo", "--config", "configs/dpo_tiny.py", "--workdir", workdir,
              f"--config.init.checkpoint={sft_addition}", "--config.eval.every=100",

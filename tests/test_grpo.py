@@ -421,8 +421,8 @@ def test_demo_grpo_raises_heldout_accuracy_above_sft(tmp_path, sft_slip, bars):
   digit (GRPO from one checkpoint is bit-identical under both dot kernels and both ISA levels on
   this AMD EPYC, as jaxrl/backends/cpu/dots.py found), so the spread is the three seeds': gain
   +0.102 to +0.148, KL max 0.059-0.096 (the alarm's 0.1 never reached). Bars: +0.06 and KL 0.12, as
-  after the sweep with sft_slip retrained per cell (worst gain +0.090 there, KL 0.109 once): an
-  AVX-512 machine's rounding is not one these cells emulate.
+  after the sweep with sft_slip retrained per cell (worst gain +0.090 there, KL 0.109 once). The six
+  AVX-512 cells (an Intel Xeon with AMX) gave the AMD's figures seed for seed.
 
   cells (ISA dots seed: held-out gain; KL max):
   AVX2 eigen 0: +0.109, +0.071
@@ -436,7 +436,14 @@ def test_demo_grpo_raises_heldout_accuracy_above_sft(tmp_path, sft_slip, bars):
   AVX2 eigen 2: +0.102, +0.059
   AVX2 ynnpack 2: +0.102, +0.059
   AVX eigen 2: +0.102, +0.059
-  AVX ynnpack 2: +0.102, +0.059"""
+  AVX ynnpack 2: +0.102, +0.059
+  AVX-512 cells (an Intel Xeon with AMX, 2 cores, 2026-12-07; --isa native):
+  AVX-512 eigen 0: +0.109, +0.071
+  AVX-512 ynnpack 0: +0.109, +0.071
+  AVX-512 eigen 1: +0.148, +0.096
+  AVX-512 ynnpack 1: +0.148, +0.096
+  AVX-512 eigen 2: +0.102, +0.059
+  AVX-512 ynnpack 2: +0.102, +0.059"""
   import shutil
   workdir = tmp_path / "demo"
   shutil.copytree(sft_slip, workdir / "sft")

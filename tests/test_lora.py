@@ -606,7 +606,14 @@ def test_lora_grpo_raises_heldout_accuracy_above_sft(tmp_path, sft_slip, bars):
   AVX2 eigen 2: +0.055, +0.017
   AVX2 ynnpack 2: +0.055, +0.017
   AVX eigen 2: +0.055, +0.017
-  AVX ynnpack 2: +0.055, +0.017"""
+  AVX ynnpack 2: +0.055, +0.017
+  AVX-512 cells (an Intel Xeon with AMX, 2 cores, 2026-12-07; --isa native):
+  AVX-512 eigen 0: +0.105, +0.055
+  AVX-512 ynnpack 0: +0.105, +0.055
+  AVX-512 eigen 1: +0.125, +0.022
+  AVX-512 ynnpack 1: +0.125, +0.022
+  AVX-512 eigen 2: +0.055, +0.017
+  AVX-512 ynnpack 2: +0.055, +0.017"""
   import json
   from conftest import LEARN_SEED, jaxrl_cli
   workdir = tmp_path / "grpo_lora"

@@ -150,7 +150,14 @@ def test_ppo_raises_heldout_accuracy_above_sft_and_the_critic_explains_returns(t
   AVX2 eigen 2: +0.113, +0.043, +0.116, +0.269
   AVX2 ynnpack 2: +0.113, +0.043, +0.116, +0.269
   AVX eigen 2: +0.113, +0.043, +0.116, +0.269
-  AVX ynnpack 2: +0.113, +0.043, +0.116, +0.269"""
+  AVX ynnpack 2: +0.113, +0.043, +0.116, +0.269
+  AVX-512 cells (an Intel Xeon with AMX, 2 cores, 2026-12-07; --isa native):
+  AVX-512 eigen 0: +0.090, +0.039, +0.088, +0.555
+  AVX-512 ynnpack 0: +0.090, +0.039, +0.088, +0.555
+  AVX-512 eigen 1: +0.098, +0.046, +0.060, +0.241
+  AVX-512 ynnpack 1: +0.098, +0.046, +0.060, +0.241
+  AVX-512 eigen 2: +0.113, +0.043, +0.116, +0.269
+  AVX-512 ynnpack 2: +0.113, +0.043, +0.116, +0.269"""
   workdir = str(tmp_path / "ppo")
   jaxrl_cli(["ppo", "--config", "configs/ppo_tiny.py", "--workdir", workdir,
              f"--config.init.checkpoint={sft_slip}", "--config.rollout.prompts_per_step=128",

@@ -119,7 +119,14 @@ def test_sft_then_grpo_on_the_users_own_files_raises_held_out_accuracy(tmp_path,
   AVX2 eigen 2: +0.077, +0.477, +0.133
   AVX2 ynnpack 2: +0.077, +0.480, +0.129
   AVX eigen 2: +0.074, +0.551, +0.125
-  AVX ynnpack 2: +0.080, +0.480, +0.109"""
+  AVX ynnpack 2: +0.080, +0.480, +0.109
+  AVX-512 cells (an Intel Xeon with AMX, 2 cores, 2026-12-07; --isa native):
+  AVX-512 eigen 0: +0.058, +0.617, +0.070
+  AVX-512 ynnpack 0: +0.056, +0.613, +0.070
+  AVX-512 eigen 1: +0.061, +0.473, +0.215
+  AVX-512 ynnpack 1: +0.067, +0.473, +0.141
+  AVX-512 eigen 2: +0.086, +0.402, +0.144
+  AVX-512 ynnpack 2: +0.087, +0.488, +0.055"""
   from jaxrl.data.records import write_jsonl
   from jaxrl.tasks import get_task
   monkeypatch.chdir(repo_root)

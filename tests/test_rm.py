@@ -494,7 +494,14 @@ def test_reward_models_learn_their_labellers(reward_models, bars):
   AVX2 eigen 2: +0.889, +0.355, +4.400, +1.000
   AVX2 ynnpack 2: +0.883, +0.350, +4.402, +1.000
   AVX eigen 2: +0.887, +0.353, +4.411, +1.000
-  AVX ynnpack 2: +0.889, +0.355, +4.416, +1.000"""
+  AVX ynnpack 2: +0.889, +0.355, +4.416, +1.000
+  AVX-512 cells (an Intel Xeon with AMX, 2 cores, 2026-12-07; --isa native):
+  AVX-512 eigen 0: +0.902, +0.383, +4.657, +1.000
+  AVX-512 ynnpack 0: +0.896, +0.377, +4.583, +1.000
+  AVX-512 eigen 1: +0.856, +0.350, +4.137, +1.000
+  AVX-512 ynnpack 1: +0.859, +0.353, +4.147, +1.000
+  AVX-512 eigen 2: +0.893, +0.359, +4.405, +1.000
+  AVX-512 ynnpack 2: +0.889, +0.355, +4.425, +1.000"""
   from jaxrl.train.rundir import read_metrics
   honest = json.load(open(os.path.join(reward_models["honest"], "summary.json")))
   start = read_metrics(reward_models["honest"])[0]["eval/accuracy"]
@@ -546,7 +553,14 @@ def test_grpo_against_a_biased_reward_model_fires_the_alarm(reward_models, sft_a
   AVX2 eigen 2: -0.867, +5.995
   AVX2 ynnpack 2: -0.867, +6.321
   AVX eigen 2: -0.867, +5.732
-  AVX ynnpack 2: -0.867, +6.395"""
+  AVX ynnpack 2: -0.867, +6.395
+  AVX-512 cells (an Intel Xeon with AMX, 2 cores, 2026-12-07; --isa native):
+  AVX-512 eigen 0: -0.891, +8.528
+  AVX-512 ynnpack 0: -0.894, +8.143
+  AVX-512 eigen 1: -0.926, +6.539
+  AVX-512 ynnpack 1: -0.922, +5.891
+  AVX-512 eigen 2: -0.859, +6.609
+  AVX-512 ynnpack 2: -0.867, +6.481"""
   from jaxrl.train.rundir import read_metrics
   workdir = str(tmp_path / "grpo")
   said = jaxrl_cli(["grpo", "--config", "configs/grpo_tiny.py", "--workdir", workdir] + [
@@ -600,7 +614,14 @@ def test_grpo_with_a_well_trained_reward_model_beats_sft(rm_logprob, sft_slip, t
   AVX2 eigen 2: +0.961, +0.117
   AVX2 ynnpack 2: +0.961, +0.111
   AVX eigen 2: +0.961, +0.113
-  AVX ynnpack 2: +0.961, +0.121"""
+  AVX ynnpack 2: +0.961, +0.121
+  AVX-512 cells (an Intel Xeon with AMX, 2 cores, 2026-12-07; --isa native):
+  AVX-512 eigen 0: +0.959, +0.121
+  AVX-512 ynnpack 0: +0.959, +0.103
+  AVX-512 eigen 1: +0.975, +0.137
+  AVX-512 ynnpack 1: +0.975, +0.143
+  AVX-512 eigen 2: +0.961, +0.119
+  AVX-512 ynnpack 2: +0.961, +0.105"""
   from jaxrl.train.rundir import read_metrics
   rm_eval = json.load(open(os.path.join(rm_logprob, "summary.json")))["eval"]
   bars.above("log-prob RM accuracy", rm_eval["eval/accuracy"], 0.9)
