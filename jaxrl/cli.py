@@ -565,13 +565,7 @@ COMMANDS = {"info": cmd_info, "model": cmd_model, "sweep": cmd_sweep, "plan": cm
 
 
 def main(argv: list[str] | None = None) -> None:
-  if argv is None:  # the console script, not a caller in this process: run on tcmalloc
-    from jaxrl.backends.cpu import allocator
-    try:
-      allocator.ensure()
-    except ConfigError as e:
-      print(f"jaxrl: error: {e}", file=sys.stderr)
-      raise SystemExit(2) from None
+  """The command line (the console script, jaxrl.__main__, re-executes on TCMalloc first)."""
   argv = list(sys.argv[1:] if argv is None else argv)
   rest, overrides = _split_overrides(argv)
   parser = _parser()
@@ -586,5 +580,7 @@ def main(argv: list[str] | None = None) -> None:
     raise SystemExit(2) from None
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python -m jaxrl.cli: on TCMalloc too, after this module's imports
+  from jaxrl.backends.cpu import allocator  # (python -m jaxrl re-executes before them)
+  allocator.ensure_or_exit()
   main()

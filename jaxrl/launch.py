@@ -180,7 +180,7 @@ def run_local(runs: list[Run], *, parallel: int = 1, out=print, poll_s: float = 
         os.makedirs(run.workdir, exist_ok=True)
         log = os.path.join(run.workdir, "launch.log")
         f = open(log, "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "jaxrl.cli", *run.argv], stdout=f,
+        proc = subprocess.Popen([sys.executable, "-m", "jaxrl", *run.argv], stdout=f,
                                 stderr=subprocess.STDOUT, env=env)
         active[run.name] = (proc, f, time.perf_counter(), log)
         out(f"started  {run.name} (pid {proc.pid}; log {log})")

@@ -58,7 +58,7 @@ def test_console_script_reexecs_once_with_the_library(tmp_path):
   loaded, tried, preload = _probe(JAXRL_TCMALLOC=lib)
   assert loaded == lib and tried == "1" and preload.split(":")[0] == lib
   # the CLI says so (and a re-exec'd process does not re-exec again: one banner, exit 0)
-  res = subprocess.run([sys.executable, "-m", "jaxrl.cli", "info"], capture_output=True,
+  res = subprocess.run([sys.executable, "-m", "jaxrl", "info"], capture_output=True,
                        text=True, timeout=120,
                        env={**{k: v for k, v in os.environ.items()
                                if k not in ("LD_PRELOAD", "_JAXRL_TCMALLOC_TRIED")},
@@ -68,8 +68,19 @@ def test_console_script_reexecs_once_with_the_library(tmp_path):
   assert lines == [f"allocator          tcmalloc ({lib})"], res.stdout
 
 
+def test_the_console_script_reexecs_before_it_loads_jax():
+  """Everything the jaxrl command imports before its re-exec (jaxrl.__main__: the package, the
+  backends' switch, the allocator) leaves jax unloaded: the command's imports run once, after
+  the re-exec, not twice (about 3 s a command: docs/guides/cpu-notes.md)."""
+  res = subprocess.run([sys.executable, "-c", "import sys, jaxrl.__main__; "
+                        "print(sorted(m for m in ('jax', 'jaxlib', 'numpy', 'flax') "
+                        "if m in sys.modules))"], capture_output=True, text=True, timeout=120)
+  assert res.returncode == 0, res.stderr
+  assert res.stdout.strip() == "[]", res.stdout
+
+
 def test_bad_library_path_is_one_clear_line(tmp_path):
-  res = subprocess.run([sys.executable, "-m", "jaxrl.cli", "info"], capture_output=True,
+  res = subprocess.run([sys.executable, "-m", "jaxrl", "info"], capture_output=True,
                        text=True, timeout=120,
                        env={**os.environ, allocator.ENV: str(tmp_path / "nope.so")})
   assert res.returncode == 2

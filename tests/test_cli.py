@@ -44,7 +44,7 @@ def test_the_console_script_on_a_cpu_machine_does_not_print_libtpus_errors():
   script) now asks for the CPU first. `jaxrl plan` of a slice's config still loads libtpu, for
   abstract TPU chips: it names a slice for libtpu's start-up, which then looks for none
   (backends.quiet_libtpu_off_tpu)."""
-  from jaxrl.backends.tpu import accelerator_here
+  from jaxrl.backends import accelerator_here
   if accelerator_here():
     pytest.skip("this machine has an accelerator: jax should look for it")
   env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}

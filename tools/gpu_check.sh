@@ -115,7 +115,7 @@ fi
 
 rm -rf /tmp/gpu_check_grpo
 if want grpo; then
-  stage grpo "$(lim 110)" "$PY" -m jaxrl.cli grpo --config configs/grpo_tiny.py:runlocal \
+  stage grpo "$(lim 110)" "$PY" -m jaxrl grpo --config configs/grpo_tiny.py:runlocal \
     --config.model.dtype=bfloat16 --config.model.param_dtype=bfloat16 --config.train.steps=4 \
     --workdir /tmp/gpu_check_grpo
 fi

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         # The checkout pinned by requirements.lock, with JAX's TPU extra.
         docker_instructions=[f"COPY {name}/ {name}", f"WORKDIR {name}",
                              "RUN python -m pip install -q -c requirements.lock -e . 'jax[tpu]'"],
-        entrypoint=xm.ModuleName("jaxrl.cli"))])
+        entrypoint=xm.ModuleName("jaxrl"))])
     for spec in specs:
       try:
         requirements = xm.JobRequirements(

@@ -19,11 +19,13 @@ chose, and every run records it (jaxrl.train.rundir).
 
 from __future__ import annotations
 
+import glob
 import os
+import sys
 
-import jax
-
-from jaxrl.backends import cpu, gpu, tpu
+# No jax and no backend module at the top: `import jaxrl` and the console script's allocator
+# re-exec (jaxrl.__main__) read this package before jax loads; each function imports the
+# backend it asks.
 
 
 def platform_of(devices) -> str:
@@ -48,6 +50,7 @@ def attention_kernel(mesh, *, batch, kv_heads):
   or None), which the TPU and GPU kernels need."""
   platform = platform_of(mesh.devices.flat)
   if platform in ("cpu", "tpu", "gpu"):
+    from jaxrl.backends import cpu, gpu, tpu
     backend = {"cpu": cpu, "tpu": tpu, "gpu": gpu}[platform]
     return backend.attention_kernel(mesh, batch=batch, kv_heads=kv_heads)
   return None
@@ -59,6 +62,7 @@ def decode_kernel(mesh, cache_spec):
   [B, K, S, H], positions [B]) that returns [B, K, G, H], or None for inputs it leaves to
   XLA."""
   if on_cpu(mesh.devices.flat):
+    from jaxrl.backends import cpu
     return cpu.decode_kernel(mesh, cache_spec)
   return None
 
@@ -123,8 +127,10 @@ def paged_decode_kernel(mesh, cache_spec):
   attention; GPU: Pallas (Triton) paged attention; CPU and others: none (the gather path)."""
   platform = platform_of(mesh.devices.flat)
   if platform == "tpu":
+    from jaxrl.backends import tpu
     return tpu.paged_decode_kernel(mesh, cache_spec)
   if platform == "gpu":
+    from jaxrl.backends import gpu
     return gpu.paged_decode_kernel(mesh, cache_spec)
   return None
 
@@ -136,16 +142,46 @@ def compiler_options(devices, program: str = "learner") -> dict | None:
   `devices.flat`): it is read into a list first, since each check below walks it."""
   devices = list(devices)
   if on_cpu(devices):
+    from jaxrl.backends import cpu
     return cpu.compiler_options(program)
   if all(d.platform == "tpu" for d in devices):
+    from jaxrl.backends import tpu
     return tpu.compiler_options(program)
   return None
 
 
+def tpu_here() -> bool:
+  """Whether this machine has a TPU chip: a /dev/accel* or /dev/vfio device (how TPU VMs
+  expose chips) or a PCI device of Google's vendor id (0x1ae0), read without loading libtpu."""
+  if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+    return True
+  for path in glob.glob("/sys/bus/pci/devices/*/vendor"):
+    try:
+      with open(path) as f:
+        if f.read().strip() == "0x1ae0":
+          return True
+    except OSError:
+      pass
+  return False
+
+
+def accelerator_here() -> bool:
+  """A TPU chip (tpu_here) or a GPU (NVIDIA's /dev/nvidiactl, AMD's /dev/kfd) on this
+  machine."""
+  return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd") or tpu_here()
+
+
 def cpu_only_without_accelerators() -> None:
-  """JAX_PLATFORMS=cpu on a machine with neither a TPU nor a GPU (tpu.py, at `import jaxrl`
-  and in the console script): libtpu then stays unloaded until a compile for a TPU topology."""
-  tpu.cpu_only_without_accelerators()
+  """At `import jaxrl` (so in the console script too), before jax starts a backend: on a
+  machine with neither a TPU nor a GPU, JAX_PLATFORMS=cpu. Otherwise jax loads libtpu (the
+  test extra installs it for `jaxrl plan --compile`) only to find no chip, and libtpu printed
+  three lines of errors before every command's and notebook's output. A JAX_PLATFORMS of the
+  user's own is kept; --compile still loads libtpu for its topology."""
+  if "JAX_PLATFORMS" in os.environ or accelerator_here():
+    return
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  if "jax" in sys.modules:  # imported, but no backend started yet: the config read the env
+    sys.modules["jax"].config.update("jax_platforms", "cpu")
 
 
 def quiet_libtpu_off_tpu() -> None:
@@ -154,7 +190,7 @@ def quiet_libtpu_off_tpu() -> None:
   in the cloud metadata and printed three lines of errors before every plan; naming one quiets
   it. Any valid type does: the devices are the topology's (v5p:4x4x4, v5e:16x16 and two
   v5e:4x4 slices give the same chips with or without these)."""
-  if not tpu.tpu_here():
+  if not tpu_here():
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-8")
 
@@ -164,6 +200,8 @@ def describe() -> dict:
   each with why. Every run dir's config.json and summary.json carry it under "backend"."""
   # Imported here, not above: `python -m jaxrl.backends.cpu.allocator` runs that module as
   # __main__, and Python warns when a parent package has imported it first.
+  import jax
+  from jaxrl.backends import cpu, gpu, tpu
   from jaxrl.backends.cpu import allocator  # noqa: PLC0415
   platform = jax.default_backend()
   # The device count too: `jaxrl compare` keeps runs on 1 and on 8 devices apart.

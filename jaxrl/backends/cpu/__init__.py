@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import os
 
-from jaxrl.backends.cpu import attention, build, dots
+# attention, build and dots are imported where used: this package stays free of jax for the
+# console script's allocator re-exec (jaxrl.__main__), which imports it before jax loads.
 
 
 def attention_kernel(mesh, *, batch, kv_heads):
   """The learner's attention kernel for full-sequence programs on `mesh` (see
   attention.learner_sharded), or None where XLA's attention stays: JAXRL_CPU_KERNELS=0, or the
   library could not be built."""
+  from jaxrl.backends.cpu import attention, build
   if not build.available():
     return None
   return attention.learner_sharded(mesh, batch=batch, kv_heads=kv_heads)
@@ -37,6 +39,7 @@ def attention_kernel(mesh, *, batch, kv_heads):
 def decode_kernel(mesh, cache_spec):
   """The decode-step attention kernel for a cache laid out as `cache_spec` on `mesh` (see
   attention.decode_sharded), or None as for attention_kernel."""
+  from jaxrl.backends.cpu import attention, build
   if not build.available():
     return None
   return attention.decode_sharded(mesh, cache_spec)
@@ -44,12 +47,14 @@ def decode_kernel(mesh, cache_spec):
 
 def compiler_options(program: str) -> dict | None:
   """The `compiler_options` of a program on CPU devices (see dots.compiler_options)."""
+  from jaxrl.backends.cpu import dots
   return dots.compiler_options(program)
 
 
 def describe() -> dict[str, str]:
   """The attention and dot kernels this process runs on CPU, and why, for run records. Builds
   the kernels if no earlier call did (as the first CPU program would)."""
+  from jaxrl.backends.cpu import build, dots
   path, why_not = build.library()
   setting = os.environ.get(dots.ENV, dots.DEFAULT).strip().lower()
   return {

@@ -120,6 +120,16 @@ def ensure() -> None:
   os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
+def ensure_or_exit() -> None:
+  """ensure(), with a bad JAXRL_TCMALLOC said in one line (exit status 2): the jaxrl
+  command's first step (jaxrl.__main__, and `python -m jaxrl.cli`)."""
+  try:
+    ensure()
+  except ConfigError as e:
+    print(f"jaxrl: error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
+
+
 def main(argv: list[str] | None = None) -> None:
   """python -m jaxrl.backends.cpu.allocator CMD [ARG ...]: runs CMD with tcmalloc preloaded
   when ensure() would preload it, else as it is (`make test` runs pytest this way)."""

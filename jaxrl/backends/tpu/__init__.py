@@ -22,9 +22,7 @@ on TPU; over the paged cache (rollout.kv_cache=paged) it runs the paged attentio
 from __future__ import annotations
 
 import functools
-import glob
 import os
-import sys
 
 from jaxrl.backends.sharded import per_device, per_device_paged
 from jaxrl.backends.tpu import paged
@@ -35,40 +33,6 @@ ENV = "JAXRL_TPU_ATTENTION"
 CHOICES = ("splash", "xla")
 COLLECTIVE_MATMUL_ENV = "JAXRL_TPU_COLLECTIVE_MATMUL"
 PAGED_ENV = "JAXRL_TPU_PAGED"
-
-
-def tpu_here() -> bool:
-  """Whether this machine has a TPU chip: a /dev/accel* or /dev/vfio device (how TPU VMs
-  expose chips) or a PCI device of Google's vendor id (0x1ae0), read without loading libtpu."""
-  if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
-    return True
-  for path in glob.glob("/sys/bus/pci/devices/*/vendor"):
-    try:
-      with open(path) as f:
-        if f.read().strip() == "0x1ae0":
-          return True
-    except OSError:
-      pass
-  return False
-
-
-def accelerator_here() -> bool:
-  """A TPU chip (tpu_here) or a GPU (NVIDIA's /dev/nvidiactl, AMD's /dev/kfd) on this
-  machine."""
-  return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd") or tpu_here()
-
-
-def cpu_only_without_accelerators() -> None:
-  """At `import jaxrl` (so in the console script too), before jax starts a backend: on a
-  machine with neither a TPU nor a GPU, JAX_PLATFORMS=cpu. Otherwise jax loads libtpu (the
-  test extra installs it for `jaxrl plan --compile`) only to find no chip, and libtpu printed
-  three lines of errors before every command's and notebook's output. A JAX_PLATFORMS of the
-  user's own is kept; --compile still loads libtpu for its topology."""
-  if "JAX_PLATFORMS" in os.environ or accelerator_here():
-    return
-  os.environ["JAX_PLATFORMS"] = "cpu"
-  if "jax" in sys.modules:  # imported, but no backend started yet: the config read the env
-    sys.modules["jax"].config.update("jax_platforms", "cpu")
 
 
 def paged_choice() -> str:
